@@ -1,0 +1,63 @@
+"""Errors a user can fix. Anything else is a bug and keeps its traceback.
+
+Every ``TrtcError`` message says what is wrong and how to fix it; the CLI prints it on
+one line and exits with ``exit_code``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TrtcError", "InputError", "ExportError", "VerificationError", "CalibrationError",
+           "AccuracyGateError", "BuildError", "TensorRTNotInstalled", "DirectoryLocked", "EXIT_CODES"]
+
+
+class TrtcError(Exception):
+    """An error the user can fix; the message names the problem and the fix."""
+
+    exit_code = 2
+
+
+class InputError(TrtcError):
+    """A bad model file, shape spec, profile, bucket list or data file."""
+
+
+class ExportError(TrtcError):
+    """Neither exporter could turn the model into ONNX."""
+
+
+class VerificationError(TrtcError):
+    """ONNX Runtime and eager PyTorch disagree beyond the tolerance."""
+
+    exit_code = 3
+
+
+class CalibrationError(TrtcError):
+    """Calibration data is missing, malformed or unusable."""
+
+
+class AccuracyGateError(TrtcError):
+    """The reduced-precision model misses the accuracy gate even after keeping layers in higher precision."""
+
+    exit_code = 3
+
+
+class BuildError(TrtcError):
+    """TensorRT rejected the network or failed to build an engine."""
+
+
+class TensorRTNotInstalled(BuildError):
+    """Engines were not built because TensorRT is not importable here; every other artifact was written."""
+
+    exit_code = 4
+
+
+class DirectoryLocked(TrtcError):
+    """Another trtc process is writing the same output directory."""
+
+
+EXIT_CODES = {
+    0: "success",
+    1: "`trtc check`: some engines are stale; `trtc bench --baseline`: a performance regression",
+    2: "a user error: bad input, bad options, a model that cannot be exported, a locked directory",
+    3: "a numerical check failed: export verification or the accuracy gate",
+    4: "TensorRT is not installed: every artifact but the engines was written (`--engine none` makes this exit 0)",
+}

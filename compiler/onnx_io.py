@@ -1,0 +1,135 @@
+"""Loading and saving ONNX models, external data included, and ONNX Runtime sessions.
+
+trtc always saves a graph ``X.onnx`` with its weights in ``X.onnx.data`` beside it (the
+layout the dynamo exporter writes), so graphs stay small and models over 2 GiB work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from compiler.errors import InputError
+
+__all__ = ["load_onnx", "save_onnx", "onnx_files", "ort_session", "usable_providers", "MAX_IR_VERSION"]
+
+log = logging.getLogger(__name__)
+
+# onnx 1.23 writes IR version 14 by default; ONNX Runtime 1.31 reads at most 13.
+MAX_IR_VERSION = 10
+
+
+def load_onnx(path: str | os.PathLike[str], load_weights: bool = True) -> onnx.ModelProto:
+    """Load an ONNX model and, by default, its external data from beside it."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such ONNX file; check the path")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError) as err:
+        raise InputError(f"{path}: not a valid ONNX file ({err.__class__.__name__}); pass an .onnx model") from err
+    if not model.graph.node and not model.graph.output:
+        raise InputError(f"{path}: not a valid ONNX file (no graph); pass an .onnx model")
+    if load_weights:
+        try:
+            onnx.load_external_data_for_model(model, str(path.parent))
+        except (OSError, ValueError) as err:
+            raise InputError(f"{path}: external weights could not be read ({err}); keep the .data file "
+                             "beside the .onnx file") from err
+    return model
+
+
+def save_onnx(model: onnx.ModelProto, path: str | os.PathLike[str]) -> list[Path]:
+    """Save ``model`` as ``path`` plus ``path.data`` (weights over 1 KiB); returns the files written.
+
+    Does not write atomically by itself: callers save into a staging directory and commit it.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_name = path.name + ".data"
+    data_path = path.parent / data_name
+    if data_path.exists():
+        data_path.unlink()  # onnx appends to an existing data file
+    if model.ir_version > MAX_IR_VERSION:
+        model.ir_version = MAX_IR_VERSION
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_name, size_threshold=1024)
+    # save_model leaves the in-memory tensors pointing at external data; reload them so the
+    # caller's model stays usable.
+    onnx.load_external_data_for_model(model, str(path.parent))
+    return [p for p in (path, data_path) if p.exists()]
+
+
+def onnx_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The graph file and every external data file it references."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    locations: set[str] = set()
+    tensors: list[Any] = list(model.graph.initializer)
+    for node in model.graph.node:
+        tensors += [a.t for a in node.attribute if a.HasField("t")]
+    for t in tensors:
+        for entry in t.external_data:
+            if entry.key == "location":
+                locations.add(entry.value)
+    return [path] + [path.parent / loc for loc in sorted(locations)]
+
+
+def usable_providers(prefer: list[str] | None = None) -> list[str]:
+    """ONNX Runtime execution providers that can actually load here, best first.
+
+    onnxruntime-gpu lists the CUDA provider even where CUDA is missing and then logs errors
+    when asked for it, so CUDA is offered only when a CUDA device is visible.
+    """
+    import onnxruntime as ort
+
+    available = set(ort.get_available_providers())
+    order = prefer or ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    usable = []
+    for name in order:
+        if name not in available:
+            continue
+        if name in ("CUDAExecutionProvider", "TensorrtExecutionProvider") and not _cuda_present():
+            continue
+        if name == "TensorrtExecutionProvider" and not _tensorrt_present():
+            continue
+        usable.append(name)
+    if "CPUExecutionProvider" not in usable:
+        usable.append("CPUExecutionProvider")
+    return usable
+
+
+def _cuda_present() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def _tensorrt_present() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorrt") is not None
+
+
+def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,
+                threads: int = 0) -> Any:
+    """An ONNX Runtime session on the given model (path or in-memory proto), all graph optimizations on."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+    if providers and any(p != "CPUExecutionProvider" for p in providers):
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(source, sess_options=opts, providers=providers or ["CPUExecutionProvider"])

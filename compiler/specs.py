@@ -1,0 +1,173 @@
+"""Input specs: names, shapes with dynamic dimensions, dtypes, and batch buckets.
+
+``images:Bx3x224x224:float32`` is an input named ``images`` whose first dimension is the
+dynamic batch ``B``; any other letter (``S`` for a sequence length, say) is a dynamic
+dimension whose range comes from ``--dim S=1:128:512`` (min:opt:max).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from compiler.errors import InputError
+
+__all__ = ["DimRange", "InputSpec", "ModelSpec", "parse_input_spec", "parse_dim_range", "parse_buckets",
+           "BATCH_DIM", "DTYPES"]
+
+BATCH_DIM = "B"
+DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_./\-]*$")
+_DIM = re.compile(r"^([0-9]+|[A-Za-z][A-Za-z0-9_]*)$")
+
+
+@dataclass(frozen=True)
+class DimRange:
+    """The range of a dynamic dimension, as TensorRT's optimization profiles want it."""
+
+    min: int
+    opt: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.min <= self.opt <= self.max):
+            raise InputError(f"dimension range {self.min}:{self.opt}:{self.max} must satisfy 1 <= min <= opt <= max")
+
+    def __str__(self) -> str:
+        return f"{self.min}:{self.opt}:{self.max}"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input. ``dims`` holds ints for fixed sizes and names for dynamic ones."""
+
+    name: str
+    dims: tuple[int | str, ...]
+    dtype: str = "float32"
+
+    def __str__(self) -> str:
+        return f"{self.name}:{'x'.join(str(d) for d in self.dims)}:{self.dtype}"
+
+    @property
+    def dynamic_dims(self) -> tuple[str, ...]:
+        return tuple(d for d in self.dims if isinstance(d, str))
+
+    def shape(self, values: dict[str, int]) -> tuple[int, ...]:
+        """The concrete shape with each dynamic dimension set from ``values``."""
+        return tuple(values[d] if isinstance(d, str) else d for d in self.dims)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """All inputs of a model plus the ranges of its non-batch dynamic dimensions."""
+
+    inputs: tuple[InputSpec, ...]
+    dims: dict[str, DimRange] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [i.name for i in self.inputs]
+        if len(set(names)) != len(names):
+            raise InputError(f"input names repeat in {names}: give each --input a distinct name")
+        used = {d for i in self.inputs for d in i.dynamic_dims}
+        missing = sorted(used - set(self.dims) - {BATCH_DIM})
+        if missing:
+            raise InputError(f"dynamic dimension(s) {', '.join(missing)} have no range: add --dim "
+                             f"{missing[0]}=MIN:OPT:MAX")
+        unused = sorted(set(self.dims) - used)
+        if unused:
+            raise InputError(f"--dim {unused[0]} names a dimension that no --input uses; inputs are "
+                             f"{', '.join(str(i) for i in self.inputs)}")
+        if BATCH_DIM in self.dims:
+            raise InputError("the batch dimension B takes its range from --buckets, not --dim")
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.inputs]
+
+    def opt_values(self, batch: int) -> dict[str, int]:
+        """Dimension values for a run at ``batch`` with every other dynamic dimension at its opt."""
+        values = {name: r.opt for name, r in self.dims.items()}
+        values[BATCH_DIM] = batch
+        return values
+
+    def example_feed(self, batch: int, seed: int = 0, values: dict[str, int] | None = None,
+                     ) -> dict[str, np.ndarray]:
+        """Seeded random inputs: normal floats, small non-negative integers, ones for masks.
+
+        Integer inputs get values in [0, 100) (token ids of any real vocabulary); an input whose
+        name contains ``mask`` gets ones so that attention sees every position.
+        """
+        rng = np.random.default_rng(seed)
+        values = values or self.opt_values(batch)
+        feed: dict[str, np.ndarray] = {}
+        for spec in self.inputs:
+            shape = spec.shape(values)
+            if spec.dtype in ("float32", "float16", "bfloat16"):
+                feed[spec.name] = rng.standard_normal(shape).astype(np.float32 if spec.dtype == "bfloat16"
+                                                                    else spec.dtype)
+            elif spec.dtype == "bool":
+                feed[spec.name] = np.ones(shape, dtype=bool)
+            elif "mask" in spec.name.lower():
+                feed[spec.name] = np.ones(shape, dtype=spec.dtype)
+            else:
+                feed[spec.name] = rng.integers(0, 100, size=shape).astype(spec.dtype)
+        return feed
+
+
+def parse_input_spec(text: str) -> InputSpec:
+    """Parse ``NAME:SHAPE[:DTYPE]``, e.g. ``images:Bx3x224x224:float32``."""
+    how = "write NAME:SHAPE[:DTYPE], e.g. images:Bx3x224x224:float32"
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise InputError(f"input spec {text!r} does not parse: {how}")
+    name, shape_text, dtype = parts[0], parts[1], parts[2] if len(parts) == 3 else "float32"
+    if not name or not shape_text:
+        raise InputError(f"input spec {text!r} does not parse: {how}")
+    if not _NAME.match(name):
+        raise InputError(f"input spec {text!r}: {name!r} is not a valid input name; {how}")
+    if dtype not in DTYPES:
+        raise InputError(f"input spec {text!r}: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    dims: list[int | str] = []
+    for part in shape_text.split("x"):
+        if not _DIM.match(part):
+            raise InputError(f"input spec {text!r}: dimension {part!r} is neither a positive integer nor a "
+                             f"letter; {how}")
+        if part.isdigit():
+            if int(part) < 1:
+                raise InputError(f"input spec {text!r}: dimension {part} must be at least 1")
+            dims.append(int(part))
+        else:
+            dims.append(part)
+    return InputSpec(name, tuple(dims), dtype)
+
+
+def parse_dim_range(text: str) -> tuple[str, DimRange]:
+    """Parse ``S=1:128:512`` (min:opt:max) or ``S=128`` (fixed)."""
+    name, sep, rng = text.partition("=")
+    parts = rng.split(":")
+    if not sep or not _DIM.match(name) or name.isdigit() or len(parts) not in (1, 3) or \
+            not all(p.isdigit() for p in parts):
+        raise InputError(f"--dim {text!r} does not parse: write NAME=MIN:OPT:MAX, e.g. S=1:128:512")
+    values = [int(p) for p in parts]
+    return name, DimRange(values[0], values[len(values) // 2], values[-1])
+
+
+def parse_buckets(text: str | list[int]) -> tuple[int, ...]:
+    """Parse ``1,4,8,16``. Rejects non-positive or non-integer values; sorts and removes repeats.
+
+    Unsorted or repeated lists are normalised (the caller logs that), since the intent is clear.
+    """
+    items = text if isinstance(text, list) else [p.strip() for p in str(text).split(",")]
+    buckets: list[int] = []
+    for item in items:
+        if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str) and item.isdigit())):
+            raise InputError(f"bucket {item!r} is not a positive integer: write --buckets like 1,4,8,16")
+        value = int(item)
+        if value < 1:
+            raise InputError(f"bucket {value} is not a positive integer: write --buckets like 1,4,8,16")
+        buckets.append(value)
+    if not buckets:
+        raise InputError("no buckets given: write --buckets like 1,4,8,16")
+    return tuple(sorted(set(buckets)))
