@@ -121,6 +121,7 @@ def directory_lock(out_dir: Path, command: str) -> Iterator[None]:
     """
     import fcntl
 
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     lock_path = out_dir / LOCK_NAME
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -134,4 +135,8 @@ def directory_lock(out_dir: Path, command: str) -> Iterator[None]:
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command}).encode())
         yield
     finally:
+        if created and [p.name for p in out_dir.iterdir()] == [LOCK_NAME]:
+            # a run that failed before writing anything leaves no trace, not even the directory
+            lock_path.unlink()
+            out_dir.rmdir()
         os.close(fd)

@@ -128,8 +128,7 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
     opts.log_severity_level = 3
     if threads:
         opts.intra_op_num_threads = threads
-    if providers and any(p != "CPUExecutionProvider" for p in providers):
-        if hasattr(ort, "preload_dlls"):
-            ort.preload_dlls()
+    if providers and any(p != "CPUExecutionProvider" for p in providers) and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(source, sess_options=opts, providers=providers or ["CPUExecutionProvider"])

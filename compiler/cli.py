@@ -1,0 +1,235 @@
+"""The ``trtc`` command line: parse, call one library function, print.
+
+Errors the user can fix (``TrtcError``) become one line on stderr and the documented exit
+code; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from compiler.errors import EXIT_CODES, InputError, TrtcError
+from compiler.specs import DimRange, InputSpec, ModelSpec, parse_buckets, parse_dim_range, parse_input_spec
+
+__all__ = ["cli", "main"]
+
+log = logging.getLogger("trtc")
+
+
+class UserError(click.ClickException):
+    """A TrtcError shown the CLI's way: ``error: <message>`` and its exit code."""
+
+    def __init__(self, err: TrtcError) -> None:
+        super().__init__(str(err))
+        self.exit_code = err.exit_code  # type: ignore[misc]
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.message}", err=True)
+
+
+class TrtcGroup(click.Group):
+    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Run without click's standalone handling so that usage errors are one line too."""
+        kwargs["standalone_mode"] = False
+        try:
+            rv = super().main(*args, **kwargs)
+        except click.UsageError as err:
+            click.echo(f"error: {err.format_message()} (see --help)", err=True)
+            sys.exit(err.exit_code)
+        except click.ClickException as err:
+            err.show()
+            sys.exit(err.exit_code)
+        except click.exceptions.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TrtcError as err:
+            if ctx.meta.get("trtc.debug"):
+                raise
+            raise UserError(err) from err
+
+
+class InputSpecType(click.ParamType):
+    name = "NAME:SHAPE[:DTYPE]"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> InputSpec:
+        if isinstance(value, InputSpec):
+            return value
+        try:
+            return parse_input_spec(value)
+        except InputError as err:
+            self.fail(str(err), param, ctx)
+
+
+class DimType(click.ParamType):
+    name = "NAME=MIN:OPT:MAX"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[str, DimRange]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_dim_range(value)
+        except InputError as err:
+            self.fail(str(err), param, ctx)
+
+
+class BucketsType(click.ParamType):
+    name = "N,N,..."
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            buckets = parse_buckets(value)
+        except InputError as err:
+            self.fail(str(err), param, ctx)
+        given = [p.strip() for p in str(value).split(",")]
+        if [str(b) for b in buckets] != given:
+            click.echo(f"note: buckets {value} normalized to {','.join(map(str, buckets))} (sorted, repeats removed)",
+                       err=True)
+        return buckets
+
+
+def _setup(ctx: click.Context, debug: bool, quiet: bool) -> None:
+    ctx.meta["trtc.debug"] = ctx.meta.get("trtc.debug") or debug
+    if not debug:  # the exporters warn about things the user cannot act on (torchvision ops, pytree)
+        warnings.filterwarnings("ignore")
+        logging.getLogger("torch").setLevel(logging.ERROR)
+    level = logging.WARNING if quiet else logging.INFO
+    from rich.logging import RichHandler
+
+    handler = RichHandler(show_time=False, show_path=False, markup=False, rich_tracebacks=False)
+    for name in ("compiler", "calibration", "trtc"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level)
+        logger.propagate = False
+
+
+def common_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--debug and --quiet on every command."""
+
+    @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+    @click.option("--quiet", "-q", is_flag=True, help="Only warnings and errors.")
+    @functools.wraps(fn)
+    def wrapper(*args: Any, debug: bool, quiet: bool, **kwargs: Any) -> Any:
+        _setup(click.get_current_context(), debug, quiet)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Where the model comes from and what its inputs look like (shared by export, build, bench)."""
+    options = [
+        click.argument("model", required=False, type=click.Path(path_type=Path)),
+        click.option("--model-factory", metavar="PKG.MODULE:FN", help="Build the model by calling this function."),
+        click.option("--weights", type=click.Path(path_type=Path), help="State dict for --model-factory "
+                     "(loaded with weights_only=True)."),
+        click.option("--trust-pickle", is_flag=True, default=None,
+                     help="Allow loading a pickled nn.Module (torch.save(model)): this runs code from the file."),
+        click.option("--input", "inputs", multiple=True, type=InputSpecType(),
+                     help="An input as NAME:SHAPE[:DTYPE]; a letter marks a dynamic dim (B = batch). Repeat it."),
+        click.option("--dim", "dims", multiple=True, type=DimType(),
+                     help="Range of a non-batch dynamic dim, NAME=MIN:OPT:MAX (e.g. S=1:128:512)."),
+        click.option("--profile", type=click.Path(path_type=Path),
+                     help="A profiles/*.toml file; command-line options override its values."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _merged(profile: dict[str, dict[str, Any]], section: str, key: str, cli_value: Any, default: Any = None) -> Any:
+    """The command-line value when given, else the profile's, else the default."""
+    if cli_value not in (None, (), []):
+        return cli_value
+    return profile.get(section, {}).get(key, default)
+
+
+def export_settings_from(kw: dict[str, Any]) -> Any:
+    """ExportSettings from the command-line options and the profile."""
+    from compiler.profile import load_profile
+    from compiler.settings import DEFAULT_BUCKETS, ExportSettings, ModelSource
+
+    profile = load_profile(kw["profile"]) if kw.get("profile") else {}
+    model = profile.get("model", {})
+    path = kw.get("model") or (Path(model["source"]) if model.get("source") else None)
+    factory = kw.get("model_factory") or (model.get("factory") if not kw.get("model") else None)
+    weights = kw.get("weights") or (Path(model["weights"]) if model.get("weights") and factory else None)
+    trust = bool(_merged(profile, "model", "trust_pickle", kw.get("trust_pickle"), False))
+    source = ModelSource(path, factory, weights, trust)
+    inputs = list(kw.get("inputs") or [parse_input_spec(s) for s in model.get("inputs", [])])
+    dims = dict(kw.get("dims") or [parse_dim_range(f"{k}={v}") for k, v in model.get("dims", {}).items()])
+    spec = ModelSpec(tuple(inputs), dims) if inputs else None
+    if dims and not inputs:
+        raise InputError("--dim given without --input: declare the inputs that use it")
+    buckets = kw.get("buckets") or (parse_buckets(profile["build"]["buckets"]) if "buckets" in profile.get("build", {})
+                                    else DEFAULT_BUCKETS)
+    out = kw.get("out") or (Path(profile["build"]["out"]) if "out" in profile.get("build", {}) else None)
+    if out is None:
+        raise InputError("no output directory: pass --out DIR (or set build.out in the profile)")
+    return ExportSettings(source=source, out=Path(out), spec=spec, buckets=tuple(buckets),
+                          opset=_merged(profile, "export", "opset", kw.get("opset")),
+                          rtol=float(_merged(profile, "export", "rtol", kw.get("rtol"), 1e-4)),
+                          output_names=tuple(model.get("output_names", [])), force=bool(kw.get("force"))), profile
+
+
+@click.group(cls=TrtcGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="trtc")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    ctx.meta["trtc.debug"] = debug
+
+
+cli.help = ("trtc: PyTorch model to verified ONNX, INT8/FP16 graphs and TensorRT engines.\n\n\b\nExit codes:\n"
+            + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items()))
+
+
+@cli.command("export")
+@model_options
+@click.option("--out", type=click.Path(path_type=Path), help="Output directory (model.onnx, manifest.json).")
+@click.option("--buckets", type=BucketsType(), help="Batch buckets; the largest bounds the dynamic batch and is "
+              "verified. Default 1,4,8,16.")
+@click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
+@click.option("--rtol", type=float, help="Verification tolerance relative to output scale (default 1e-4).")
+@click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
+@common_options
+def export_cmd(**kw: Any) -> None:
+    """Export a PyTorch model to folded, verified ONNX.
+
+    \b
+    Examples:
+      trtc export model.pt2 --out build/m
+      trtc export model.ts --input images:Bx3x224x224 --out build/m
+      trtc export --model-factory examples.models:transformer_encoder \\
+          --input input_ids:BxS:int64 --input attention_mask:BxS:int64 --dim S=1:128:512 --out build/tr
+      trtc export --profile profiles/resnet_digits.toml
+    """
+    from compiler.pipeline import export_directory
+    from compiler.report import print_export_summary
+
+    settings, _ = export_settings_from(kw)
+    manifest = export_directory(settings)
+    print_export_summary(manifest, settings.out)
+
+
+def main() -> None:
+    cli.main(prog_name="trtc")
+
+
+if __name__ == "__main__":
+    main()

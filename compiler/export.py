@@ -1,0 +1,214 @@
+"""PyTorch -> ONNX with dynamic batch (and other declared dynamic dims).
+
+The dynamo exporter (``torch.onnx.export(..., dynamo=True)``) goes first. If it fails, the
+TorchScript exporter is tried, and the manifest records which one produced the file. A
+TorchScript module goes straight to the TorchScript exporter, since dynamo cannot trace it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from compiler.errors import ExportError, InputError
+from compiler.loading import LoadedModel
+from compiler.onnx_io import load_onnx
+from compiler.specs import BATCH_DIM, ModelSpec
+
+__all__ = ["ExportResult", "onnx_from_torch", "example_inputs"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    model: onnx.ModelProto
+    exporter: str  # "dynamo" | "torchscript" | "onnx-input"
+    opset: int
+    seconds: float
+    fallback_reason: str | None = None  # why dynamo was not used, when it was not
+
+
+def example_inputs(spec: ModelSpec, max_batch: int) -> tuple[Any, ...]:
+    """Tensors to trace with: batch 2 (not 0 or 1, which exporters specialise) and dims at opt."""
+    import torch
+
+    values = spec.opt_values(min(2, max_batch) if max_batch > 1 else 1)
+    for name, rng in spec.dims.items():
+        values[name] = max(2, rng.opt) if rng.max >= 2 else rng.opt
+    feed = spec.example_feed(batch=values[BATCH_DIM], values=values)
+    return tuple(torch.from_numpy(feed[i.name]) for i in spec.inputs)
+
+
+def onnx_from_torch(loaded: LoadedModel, spec: ModelSpec, max_batch: int, opset: int | None = None,
+                    output_names: list[str] | None = None, workdir: Path | None = None) -> ExportResult:
+    """Export ``loaded`` to an in-memory ONNX model whose dynamic dims are named as in ``spec``.
+
+    ``workdir`` holds the exporter's temporary files (the dynamo exporter writes weights beside
+    the graph); it must exist.
+    """
+    start = time.perf_counter()
+    if loaded.is_onnx:
+        assert loaded.onnx_path is not None
+        model = load_onnx(loaded.onnx_path)
+        _check_onnx_inputs(model, spec)
+        return ExportResult(model, "onnx-input", _opset(model), time.perf_counter() - start)
+    assert workdir is not None
+    args = example_inputs(spec, max_batch)
+    _check_model_accepts(loaded, spec, args)
+    path = workdir / "exported.onnx"
+    if loaded.format == "torchscript":
+        model = _torchscript_export(loaded.module, args, spec, max_batch, opset, output_names, path)
+        return ExportResult(model, "torchscript", _opset(model), time.perf_counter() - start,
+                            "TorchScript modules cannot be traced by the dynamo exporter")
+    try:
+        model = _dynamo_export(loaded, args, spec, max_batch, opset, output_names, path)
+        return ExportResult(model, "dynamo", _opset(model), time.perf_counter() - start)
+    except Exception as dynamo_err:  # the exporter raises many types; all mean "try the other one"
+        reason = _summarize(dynamo_err)
+        log.warning("dynamo exporter failed (%s); retrying with the TorchScript exporter", reason)
+        if loaded.module is None:
+            raise ExportError(f"the dynamo exporter failed: {reason}") from dynamo_err
+        try:
+            model = _torchscript_export(loaded.module, args, spec, max_batch, opset, output_names, path)
+        except Exception as ts_err:
+            raise ExportError(f"both ONNX exporters failed. dynamo: {reason}. torchscript: {_summarize(ts_err)}. "
+                              "Replace or register that operator (torch.onnx custom translation), or export "
+                              "ONNX yourself and pass the .onnx file") from ts_err
+        return ExportResult(model, "torchscript", _opset(model), time.perf_counter() - start, reason)
+
+
+def _check_model_accepts(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...]) -> None:
+    """Run the eager model once on the example inputs, so a wrong shape spec fails clearly, early."""
+    import torch
+
+    try:
+        with torch.inference_mode():
+            loaded.module(*args)
+    except (RuntimeError, TypeError, ValueError, IndexError, AssertionError) as err:
+        shapes = ", ".join(f"{i.name}={tuple(a.shape)}" for i, a in zip(spec.inputs, args))
+        raise InputError(f"the model rejects inputs shaped like --input {' '.join(str(i) for i in spec.inputs)} "
+                         f"({shapes}): {_first_line(err)}; fix the --input shapes") from err
+
+
+def _dynamo_export(loaded: LoadedModel, args: tuple[Any, ...], spec: ModelSpec, max_batch: int,
+                   opset: int | None, output_names: list[str] | None, path: Path) -> onnx.ModelProto:
+    import torch
+
+    dims: dict[str, Any] = {BATCH_DIM: torch.export.Dim(BATCH_DIM, min=1, max=max(max_batch, 2))}
+    for name, rng in spec.dims.items():
+        dims[name] = torch.export.Dim(name, min=rng.min, max=rng.max)
+    dynamic_shapes = tuple({axis: dims[d] for axis, d in enumerate(i.dims) if isinstance(d, str)}
+                           for i in spec.inputs)
+    target = loaded.exported_program if loaded.exported_program is not None else loaded.module
+    kwargs: dict[str, Any] = {}
+    if loaded.exported_program is None:
+        kwargs["dynamic_shapes"] = dynamic_shapes
+    with _quiet():
+        torch.onnx.export(target, args, str(path), dynamo=True, input_names=spec.input_names,
+                          output_names=output_names, opset_version=opset, verbose=False, optimize=True, **kwargs)
+    return _rename_dims(load_onnx(path), spec)
+
+
+def _torchscript_export(module: Any, args: tuple[Any, ...], spec: ModelSpec, max_batch: int, opset: int | None,
+                        output_names: list[str] | None, path: Path) -> onnx.ModelProto:
+    import torch
+
+    names = output_names or ["output"]
+    dynamic_axes: dict[str, dict[int, str]] = {
+        i.name: {axis: d for axis, d in enumerate(i.dims) if isinstance(d, str)} for i in spec.inputs}
+    with _quiet():
+        torch.onnx.export(module, args, str(path), dynamo=False, input_names=spec.input_names, output_names=names,
+                          dynamic_axes=dynamic_axes, opset_version=opset or 17, do_constant_folding=True)
+    model = load_onnx(path)
+    # The TorchScript exporter names output dims itself; give the batch its name when it is dim 0.
+    for out in model.graph.output:
+        shape = out.type.tensor_type.shape
+        if shape.dim and not shape.dim[0].dim_value:
+            shape.dim[0].dim_param = BATCH_DIM
+    return model
+
+
+def _rename_dims(model: onnx.ModelProto, spec: ModelSpec) -> onnx.ModelProto:
+    """Make sure graph inputs carry the spec's dim names (an ExportedProgram names them s0, s1...)."""
+    renames: dict[str, str] = {}
+    by_name = {i.name: i for i in spec.inputs}
+    for inp in model.graph.input:
+        if inp.name not in by_name:
+            continue
+        for dim, want in zip(inp.type.tensor_type.shape.dim, by_name[inp.name].dims):
+            if isinstance(want, str) and dim.dim_param and dim.dim_param != want:
+                renames[dim.dim_param] = want
+    if renames:
+        for vi in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info):
+            for dim in vi.type.tensor_type.shape.dim:
+                if dim.dim_param in renames:
+                    dim.dim_param = renames[dim.dim_param]
+    return model
+
+
+def _check_onnx_inputs(model: onnx.ModelProto, spec: ModelSpec) -> None:
+    initializers = {i.name for i in model.graph.initializer}
+    graph_inputs = {i.name: i for i in model.graph.input if i.name not in initializers}
+    missing = [n for n in spec.input_names if n not in graph_inputs]
+    if missing:
+        raise InputError(f"the ONNX model has no input named {missing[0]!r}; its inputs are "
+                         f"{', '.join(graph_inputs)}: fix --input")
+    for spec_input in spec.inputs:
+        dims = graph_inputs[spec_input.name].type.tensor_type.shape.dim
+        if len(dims) != len(spec_input.dims):
+            raise InputError(f"--input {spec_input}: the ONNX input has rank {len(dims)}, the spec has rank "
+                             f"{len(spec_input.dims)}")
+        for axis, (dim, want) in enumerate(zip(dims, spec_input.dims)):
+            if dim.dim_value and isinstance(want, int) and dim.dim_value != want:
+                raise InputError(f"--input {spec_input}: dimension {axis} is {dim.dim_value} in the ONNX model")
+            if dim.dim_value and isinstance(want, str):
+                raise InputError(f"--input {spec_input}: dimension {axis} is fixed at {dim.dim_value} in the ONNX "
+                                 f"model and cannot be the dynamic {want}; re-export with a dynamic axis")
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """The exporters print progress to stdout; keep the CLI's output ours."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+_OP = re.compile(r"(aten::[A-Za-z0-9_.]+|[A-Za-z0-9_]+::[A-Za-z0-9_.]+)")
+_LOC = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _summarize(err: BaseException) -> str:
+    """The first unsupported operator and the first source location named in an exporter error."""
+    text = str(err)
+    cause = err.__cause__
+    while cause is not None:
+        text += "\n" + str(cause)
+        cause = cause.__cause__
+    op = _OP.search(text)
+    loc = _LOC.search(text)
+    parts = [f"unsupported operator {op.group(1)}" if op else _first_line(err)]
+    if loc:
+        parts.append(f"at {loc.group(1)}:{loc.group(2)}")
+    return " ".join(parts)
+
+
+def _first_line(err: BaseException) -> str:
+    """The line that says what went wrong: TorchScript errors end with it, others start with it."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[A-Za-z]*Error: ", line)]
+    if named:
+        return named[-1][:300]
+    return lines[0][:300] if lines else err.__class__.__name__

@@ -1,0 +1,227 @@
+"""Load a user's model from a file or a factory, safely.
+
+Accepted: TorchScript archives (``torch.jit.save``), ExportedProgram files
+(``torch.export.save``, ``.pt2``), ONNX files, and ``--model-factory pkg.module:fn`` with
+optional ``--weights`` (a state dict, read with ``weights_only=True``). A pickled
+``nn.Module`` (``torch.save(model)``) runs arbitrary code when loaded, so it is refused
+unless the user passes ``--trust-pickle``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pickle
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compiler.errors import InputError
+from compiler.specs import BATCH_DIM, DimRange, InputSpec
+
+__all__ = ["LoadedModel", "load_model", "detect_format", "specs_from_exported_program"]
+
+log = logging.getLogger(__name__)
+
+SAVE_HINT = ("save the model with torch.export.save (.pt2) or torch.jit.save, export it to ONNX, or pass "
+             "--model-factory pkg.module:make_model")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for export: an eager module (or ExportedProgram), or an ONNX file as is."""
+
+    format: str  # "torchscript" | "exported_program" | "onnx" | "factory" | "pickle"
+    source: Path | None  # the file the model came from (hashed into the manifest)
+    module: Any = None  # torch.nn.Module or torch.jit.ScriptModule, in eval mode
+    exported_program: Any = None  # torch.export.ExportedProgram, for .pt2 files
+    onnx_path: Path | None = None
+
+    @property
+    def is_onnx(self) -> bool:
+        return self.format == "onnx"
+
+
+def detect_format(path: Path) -> str:
+    """Tell the file's format from its content, not its name."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if zipfile.is_zipfile(path):
+        try:
+            names = zipfile.ZipFile(path).namelist()
+        except (zipfile.BadZipFile, OSError) as err:
+            raise InputError(f"{path}: a damaged archive ({err}); save the model again") from err
+        if any("/code/" in n for n in names) and any(n.endswith("constants.pkl") or n.endswith("data.pkl")
+                                                    for n in names):
+            return "torchscript"
+        if any(n.endswith("archive_format") or n.endswith("models/model.json") for n in names):
+            return "exported_program"
+        if any(n.endswith("data.pkl") for n in names):
+            return "pickle"
+        raise InputError(f"{path}: a zip archive but not a PyTorch model; {SAVE_HINT}")
+    if head[:1] == b"\x80":
+        return "pickle"
+    if path.suffix.lower() == ".onnx" or head[:1] == b"\x08":  # ModelProto starts with ir_version (field 1)
+        return "onnx"
+    raise InputError(f"{path}: not a model file trtc can read (not TorchScript, ExportedProgram, ONNX or a "
+                     f"PyTorch pickle); {SAVE_HINT}")
+
+
+def load_model(path: str | Path | None = None, *, factory: str | None = None, weights: str | Path | None = None,
+               trust_pickle: bool = False) -> LoadedModel:
+    """Load a model from ``path`` or from ``factory`` (``pkg.module:fn``), on the CPU, in eval mode."""
+    if factory:
+        if path:
+            raise InputError("give either a model file or --model-factory, not both")
+        return _from_factory(factory, Path(weights) if weights else None)
+    if path is None:
+        raise InputError("no model given: pass a model file or --model-factory pkg.module:make_model")
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file; check the path")
+    if weights:
+        raise InputError("--weights goes with --model-factory; a model file already holds its weights")
+    fmt = detect_format(path)
+    loader = {"torchscript": _torchscript, "exported_program": _exported_program, "onnx": _onnx,
+              "pickle": _pickle}[fmt]
+    model = loader(path, trust_pickle)
+    log.info("loaded %s as %s", path, fmt)
+    return model
+
+
+def _torchscript(path: Path, trust_pickle: bool) -> LoadedModel:
+    import torch
+
+    try:
+        module = torch.jit.load(str(path), map_location="cpu")
+    except (RuntimeError, ValueError, zipfile.BadZipFile) as err:
+        raise InputError(f"{path}: TorchScript archive could not be loaded ({_first_line(err)}); "
+                         "save it again with torch.jit.save") from err
+    return LoadedModel("torchscript", path, module=module.eval())
+
+
+def _exported_program(path: Path, trust_pickle: bool) -> LoadedModel:
+    import torch
+
+    try:
+        program = torch.export.load(str(path))
+    except Exception as err:  # torch.export.load raises many types on damaged archives
+        raise InputError(f"{path}: ExportedProgram could not be loaded ({_first_line(err)}); "
+                         "save it again with torch.export.save") from err
+    return LoadedModel("exported_program", path, module=program.module(), exported_program=program)
+
+
+def _onnx(path: Path, trust_pickle: bool) -> LoadedModel:
+    from compiler.onnx_io import load_onnx
+
+    load_onnx(path, load_weights=False)  # validates the protobuf
+    return LoadedModel("onnx", path, onnx_path=path)
+
+
+def _pickle(path: Path, trust_pickle: bool) -> LoadedModel:
+    import torch
+
+    if not trust_pickle:
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise InputError(f"{path}: a pickled Python object (torch.save(model)); loading it can run arbitrary "
+                             "code, so trtc refuses by default; pass --trust-pickle if you trust its source, or "
+                             f"{SAVE_HINT}") from None
+        except (RuntimeError, EOFError, zipfile.BadZipFile) as err:
+            raise InputError(f"{path}: a damaged PyTorch file ({_first_line(err)}); save it again") from err
+        if isinstance(obj, dict):
+            raise InputError(f"{path}: holds a state dict, not a model; pass --model-factory pkg.module:make_model "
+                             f"--weights {path}")
+        raise InputError(f"{path}: holds a {type(obj).__name__}, not a model; {SAVE_HINT}")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # the pickle names classes of the user's project
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, AttributeError, ModuleNotFoundError) as err:
+        raise InputError(f"{path}: the pickle could not be loaded ({_first_line(err)}); the classes it names "
+                         "must be importable, or " + SAVE_HINT) from err
+    if not isinstance(obj, torch.nn.Module):
+        raise InputError(f"{path}: holds a {type(obj).__name__}, not an nn.Module; {SAVE_HINT}")
+    return LoadedModel("pickle", path, module=obj.eval())
+
+
+def _from_factory(spec: str, weights: Path | None) -> LoadedModel:
+    import torch
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise InputError(f"--model-factory {spec!r} does not parse: write pkg.module:function")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # factories usually live in the user's project
+    try:
+        mod = importlib.import_module(module_name)
+    except ImportError as err:
+        raise InputError(f"--model-factory {spec}: cannot import {module_name} ({err}); run trtc from the "
+                         "directory that holds the package or install it") from err
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise InputError(f"--model-factory {spec}: {module_name} has no callable {attr!r}")
+    module = fn()
+    if not isinstance(module, torch.nn.Module):
+        raise InputError(f"--model-factory {spec} returned a {type(module).__name__}, not an nn.Module")
+    if weights is not None:
+        if not weights.is_file():
+            raise InputError(f"{weights}: no such weights file; check --weights")
+        try:
+            state = torch.load(str(weights), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as err:
+            raise InputError(f"{weights}: not a state dict that loads with weights_only=True "
+                             f"({_first_line(err)}); save it with torch.save(model.state_dict(), PATH)") from err
+        if not isinstance(state, dict):
+            raise InputError(f"{weights}: holds a {type(state).__name__}, not a state dict")
+        try:
+            module.load_state_dict(state)
+        except RuntimeError as err:
+            raise InputError(f"{weights}: does not fit {spec} ({_first_line(err)})") from err
+    source = weights
+    return LoadedModel("factory", source, module=module.eval())
+
+
+def specs_from_exported_program(program: Any) -> tuple[list[InputSpec], dict[str, DimRange]]:
+    """Input specs read off an ExportedProgram's placeholders and range constraints.
+
+    The first dynamic dimension of the first input is taken as the batch ``B``; the other
+    symbols get letters in order of appearance, with their declared ranges (opt = max/2
+    clipped into the range, a neutral middle). The batch range comes from --buckets.
+    """
+    import torch
+
+    user_inputs = list(program.graph_signature.user_inputs)
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    symbols: dict[str, str] = {}
+    ranges: dict[str, DimRange] = {}
+    specs: list[InputSpec] = []
+    letters = iter("STUVWXYZHKLMNPQR")
+    for name in user_inputs:
+        val = placeholders[name].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise InputError(f"ExportedProgram input {name!r} is not a tensor; pass --input specs instead")
+        dims: list[int | str] = []
+        for size in val.shape:
+            if isinstance(size, int):
+                dims.append(size)
+                continue
+            sym = str(size)
+            if sym not in symbols:
+                symbols[sym] = BATCH_DIM if not symbols else next(letters)
+                if symbols[sym] != BATCH_DIM:
+                    vr = program.range_constraints.get(size.node.expr)
+                    lo = max(1, int(vr.lower)) if vr is not None else 1
+                    hi = int(vr.upper) if vr is not None and vr.upper.is_finite else max(lo, 512)
+                    ranges[symbols[sym]] = DimRange(lo, min(hi, max(lo, hi // 2)), hi)
+            dims.append(symbols[sym])
+        specs.append(InputSpec(name, tuple(dims), str(val.dtype).removeprefix("torch.")))
+    return specs, ranges
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:200] if text else err.__class__.__name__

@@ -1,0 +1,126 @@
+"""The stages chained into output directories: ``export_directory`` (more stages in build.py).
+
+Every command writes into a staging folder inside the output directory and moves the
+results into place only when everything succeeded, manifest last; a failed or killed run
+leaves the previous contents as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from compiler.errors import InputError
+from compiler.export import ExportResult, onnx_from_torch
+from compiler.files import commit_staged, directory_lock, sha256_file, staging_dir
+from compiler.loading import LoadedModel, load_model, specs_from_exported_program
+from compiler.manifest import MANIFEST, now, onnx_entry, refuse_other_model, tool_versions, write_manifest
+from compiler.onnx_io import save_onnx
+from compiler.passes import run_passes
+from compiler.runners import OrtRunner, Runner, TorchRunner
+from compiler.settings import ExportSettings
+from compiler.specs import BATCH_DIM, ModelSpec
+from compiler.verify import verify_runners
+
+__all__ = ["export_directory", "exported_into", "source_fingerprint", "resolve_spec"]
+
+log = logging.getLogger(__name__)
+
+FP32_ONNX = "model.onnx"
+
+
+def source_fingerprint(loaded: LoadedModel) -> str:
+    """sha256 of the model file; for a factory, of its weights file or else of its state dict."""
+    if loaded.source is not None:
+        return sha256_file(loaded.source)
+    h = hashlib.sha256()
+    for name, tensor in loaded.module.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def resolve_spec(loaded: LoadedModel, spec: ModelSpec | None) -> ModelSpec:
+    if spec is not None:
+        return spec
+    if loaded.exported_program is not None:
+        inputs, dims = specs_from_exported_program(loaded.exported_program)
+        return ModelSpec(tuple(inputs), dims)
+    raise InputError("no input shapes given: pass --input NAME:SHAPE[:DTYPE] for each input, e.g. "
+                     "--input images:Bx3x224x224:float32 (or set model.inputs in the profile)")
+
+
+def export_directory(settings: ExportSettings, command: str = "trtc export") -> dict[str, Any]:
+    """Load, export, run the passes, verify and write ``OUT/model.onnx`` and ``OUT/manifest.json``."""
+    out = settings.out
+    loaded = load_model(settings.source.path, factory=settings.source.factory, weights=settings.source.weights,
+                        trust_pickle=settings.source.trust_pickle)
+    spec = resolve_spec(loaded, settings.spec)
+    if any(BATCH_DIM not in i.dims for i in spec.inputs):
+        log.warning("an input has no batch dimension B; batching applies only to inputs that have one")
+    fingerprint = source_fingerprint(loaded)
+    with directory_lock(out, command):
+        refuse_other_model(out, fingerprint, settings.force)
+        with staging_dir(out) as stage:
+            manifest = exported_into(stage, loaded, spec, settings, fingerprint)
+            write_manifest(stage / MANIFEST, manifest)
+            commit_staged(stage, out)
+    return manifest
+
+
+def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: ExportSettings,
+                  fingerprint: str) -> dict[str, Any]:
+    """Export and verify into ``stage``; returns the manifest (not yet written)."""
+    work = stage / ".export"
+    work.mkdir()
+    result: ExportResult = onnx_from_torch(loaded, spec, settings.max_batch, settings.opset,
+                                           list(settings.output_names) or None, work)
+    raw = result.model
+    reference: Runner | None = _reference_runner(loaded, spec, raw)
+    verification: dict[str, Any] = {"rtol": settings.rtol, "batches": settings.verify_batches}
+    if reference is not None:
+        verification["export"] = [c.to_dict() for c in verify_runners(
+            OrtRunner(raw, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, settings.rtol,
+            "export check (ONNX Runtime vs eager PyTorch)")]
+    start = time.perf_counter()
+    folded, passes = run_passes(raw)
+    passes_seconds = time.perf_counter() - start
+    onnx_path = stage / FP32_ONNX
+    save_onnx(folded, onnx_path)
+    if reference is None:
+        original = OrtRunner(raw, ["CPUExecutionProvider"])
+        original.name = "onnxruntime[original ONNX]"
+        reference = original
+    verification["passes"] = [c.to_dict() for c in verify_runners(
+        OrtRunner(onnx_path, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, settings.rtol,
+        "pass check (folded ONNX vs reference)")]
+    verification["reference"] = reference.name
+    import shutil
+
+    shutil.rmtree(work)
+    return {
+        "trtc_version": tool_versions()["trtc"],
+        "created": now(),
+        "source": {"path": settings.source.describe(), "format": loaded.format, "sha256": fingerprint},
+        "inputs": [str(i) for i in spec.inputs],
+        "dims": {name: str(r) for name, r in spec.dims.items()},
+        "output_names": [o.name for o in folded.graph.output],
+        "buckets": list(settings.buckets),
+        "export": {"exporter": result.exporter, "opset": result.opset, "seconds": round(result.seconds, 3),
+                   "fallback_reason": result.fallback_reason, "passes_seconds": round(passes_seconds, 3)},
+        "passes": [asdict(p) for p in passes],
+        "verification": verification,
+        "onnx": {"fp32": onnx_entry(stage, onnx_path)},
+        "precision": "fp32",
+        "tools": tool_versions(),
+    }
+
+
+def _reference_runner(loaded: LoadedModel, spec: ModelSpec, model: Any) -> TorchRunner | None:
+    if loaded.module is None:
+        return None
+    return TorchRunner(loaded.module, spec.input_names, [o.name for o in model.graph.output])

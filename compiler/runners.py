@@ -1,0 +1,94 @@
+"""One small contract for everything that runs a model: ONNX Runtime, eager PyTorch, TensorRT.
+
+A runner takes a feed dict of numpy arrays and returns a dict of numpy arrays keyed by output
+name. Verification, calibration, the accuracy gate, the benchmark harness and the serving
+runtime all go through it (as Polygraphy's ``backend/base/runner.py`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from compiler.errors import InputError
+
+__all__ = ["Runner", "OrtRunner", "TorchRunner", "check_feed"]
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    name: str
+    input_names: list[str]
+    output_names: list[str]
+
+    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+def check_feed(feed: dict[str, np.ndarray], input_names: list[str]) -> None:
+    missing = [n for n in input_names if n not in feed]
+    extra = [n for n in feed if n not in input_names]
+    if missing or extra:
+        raise InputError(f"feed does not match the model's inputs {input_names}: missing {missing}, unknown {extra}")
+
+
+class OrtRunner:
+    """ONNX Runtime on an ONNX file (external data beside it) with the given providers."""
+
+    def __init__(self, path: str | Path | Any, providers: list[str] | None = None, threads: int = 0) -> None:
+        from compiler.onnx_io import ort_session, usable_providers
+
+        self.providers = providers or usable_providers()
+        self.session = ort_session(path, self.providers, threads=threads)
+        self.name = f"onnxruntime[{self.session.get_providers()[0]}]"
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        check_feed(feed, self.input_names)
+        outputs = self.session.run(self.output_names, feed)
+        return dict(zip(self.output_names, outputs))
+
+    def close(self) -> None:
+        del self.session
+
+
+class TorchRunner:
+    """An eager PyTorch module; outputs are flattened (tuples, dicts) in order and named like the ONNX outputs.
+
+    ``autocast_fp16`` runs under ``torch.autocast`` (CUDA only); outputs come back as float32.
+    """
+
+    def __init__(self, module: Any, input_names: list[str], output_names: list[str] | None = None,
+                 device: str = "cpu", autocast_fp16: bool = False) -> None:
+        import torch
+
+        self.module = module.to(device) if hasattr(module, "to") else module
+        self.device = torch.device(device)
+        self.input_names = input_names
+        self.output_names = output_names or []
+        self.autocast = autocast_fp16 and self.device.type == "cuda"
+        self.name = "torch" + ("[autocast-fp16]" if self.autocast else "")
+
+    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        check_feed(feed, self.input_names)
+        args = [torch.from_numpy(np.ascontiguousarray(feed[n])).to(self.device) for n in self.input_names]
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16, enabled=self.autocast):
+            out = self.module(*args)
+        flat, _ = tree_flatten(out)
+        names = self.output_names or [f"output_{i}" for i in range(len(flat))]
+        if len(names) != len(flat):
+            raise InputError(f"the model returned {len(flat)} tensors but the ONNX graph has {len(names)} outputs")
+        return {n: t.detach().float().cpu().numpy() if t.is_floating_point() else t.detach().cpu().numpy()
+                for n, t in zip(names, flat)}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,135 @@
+"""`trtc export` end to end on the bundled examples: ONNX Runtime must match eager PyTorch."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from compiler.cli import cli
+from compiler.files import sha256_files
+from compiler.onnx_io import ort_session
+from examples import models
+
+EXAMPLES = {
+    "resnet_cnn": (models.resnet_cnn, ["--input", "images:Bx3x32x32"]),
+    "mlp": (models.mlp, ["--input", "x:Bx64"]),
+    "transformer_encoder": (models.transformer_encoder, ["--input", "input_ids:BxS:int64", "--input",
+                                                         "attention_mask:BxS:int64", "--dim", "S=1:16:64"]),
+    "two_input": (models.two_input, ["--input", "image:Bx3x32x32", "--input", "features:Bx16"]),
+}
+
+
+def export(args: list[str]) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["export", "-q", *args])
+    return result.exit_code, result.output
+
+
+def eager_vs_onnx(module: torch.nn.Module, onnx_path: Path, feed: dict[str, np.ndarray]) -> float:
+    with torch.no_grad():
+        want = module(*[torch.from_numpy(v) for v in feed.values()]).numpy()
+    got = ort_session(onnx_path).run(None, feed)[0]
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_export_each_example_matches_eager(name: str, tmp_path: Path) -> None:
+    factory, args = EXAMPLES[name]
+    out = tmp_path / name
+    code, output = export(["--model-factory", f"examples.models:{name}", *args, "--buckets", "1,4", "--out",
+                           str(out)])
+    assert code == 0, output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["schema_version"] == 1 and manifest["export"]["exporter"] == "dynamo"
+    assert [p["name"] for p in manifest["passes"]][:4] == ["shape_inference", "constant_folding",
+                                                           "batchnorm_folding", "cleanup"]
+    assert {c["batch"] for c in manifest["verification"]["passes"]} == {1, 4}
+    assert all(c["max_rel"] < 1e-4 for c in manifest["verification"]["passes"])
+    # weights live beside the graph and the manifest's digest covers both files
+    entry = manifest["onnx"]["fp32"]
+    assert entry["files"] == ["model.onnx", "model.onnx.data"]
+    assert entry["sha256"] == sha256_files([out / f for f in entry["files"]])
+    model = onnx.load(str(out / "model.onnx"))
+    assert Counter(n.op_type for n in model.graph.node)["BatchNormalization"] == 0
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "B"
+    # an independent check at a batch the exporter never saw
+    from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+
+    specs = [parse_input_spec(a) for a in args[1::2] if ":" in a and "=" not in a]
+    dims = dict(parse_dim_range(a) for a in args if "=" in a)
+    feed = ModelSpec(tuple(specs), dims).example_feed(batch=3, seed=7)
+    assert eager_vs_onnx(factory(), out / "model.onnx", feed) < 1e-4
+
+
+@pytest.mark.slow
+def test_export_torchscript_and_exported_program_and_onnx_files(tmp_path: Path) -> None:
+    model = models.resnet_digits()
+    x = torch.randn(2, 1, 8, 8)
+    torch.jit.save(torch.jit.trace(model, x), tmp_path / "cnn.ts")
+    code, output = export([str(tmp_path / "cnn.ts"), "--input", "images:Bx1x8x8", "--out", str(tmp_path / "ts")])
+    assert code == 0, output
+    manifest = json.loads((tmp_path / "ts" / "manifest.json").read_text())
+    assert manifest["export"]["exporter"] == "torchscript" and manifest["source"]["format"] == "torchscript"
+    feed = {"images": np.random.default_rng(3).normal(size=(5, 1, 8, 8)).astype(np.float32)}
+    assert eager_vs_onnx(model, tmp_path / "ts" / "model.onnx", feed) < 1e-4
+
+    mlp = models.mlp()
+    program = torch.export.export(mlp, (torch.randn(2, 64),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},))
+    torch.export.save(program, tmp_path / "mlp.pt2")
+    code, output = export([str(tmp_path / "mlp.pt2"), "--out", str(tmp_path / "ep")])  # shapes from the program
+    assert code == 0, output
+    manifest = json.loads((tmp_path / "ep" / "manifest.json").read_text())
+    assert manifest["inputs"] == ["x:Bx64:float32"]
+    feed = {"x": np.random.default_rng(4).normal(size=(7, 64)).astype(np.float32)}
+    assert eager_vs_onnx(mlp, tmp_path / "ep" / "model.onnx", feed) < 1e-4
+
+    # the exported ONNX goes through again as an ONNX input: no export, same passes
+    code, output = export([str(tmp_path / "ep" / "model.onnx"), "--input", "x:Bx64", "--out", str(tmp_path / "ox")])
+    assert code == 0, output
+    manifest = json.loads((tmp_path / "ox" / "manifest.json").read_text())
+    assert manifest["export"]["exporter"] == "onnx-input"
+    assert manifest["verification"]["reference"] == "onnxruntime[original ONNX]"
+
+
+@pytest.mark.slow
+def test_failed_export_keeps_the_previous_contents(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["--model-factory", "examples.models:mlp", "--input", "x:Bx64", "--out", str(out)]
+    assert export(args)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    code, output = export(["--model-factory", "examples.models:mlp", "--input", "x:Bx65", "--out", str(out)])
+    assert code == 2 and "fix the --input shapes" in output
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert after == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".staging")]
+
+
+def test_unsupported_operator_is_named(tmp_path: Path) -> None:
+    @torch.library.custom_op("trtc_test::mystery", mutates_args=())
+    def mystery(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @mystery.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    class Odd(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return mystery(x) + 1
+
+    from compiler.errors import ExportError
+    from compiler.export import onnx_from_torch
+    from compiler.loading import LoadedModel
+    from compiler.specs import ModelSpec, parse_input_spec
+
+    with pytest.raises(ExportError, match=r"trtc_test::mystery"):
+        onnx_from_torch(LoadedModel("factory", None, module=Odd()), ModelSpec((parse_input_spec("x:Bx4"),)), 8,
+                        workdir=tmp_path)

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from compiler.errors import InputError
+from compiler.specs import DimRange, InputSpec, ModelSpec, parse_buckets, parse_dim_range, parse_input_spec
+
+
+def test_input_spec_parses_dynamic_and_fixed_dims() -> None:
+    spec = parse_input_spec("images:Bx3x224x224:float32")
+    assert spec == InputSpec("images", ("B", 3, 224, 224), "float32")
+    assert parse_input_spec("ids:BxS:int64").dims == ("B", "S")
+    assert parse_input_spec("x:Bx64").dtype == "float32"
+    assert spec.shape({"B": 4}) == (4, 3, 224, 224)
+
+
+@pytest.mark.parametrize("text", ["images", "images:", "images:Bx0x3", "images:Bx3:float99", "1x:B", "a:b:c:d",
+                                  "images:Bx-3"])
+def test_bad_input_specs_are_rejected_with_the_fix(text: str) -> None:
+    with pytest.raises(InputError, match="input spec"):
+        parse_input_spec(text)
+
+
+def test_dim_ranges() -> None:
+    assert parse_dim_range("S=1:128:512") == ("S", DimRange(1, 128, 512))
+    assert parse_dim_range("S=64") == ("S", DimRange(64, 64, 64))
+    for bad in ("S", "S=1:2", "S=a:b:c", "=1:2:3"):
+        with pytest.raises(InputError, match="--dim"):
+            parse_dim_range(bad)
+    with pytest.raises(InputError, match="min <= opt <= max"):
+        parse_dim_range("S=10:5:20")
+
+
+def test_model_spec_requires_ranges_for_dynamic_dims() -> None:
+    ids = parse_input_spec("ids:BxS:int64")
+    with pytest.raises(InputError, match="--dim S=MIN:OPT:MAX"):
+        ModelSpec((ids,))
+    with pytest.raises(InputError, match="no --input uses"):
+        ModelSpec((ids,), {"S": DimRange(1, 2, 3), "T": DimRange(1, 2, 3)})
+    spec = ModelSpec((ids, parse_input_spec("attention_mask:BxS:int64")), {"S": DimRange(1, 16, 64)})
+    feed = spec.example_feed(3)
+    assert feed["ids"].shape == (3, 16) and feed["ids"].dtype.name == "int64"
+    assert (feed["attention_mask"] == 1).all()
+
+
+def test_buckets_are_sorted_and_deduplicated_or_rejected() -> None:
+    assert parse_buckets("8,1,4,4,16") == (1, 4, 8, 16)
+    assert parse_buckets([16, 1]) == (1, 16)
+    for bad in ("0,4", "1,x", "", "1.5", "-1"):
+        with pytest.raises(InputError, match="bucket"):
+            parse_buckets(bad)
