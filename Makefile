@@ -1,0 +1,40 @@
+# trtc developer commands. Each target works on a fresh clone: it installs what it needs first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Dev and CI pin the CPU build of torch 2.13.0 (users get the range in pyproject.toml).
+TORCH_PIN ?= torch==2.13.0
+# Type stubs for TensorRT live outside the venv: they would make `import tensorrt` succeed without TensorRT.
+STUBS := .typing
+DEMO_DIR ?= build/demo
+
+.PHONY: install test lint demo engines bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps --target $(STUBS) tensorrt-stubs==10.13.0.35.1
+	touch $@
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check compiler calibration tests examples benchmarks
+	$(VENV)/bin/mypy
+
+# The main job: train the example CNN on scikit-learn's digits, then build it end to end.
+demo: install
+	$(PY) examples/digits.py --out $(DEMO_DIR)
+	$(VENV)/bin/trtc build --profile profiles/resnet_digits.toml
+
+# Rebuild the engines of every profile: the CI job to run on a TensorRT upgrade.
+engines: install
+	@for p in profiles/*.toml; do echo "== $$p"; $(VENV)/bin/trtc build --profile $$p --if-stale || exit $$?; done
+
+clean:
+	rm -rf build .pytest_cache .mypy_cache .ruff_cache
