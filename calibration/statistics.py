@@ -1,0 +1,578 @@
+"""Activation statistics for calibration: streaming |x| histograms and the amax each method picks from them.
+
+``collect_histograms`` runs calibration batches through ONNX Runtime with the requested tensors exposed as
+extra graph outputs and folds each batch into one fixed-size ``AbsHistogram`` per tensor before the next
+batch runs, so memory does not grow with the number of batches. ``amax_from_histogram`` turns a histogram
+into a clipping threshold with one of the methods in ``AMAX_METHODS``. ``collect_max_abs`` runs the same
+machinery for the running max |x| only (FP16 overflow detection).
+
+What ``exclude_masked=True`` leaves out
+---------------------------------------
+*Padding.* An attention mask is a graph input of integer or bool type whose name contains ``mask``, fed
+as a [B, S] array with 1 = real token and 0 = padding (the Hugging Face convention; PyTorch's
+``key_padding_mask``, where True means padding, is the opposite and is not detected). With such a feed:
+
+* a tensor whose two leading dims are [B, S] (token activations [B, S, ...]) keeps only the positions
+  where mask == 1;
+* a tensor shaped [B, ..., S, S] (attention scores) keeps element [b, ..., q, k] only where both query q
+  and key k are real tokens. It must have at least 4 dims ([B, H, S, S]), or 3 dims and lie in the
+  mask-bias cone below, so that a [B, S, D] tensor with D == S is not mistaken for scores.
+
+*Mask biases.* Values <= -``mask_bias_threshold`` (default 1000.0; -inf included) are left out of every
+tensor in the mask-bias cone: the tensors computed from a mask input (any graph input whose name contains
+``mask``) or from a constant holding such values (a baked causal mask, a ``-1e9`` or ``finfo.min`` fill),
+following only inputs whose values reach the output (not Gather indices, Reshape shapes, Where
+conditions) and stopping at Softmax, which turns a masked score into a probability of exactly 0. Why
+1000: the biases in use are -1e4, -1e9, -65504 and finfo.min, all far below it, while a real pre-Softmax
+score of -1000 already has weight exp(-1000) == 0 in FP32, so no value that matters is lost. Values
+below the threshold outside the cone (large real activations) are kept.
+
+NaN anywhere, and +-inf other than a mask bias, in a value that is kept raises ``CalibrationError``
+naming the batch and the tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler.errors import CalibrationError
+from compiler.onnx_io import load_onnx, ort_session, save_onnx
+
+__all__ = ["AbsHistogram", "CalibrationStats", "AMAX_METHODS", "amax_from_histogram", "collect_histograms",
+           "collect_max_abs", "DEFAULT_BINS", "AMAX_FLOOR", "DEFAULT_MASK_BIAS_THRESHOLD"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BINS = 2048  # as TensorRT's and ModelOpt's histogram calibrators
+AMAX_FLOOR = 1e-8  # the amax of an all-zero (or never seen) tensor: a scale of 0 would divide by zero
+DEFAULT_MASK_BIAS_THRESHOLD = 1000.0
+INT8_LEVELS = 127  # positive levels of symmetric signed INT8
+ENTROPY_LEVELS = 128  # TensorRT's entropy calibration quantizes the reference distribution to 128 bins
+ENTROPY_START_BIN = 128  # and tries thresholds from bin 128 upward
+_MSE_CHUNK = 128  # thresholds evaluated at once: a chunk x bins matrix of floats
+
+_PROTO_LIMIT = 2**31 - 2**24  # protobuf cannot serialize 2 GiB; bigger models go through a scratch file
+_MAX_SEED_CONSTANT = 1 << 22  # constants up to 4M elements (a 2048 x 2048 causal mask) are scanned for biases
+_FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16})
+_MASK_TYPES = frozenset({TensorProto.BOOL, TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16,
+                         TensorProto.INT32, TensorProto.INT64})
+
+# Inputs (by position) that steer where data goes but whose values never reach the output: a mask bias
+# does not flow through them.
+_INDEX_INPUTS: dict[str, frozenset[int]] = {
+    "Gather": frozenset({1}), "GatherElements": frozenset({1}), "GatherND": frozenset({1}),
+    "Reshape": frozenset({1}), "Expand": frozenset({1}), "Tile": frozenset({1}), "Where": frozenset({0}),
+    "Slice": frozenset({1, 2, 3, 4}), "Unsqueeze": frozenset({1}), "Squeeze": frozenset({1}),
+    "Pad": frozenset({1, 3}), "ReduceSum": frozenset({1}), "ReduceMean": frozenset({1}),
+    "ReduceMax": frozenset({1}), "ReduceMin": frozenset({1}), "TopK": frozenset({1}),
+}
+# Outputs that describe shapes or positions, never values.
+_SHAPE_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "ConstantOfShape", "EyeLike", "Range"})
+# A mask bias ends here: masked positions come out as exactly 0.
+_BIAS_SINKS = frozenset({"Softmax"})
+
+
+class AbsHistogram:
+    """A histogram of |x| over [0, ``upper``] in ``num_bins`` equal bins, filled batch by batch.
+
+    The first batch with a non-zero value sets ``upper`` to its max |x|. A later batch whose max exceeds
+    ``upper`` widens every bin by the smallest integer factor f that covers it, summing old bins f at a
+    time: new bin j is exactly old bins j*f .. j*f+f-1, so earlier counts stay exact and only lose
+    resolution. Memory is ``num_bins`` counters however many batches arrive; no raw values are kept.
+    ``amax`` is the exact running max |x| and ``count`` the number of values seen.
+    """
+
+    def __init__(self, num_bins: int = DEFAULT_BINS) -> None:
+        if num_bins < 2:
+            raise ValueError(f"an AbsHistogram needs at least 2 bins, got {num_bins}")
+        self.num_bins = num_bins
+        self.counts = np.zeros(num_bins, dtype=np.int64)
+        self.upper = 0.0
+        self.amax = 0.0
+        self.count = 0
+
+    def __repr__(self) -> str:
+        return f"AbsHistogram(num_bins={self.num_bins}, upper={self.upper:.4g}, amax={self.amax:.4g}, " \
+               f"count={self.count})"
+
+    @property
+    def bin_width(self) -> float:
+        return self.upper / self.num_bins
+
+    @property
+    def edges(self) -> np.ndarray:
+        """The ``num_bins + 1`` bin edges, from 0 to ``upper``."""
+        return np.linspace(0.0, self.upper, self.num_bins + 1)
+
+    def update(self, values: np.ndarray) -> None:
+        """Count |x| for every element of ``values`` (any shape); raises ValueError on NaN or Inf."""
+        magnitudes = np.abs(np.asarray(values, dtype=np.float64)).ravel()
+        if magnitudes.size == 0:
+            return
+        batch_max = float(magnitudes.max())
+        if not math.isfinite(batch_max):
+            raise ValueError("AbsHistogram.update got NaN or Inf values; drop or report them before counting")
+        if batch_max > self.upper:
+            self._grow_to(batch_max)
+        if self.upper > 0.0:
+            index = (magnitudes * (self.num_bins / self.upper)).astype(np.int64)
+            np.minimum(index, self.num_bins - 1, out=index)  # |x| == upper belongs to the last bin
+            self.counts += np.bincount(index, minlength=self.num_bins)
+        else:
+            self.counts[0] += magnitudes.size  # only zeros so far: bin 0 of whatever range comes later
+        self.amax = max(self.amax, batch_max)
+        self.count += magnitudes.size
+
+    def _grow_to(self, new_max: float) -> None:
+        if self.upper == 0.0:
+            self.upper = new_max
+            return
+        factor = math.ceil(new_max / self.upper)
+        while self.upper * factor < new_max:  # the division may round down
+            factor += 1
+        self.counts = _merged_bins(self.counts, factor)
+        self.upper *= factor
+
+
+def _merged_bins(counts: np.ndarray, factor: int) -> np.ndarray:
+    """``counts`` with every ``factor`` consecutive bins summed into one, padded back to the same length."""
+    merged = np.zeros_like(counts)
+    if factor >= counts.size:
+        merged[0] = counts.sum()
+        return merged
+    groups = -(-counts.size // factor)
+    padded = np.zeros(groups * factor, dtype=counts.dtype)
+    padded[:counts.size] = counts
+    merged[:groups] = padded.reshape(groups, factor).sum(axis=1)
+    return merged
+
+
+def _filled_bins(hist: AbsHistogram) -> int:
+    """One past the last non-empty bin: thresholds above it clip nothing."""
+    nonzero = np.flatnonzero(hist.counts)
+    return int(nonzero[-1]) + 1 if nonzero.size else 0
+
+
+# Each method maps a histogram and the percentile (used by "percentile" only) to an amax; the caller
+# clips the result to [AMAX_FLOOR, hist.amax].
+def _amax_max(hist: AbsHistogram, percentile: float) -> float:
+    return hist.amax
+
+
+def _amax_percentile(hist: AbsHistogram, percentile: float) -> float:
+    """The upper edge of the bin where the cumulative count reaches ``percentile`` % of all values."""
+    if not 0.0 < percentile <= 100.0:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+    cumulative = np.cumsum(hist.counts)
+    index = int(np.searchsorted(cumulative, cumulative[-1] * (percentile / 100.0)))
+    return (index + 1) * hist.bin_width
+
+
+def _amax_entropy(hist: AbsHistogram, percentile: float) -> float:
+    """TensorRT's entropy calibration: the threshold whose 128-level quantization loses the least (KL).
+
+    For each candidate of i bins (i >= 128), the reference P is bins[:i] with everything above folded into
+    its last bin; Q is bins[:i] merged into 128 levels and spread back evenly over the non-empty bins of
+    each level. The largest i of minimal KL(P || Q) wins, as in ModelOpt's ``_compute_amax_entropy``.
+    As there, the threshold is never below 1/16 of the histogram's filled range, and Q is not smoothed:
+    a candidate whose last bin is empty while values lie above it scores KL = inf, so outliers more than
+    16x beyond the bulk leave the max as the only finite choice.
+    """
+    filled = _filled_bins(hist)
+    if filled <= ENTROPY_START_BIN:
+        return filled * hist.bin_width  # 128 levels represent this range without loss
+    counts = hist.counts[:filled].astype(np.float64)
+    counts[0] = counts[1]  # as ModelOpt: the spike of exact zeros (after ReLU) must not decide the threshold
+    above = np.append(np.cumsum(counts[::-1])[::-1], 0.0)  # above[i] = counts[i:].sum()
+    best_bins, best_kl = filled, math.inf
+    for bins in range(ENTROPY_START_BIN, filled + 1):
+        kl = _quantization_kl(counts[:bins], above[bins])
+        if kl <= best_kl:
+            best_bins, best_kl = bins, kl
+    return best_bins * hist.bin_width
+
+
+def _quantization_kl(reference: np.ndarray, clipped: float) -> float:
+    levels = (np.arange(reference.size) * ENTROPY_LEVELS) // reference.size
+    nonzero = reference > 0
+    level_sums = np.bincount(levels, weights=reference, minlength=ENTROPY_LEVELS)
+    level_nonzero = np.bincount(levels, weights=nonzero, minlength=ENTROPY_LEVELS)
+    q = np.where(nonzero, level_sums[levels] / np.maximum(level_nonzero[levels], 1.0), 0.0)
+    p = reference.copy()
+    p[-1] += clipped
+    support = p > 0
+    if q.sum() == 0.0 or np.any(q[support] == 0.0):
+        return math.inf  # P has mass where Q has none
+    p_s = p[support] / p.sum()
+    q_s = q[support] / q.sum()
+    return float(np.sum(p_s * np.log(p_s / q_s)))
+
+
+def _amax_mse(hist: AbsHistogram, percentile: float) -> float:
+    """The bin edge t that minimises the expected squared error of INT8 quantization clipped at t.
+
+    Values are taken as spread evenly within each bin. Below t the error is the rounding error to a grid
+    of step t/127, integrated exactly over each bin; above t it is the clipping error (x - t)^2. Every
+    edge up to the last non-empty bin is a candidate.
+    """
+    filled = _filled_bins(hist)
+    if filled == 0:
+        return 0.0
+    counts = hist.counts[:filled].astype(np.float64)
+    edges = np.arange(filled + 1, dtype=np.float64)  # in bin widths: the unit does not move the argmin
+    candidates = np.arange(1, filled + 1)
+    errors = np.concatenate([_expected_errors(counts, edges, chunk)
+                             for chunk in np.array_split(candidates, -(-filled // _MSE_CHUNK))])
+    return (int(np.argmin(errors)) + 1) * hist.bin_width
+
+
+def _expected_errors(counts: np.ndarray, edges: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """The summed squared error of quantizing the histogram at each threshold (all in bin widths)."""
+    t = thresholds[:, None].astype(np.float64)
+    low, high = edges[:-1], edges[1:]
+    step = t / INT8_LEVELS
+    rounding = _rounding_error_integral(high, step) - _rounding_error_integral(low, step)
+    clipping = (_cube(high - t) - _cube(low - t)) / 3.0
+    return np.where(high <= t, rounding, clipping) @ counts
+
+
+def _rounding_error_integral(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The integral from 0 to x of (u - step * round(u / step))^2 du; the integrand has period ``step``."""
+    periods = np.floor(x / step)
+    rest = x - periods * step
+    # up to the midpoint u rounds down to 0 (error u^2), past it up to step (error (u - step)^2)
+    partial = np.where(rest <= step / 2, _cube(rest) / 3.0, _cube(step) / 12.0 + _cube(rest - step) / 3.0)
+    return periods * (_cube(step) / 12.0) + partial
+
+
+def _cube(x: np.ndarray) -> np.ndarray:
+    return x * x * x  # much faster than x ** 3, which goes through pow
+
+
+AMAX_METHODS: dict[str, Callable[[AbsHistogram, float], float]] = {
+    "max": _amax_max,
+    "percentile": _amax_percentile,
+    "entropy": _amax_entropy,
+    "mse": _amax_mse,
+}
+
+
+def amax_from_histogram(hist: AbsHistogram, method: str, percentile: float = 99.99) -> float:
+    """The clipping threshold (amax, in the tensor's units) that ``method`` picks from ``hist``.
+
+    Methods: ``max`` (exact max |x|), ``percentile`` (upper edge of the bin where ``percentile`` % of the
+    values is reached), ``entropy`` (TensorRT's KL-divergence calibration), ``mse`` (least expected squared
+    INT8 error). The result lies in [AMAX_FLOOR, hist.amax]: positive even for an all-zero or empty
+    histogram. Raises ValueError for an unknown method or a percentile outside (0, 100].
+    """
+    if method not in AMAX_METHODS:
+        raise ValueError(f"unknown amax method {method!r}; use one of {', '.join(AMAX_METHODS)}")
+    amax = AMAX_METHODS[method](hist, percentile)
+    return max(min(amax, hist.amax), AMAX_FLOOR)
+
+
+@dataclass(frozen=True)
+class CalibrationStats:
+    """The |x| histogram of each calibrated tensor and how much data went in.
+
+    ``samples`` counts the leading (batch) dimension of the first model input over all batches;
+    ``excluded`` counts, per tensor, the values left out as padding or mask biases.
+    """
+
+    histograms: dict[str, AbsHistogram]
+    batches: int
+    samples: int
+    excluded: dict[str, int] = field(default_factory=dict)
+
+    def amax(self, method: str, percentile: float = 99.99) -> dict[str, float]:
+        """``amax_from_histogram`` for every tensor."""
+        return {name: amax_from_histogram(hist, method, percentile) for name, hist in self.histograms.items()}
+
+
+def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_names: list[str],
+                       batches: Iterable[dict[str, np.ndarray]], *, providers: list[str] | None = None,
+                       progress: Callable[[int], None] | None = None, num_bins: int = DEFAULT_BINS,
+                       exclude_masked: bool = True,
+                       mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD) -> CalibrationStats:
+    """Run every batch through ONNX Runtime and histogram |x| of each tensor in ``tensor_names``.
+
+    ``model`` is a proto or a path (external data beside it is loaded); it is not modified. Only the
+    requested tensors are added as graph outputs. Each batch maps every model input name to an array;
+    batches may differ in shape (each sequence its own length). A batch's arrays are dropped once
+    counted. ``progress`` gets the batch size after each batch. With ``exclude_masked`` (the default),
+    padding and mask biases stay out as the module docstring describes. Raises CalibrationError for an
+    unknown tensor, a batch that lacks an input or that ONNX Runtime rejects, NaN or Inf in a kept value,
+    or no batches at all.
+    """
+    histograms = {name: AbsHistogram(num_bins) for name in dict.fromkeys(tensor_names)}
+    excluded = dict.fromkeys(histograms, 0)
+    count = samples = 0
+    for observed in _observed_batches(model, list(histograms), batches, providers, exclude_masked,
+                                      mask_bias_threshold):
+        for name, values in observed.values.items():
+            histograms[name].update(values)
+            excluded[name] += observed.excluded[name]
+        count += 1
+        samples += observed.samples
+        if progress is not None:
+            progress(observed.samples)
+    _log_exclusions(excluded, mask_bias_threshold)
+    log.info("collected |x| histograms of %d tensors from %d batches (%d samples)", len(histograms), count,
+             samples)
+    return CalibrationStats(histograms, count, samples, {k: v for k, v in excluded.items() if v})
+
+
+def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_names: list[str],
+                    batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None = None, *,
+                    exclude_masked: bool = False,
+                    mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD) -> dict[str, float]:
+    """The max |x| of each tensor over all batches (0.0 for a tensor that held no value).
+
+    Built for FP16 overflow detection, so by default every value counts, padding and mask biases
+    included: a -1e9 bias overflows FP16 as surely as an activation does (a -inf bias gives inf). Pass
+    ``exclude_masked=True`` for the same exclusions as ``collect_histograms``. Raises as it does.
+    """
+    names = list(dict.fromkeys(tensor_names))
+    maxima = dict.fromkeys(names, 0.0)
+    for observed in _observed_batches(model, names, batches, providers, exclude_masked, mask_bias_threshold):
+        for name, values in observed.values.items():
+            if values.size:
+                maxima[name] = max(maxima[name], float(np.max(np.abs(values))))
+    return maxima
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """The model with the requested tensors exposed, and what the masking rules need to know about it."""
+
+    model: onnx.ModelProto
+    inputs: tuple[str, ...]  # graph inputs a batch must feed
+    requested: tuple[str, ...]
+    fetched: tuple[str, ...]  # requested tensors that nodes compute (the rest are inputs, read from the feed)
+    padding_masks: tuple[str, ...]
+    bias_cone: frozenset[str]
+
+
+@dataclass(frozen=True)
+class _Observed:
+    samples: int
+    values: dict[str, np.ndarray]  # kept values of each requested tensor, flattened
+    excluded: dict[str, int]
+
+
+def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
+                      batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None,
+                      exclude_masked: bool, threshold: float) -> Iterator[_Observed]:
+    if threshold <= 0:
+        raise ValueError(f"mask_bias_threshold must be positive, got {threshold}")
+    probe = _probe_for(model, names, threshold)
+    seen = 0
+    with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
+        session = _session_for(probe.model, providers, Path(scratch))
+        for index, batch in enumerate(batches):
+            yield _observe(session, probe, index, batch, exclude_masked, threshold)
+            seen += 1
+    if not seen:
+        raise CalibrationError("the calibration data gave no batches; pass at least one batch of inputs")
+
+
+def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str], threshold: float) -> _Probe:
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        model = copy
+    else:
+        model = load_onnx(model)
+    graph = model.graph
+    weights = {t.name for t in graph.initializer}
+    inputs = tuple(i.name for i in graph.input if i.name not in weights)
+    computed = {out for node in graph.node for out in node.output if out}
+    for name in names:
+        if name in weights:
+            raise CalibrationError(f"tensor {name!r} is a weight (initializer), not an activation: weights are "
+                                   "quantized from their values; calibrate only activations")
+        if name not in computed and name not in inputs:
+            raise CalibrationError(f"tensor {name!r} is not in the model: pass names of graph inputs or node "
+                                   "outputs")
+    fetched = tuple(name for name in names if name in computed)
+    _expose(model, fetched)
+    mask_inputs = [i for i in graph.input if i.name in inputs and "mask" in i.name.lower()]
+    padding_masks = tuple(i.name for i in mask_inputs if i.type.tensor_type.elem_type in _MASK_TYPES)
+    cone = _mask_bias_cone(graph, {i.name for i in mask_inputs} | _bias_constants(graph, threshold))
+    return _Probe(model, inputs, tuple(names), fetched, padding_masks, cone)
+
+
+def _expose(model: onnx.ModelProto, names: tuple[str, ...]) -> None:
+    """Add ``names`` to the graph outputs (element type from shape inference, no shape)."""
+    present = {o.name for o in model.graph.output}
+    missing = [name for name in names if name not in present]
+    if not missing:
+        return
+    types = _element_types(model, missing)
+    model.graph.output.extend(helper.make_tensor_value_info(name, types.get(name, TensorProto.FLOAT), None)
+                              for name in missing)
+
+
+def _element_types(model: onnx.ModelProto, names: list[str]) -> dict[str, int]:
+    infos = list(model.graph.value_info)
+    if not set(names) <= {i.name for i in infos}:
+        try:
+            infos = list(onnx.shape_inference.infer_shapes(model).graph.value_info)
+        except (onnx.shape_inference.InferenceError, ValueError) as err:
+            log.warning("shape inference failed (%s); exposing calibrated tensors as float32", err)
+    return {i.name: i.type.tensor_type.elem_type for i in infos if i.type.tensor_type.elem_type}
+
+
+def _bias_constants(graph: onnx.GraphProto, threshold: float) -> set[str]:
+    """Initializers and Constant/ConstantOfShape outputs holding a value <= -threshold (baked mask biases)."""
+    found = set()
+    for init in graph.initializer:
+        if init.data_type in _FLOAT_TYPES and math.prod(init.dims) <= _MAX_SEED_CONSTANT \
+                and _holds_bias(numpy_helper.to_array(init), threshold):
+            found.add(init.name)
+    for node in graph.node:
+        if node.op_type in ("Constant", "ConstantOfShape") \
+                and any(_holds_bias(_attribute_values(attr), threshold) for attr in node.attribute):
+            found.update(out for out in node.output if out)
+    return found
+
+
+def _attribute_values(attr: onnx.AttributeProto) -> np.ndarray:
+    """The float values a Constant-like attribute holds (empty for any other kind)."""
+    if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type in _FLOAT_TYPES:
+        return numpy_helper.to_array(attr.t)
+    if attr.type == onnx.AttributeProto.FLOAT:
+        return np.array([attr.f])
+    if attr.type == onnx.AttributeProto.FLOATS:
+        return np.array(attr.floats)
+    return np.zeros(0)
+
+
+def _holds_bias(values: np.ndarray, threshold: float) -> bool:
+    return bool(values.size) and float(np.min(values)) <= -threshold
+
+
+def _mask_bias_cone(graph: onnx.GraphProto, seeds: set[str]) -> frozenset[str]:
+    """Every tensor a mask bias can reach from ``seeds`` through value-carrying inputs, up to Softmax."""
+    cone = set(seeds)
+    if not cone:
+        return frozenset()
+    for node in graph.node:  # ONNX graphs list nodes in topological order
+        if node.op_type in _SHAPE_OPS or node.op_type in _BIAS_SINKS:
+            continue
+        skipped = _INDEX_INPUTS.get(node.op_type, frozenset())
+        carried = [name for pos, name in enumerate(node.input) if pos not in skipped]
+        if any(name in cone for name in carried + _outer_scope_names(node)):
+            cone.update(out for out in node.output if out)
+    return frozenset(cone)
+
+
+def _outer_scope_names(node: onnx.NodeProto) -> list[str]:
+    """Names the subgraphs of a control-flow node (If, Loop, Scan) read, their own inputs included."""
+    names: list[str] = []
+    subgraphs = [attr.g for attr in node.attribute if attr.HasField("g")]
+    subgraphs += [g for attr in node.attribute for g in attr.graphs]
+    for sub in subgraphs:
+        for inner in sub.node:
+            names += list(inner.input) + _outer_scope_names(inner)
+    return names
+
+
+def _session_for(model: onnx.ModelProto, providers: list[str] | None, scratch: Path) -> Any:
+    if model.ByteSize() < _PROTO_LIMIT:
+        return ort_session(model, providers)
+    path = scratch / "calibration.onnx"
+    save_onnx(model, path)
+    return ort_session(path, providers)
+
+
+def _ort_errors() -> tuple[type[Exception], ...]:
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return (state.Fail, state.InvalidArgument, state.RuntimeException, state.EPFail)
+
+
+def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarray], exclude_masked: bool,
+             threshold: float) -> _Observed:
+    missing = [name for name in probe.inputs if name not in batch]
+    if missing:
+        raise CalibrationError(f"batch {index} has no array for model input(s) {', '.join(missing)}; every batch "
+                               f"must map each input name ({', '.join(probe.inputs)}) to an array")
+    feed = {name: np.asarray(batch[name]) for name in probe.inputs}
+    try:
+        arrays = session.run(list(probe.fetched), feed) if probe.fetched else []
+    except _ort_errors() as err:
+        raise CalibrationError(f"batch {index}: ONNX Runtime could not run it ({err}); check the batch's "
+                               "dtypes and shapes against the model inputs") from err
+    tensors = dict(zip(probe.fetched, arrays))
+    mask = _padding_mask(probe, feed) if exclude_masked else None
+    values: dict[str, np.ndarray] = {}
+    excluded: dict[str, int] = {}
+    for name in probe.requested:
+        array = np.asarray(tensors[name] if name in tensors else feed[name])
+        values[name] = _kept_values(index, name, array, mask, name in probe.bias_cone, exclude_masked, threshold)
+        excluded[name] = array.size - values[name].size
+    first = feed[probe.inputs[0]] if probe.inputs else np.zeros(())
+    return _Observed(int(first.shape[0]) if first.ndim else 1, values, excluded)
+
+
+def _padding_mask(probe: _Probe, feed: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The first [B, S] mask input of this feed as bools (True = real token), if any."""
+    for name in probe.padding_masks:
+        if feed[name].ndim == 2:
+            return feed[name] != 0
+    return None
+
+
+def _kept_values(index: int, name: str, array: np.ndarray, mask: np.ndarray | None, in_cone: bool,
+                 exclude_masked: bool, threshold: float) -> np.ndarray:
+    """The flattened values of ``array`` that enter the statistics; raises on NaN or non-bias Inf."""
+    if mask is not None:
+        array = _unpadded(array, mask, in_cone)
+    flat = array.ravel()
+    if not in_cone:
+        _check_finite(index, name, flat)
+        return flat
+    biases = flat <= -threshold
+    _check_finite(index, name, flat[~biases])
+    return flat[~biases] if exclude_masked else flat
+
+
+def _unpadded(array: np.ndarray, mask: np.ndarray, in_cone: bool) -> np.ndarray:
+    """The elements of ``array`` at real-token positions (see the module docstring for the two shapes)."""
+    b, s = mask.shape
+    shape = array.shape
+    if array.ndim >= 3 and shape[0] == b and shape[-2:] == (s, s) and (array.ndim >= 4 or in_cone):
+        pairs = mask[:, :, None] & mask[:, None, :]
+        keep = pairs.reshape((b,) + (1,) * (array.ndim - 3) + (s, s))
+        return array[np.broadcast_to(keep, shape)]
+    if array.ndim >= 2 and shape[:2] == (b, s):
+        return array[mask]
+    return array
+
+
+def _check_finite(index: int, name: str, values: np.ndarray) -> None:
+    bad = int(np.count_nonzero(~np.isfinite(values)))
+    if bad:
+        raise CalibrationError(f"batch {index}: tensor {name!r} has {bad} NaN or Inf value(s) of {values.size}; "
+                               "check that batch's data (scaling, dtype, uninitialised arrays) or the model")
+
+
+def _log_exclusions(excluded: dict[str, int], threshold: float) -> None:
+    touched = {name: count for name, count in excluded.items() if count}
+    if touched:
+        log.info("left %d values of %d tensors out of their histograms: padding positions or mask biases <= -%g",
+                 sum(touched.values()), len(touched), threshold)
+    for name, count in touched.items():
+        log.debug("left %d values of %s out of its histogram", count, name)

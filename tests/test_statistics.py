@@ -1,0 +1,323 @@
+"""Streaming |x| histograms, the amax methods, and collecting histograms through ONNX Runtime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from calibration import statistics
+from calibration.statistics import (
+    AMAX_FLOOR,
+    AMAX_METHODS,
+    AbsHistogram,
+    amax_from_histogram,
+    collect_histograms,
+    collect_max_abs,
+)
+from compiler.errors import CalibrationError
+from compiler.onnx_io import ort_session, save_onnx
+from tests.onnx_helpers import make_model, tensor
+
+
+def _filled(batches: list[np.ndarray], num_bins: int = 2048) -> AbsHistogram:
+    hist = AbsHistogram(num_bins)
+    for batch in batches:
+        hist.update(batch)
+    return hist
+
+
+# --- AbsHistogram ---------------------------------------------------------------------------------------------
+
+def test_histogram_counts_every_value_and_tracks_the_exact_max() -> None:
+    x = np.random.default_rng(0).standard_normal(1_000_000).astype(np.float32)
+    hist = _filled(np.array_split(x, 20))
+    assert hist.count == x.size
+    assert int(hist.counts.sum()) == x.size
+    assert hist.amax == float(np.abs(x).max())
+    assert amax_from_histogram(hist, "max") == hist.amax
+
+
+@pytest.mark.parametrize("percentile", [99.0, 99.9, 99.99])
+def test_percentile_is_within_a_bin_of_numpy(percentile: float) -> None:
+    x = np.random.default_rng(1).standard_normal(1_000_000)
+    hist = _filled(np.array_split(x, 20))
+    expected = np.percentile(np.abs(x), percentile)
+    assert abs(amax_from_histogram(hist, "percentile", percentile) - expected) <= 1.001 * hist.bin_width
+
+
+def test_growing_range_keeps_earlier_counts_and_the_percentile() -> None:
+    rng = np.random.default_rng(2)
+    small = [rng.uniform(-0.5, 0.5, 50_000) for _ in range(5)]
+    large = [rng.standard_normal(50_000) * 3.0 for _ in range(15)]
+    hist = _filled(small + large)
+    x = np.abs(np.concatenate(small + large))
+    assert hist.upper >= x.max() and hist.count == int(hist.counts.sum()) == x.size
+    assert int(hist.counts[hist.edges[1:] <= 0.5].sum()) >= sum(b.size for b in small)  # small values stay low
+    for percentile in (50.0, 99.0, 99.99):
+        expected = np.percentile(x, percentile)
+        assert abs(amax_from_histogram(hist, "percentile", percentile) - expected) <= 1.001 * hist.bin_width
+
+
+def test_growth_merges_bins_exactly() -> None:
+    hist = _filled([np.array([0.1, -0.3, 0.6, 1.0])], num_bins=4)
+    assert hist.upper == 1.0 and hist.counts.tolist() == [1, 1, 1, 1]
+    hist.update(np.array([-2.5]))  # range grows by 3: bins 0-2 merge into bin 0, bin 3 into bin 1
+    assert hist.upper == 3.0 and hist.counts.tolist() == [3, 1, 0, 1]
+    assert hist.amax == 2.5 and hist.count == 5
+
+
+def test_memory_stays_constant_over_many_growing_batches() -> None:
+    hist = AbsHistogram()
+    rng = np.random.default_rng(3)
+    for i in range(300):
+        hist.update(rng.standard_normal(100) * 1.1**i)
+        assert hist.counts.shape == (2048,) and hist.counts.nbytes == 2048 * 8
+    assert hist.count == 300 * 100
+
+
+def test_empty_and_all_zero_histograms_give_the_floor() -> None:
+    hist = AbsHistogram()
+    hist.update(np.zeros((0, 3), dtype=np.float32))
+    assert hist.count == 0
+    assert all(amax_from_histogram(hist, method) == AMAX_FLOOR for method in AMAX_METHODS)
+    hist.update(np.zeros(10))
+    assert hist.count == 10 and hist.upper == 0.0 and hist.counts[0] == 10
+    assert all(amax_from_histogram(hist, method) == AMAX_FLOOR for method in AMAX_METHODS)
+    hist.update(np.array([0.0, 2.0]))  # zeros seen before the first range stay in bin 0
+    assert hist.counts[0] == 11 and hist.counts[-1] == 1 and hist.upper == 2.0
+
+
+def test_update_rejects_nan() -> None:
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        AbsHistogram().update(np.array([1.0, np.nan]))
+
+
+def test_unknown_method_and_bad_percentile_raise() -> None:
+    hist = _filled([np.arange(10.0)])
+    with pytest.raises(ValueError, match="unknown amax method 'minmax'"):
+        amax_from_histogram(hist, "minmax")
+    with pytest.raises(ValueError, match="percentile"):
+        amax_from_histogram(hist, "percentile", 0.0)
+
+
+def _gaussian_with_outliers(seed: int, outlier: float = 50.0) -> tuple[np.ndarray, np.ndarray]:
+    bulk = np.random.default_rng(seed).standard_normal(1_000_000)
+    return bulk, np.full(10, outlier)
+
+
+@pytest.mark.parametrize("outliers_first", [True, False])
+def test_entropy_clips_outliers_to_the_bulk(outliers_first: bool) -> None:
+    bulk, outliers = _gaussian_with_outliers(4)
+    parts = [outliers, *np.array_split(bulk, 10)] if outliers_first else [*np.array_split(bulk, 10), outliers]
+    hist = _filled(parts)
+    assert amax_from_histogram(hist, "max") == 50.0
+    # TensorRT's KL search settles at 4-5 sigma of the bulk, far below the outliers.
+    assert 3.5 < amax_from_histogram(hist, "entropy") < 6.0
+
+
+def _int8_squared_error(x: np.ndarray, amax: float) -> float:
+    step = amax / 127
+    return float(np.mean((np.clip(np.round(x / step), -127, 127) * step - x) ** 2))
+
+
+def test_mse_picks_the_threshold_of_least_squared_error_on_the_raw_values() -> None:
+    bulk, outliers = _gaussian_with_outliers(5)
+    x = np.concatenate([bulk[:200_000], outliers[:2]])
+    hist = _filled([x])
+    picked = amax_from_histogram(hist, "mse")
+    grid_best = min(_int8_squared_error(x, t) for t in np.linspace(1.0, 50.0, 197))
+    assert _int8_squared_error(x, picked) <= 1.02 * grid_best
+    # clipping two outliers at 50 sigma beats widening the step for 200k values (max would not)
+    assert picked < 0.75 * hist.amax
+    assert _int8_squared_error(x, picked) < 0.8 * _int8_squared_error(x, hist.amax)
+
+
+# --- collect_histograms on tiny ONNX models -------------------------------------------------------------------
+
+def _mlp(width: int = 16) -> onnx.ModelProto:
+    rng = np.random.default_rng(6)
+    return make_model(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "w2"], ["y"])],
+        [tensor("x", ["B", width])], [tensor("y", ["B", 2])],
+        {"w1": rng.standard_normal((width, 32)).astype(np.float32),
+         "w2": rng.standard_normal((32, 2)).astype(np.float32)})
+
+
+def _mlp_batches(n: int, width: int = 16) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(7)
+    return [{"x": rng.standard_normal((4 + i % 3, width)).astype(np.float32)} for i in range(n)]
+
+
+def test_histograms_match_a_direct_ort_run_and_only_requested_tensors_are_exposed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sessions: list[Any] = []
+
+    def recording_session(*args: Any, **kwargs: Any) -> Any:
+        sessions.append(ort_session(*args, **kwargs))
+        return sessions[-1]
+
+    monkeypatch.setattr(statistics, "ort_session", recording_session)
+    model, batches = _mlp(), _mlp_batches(6)
+    seen: list[int] = []
+    stats = collect_histograms(model, ["h"], iter(batches), progress=seen.append)
+    assert [o.name for o in sessions[0].get_outputs()] == ["y", "h"]
+    assert [o.name for o in model.graph.output] == ["y"]  # the caller's model is left alone
+    sizes = [len(b["x"]) for b in batches]
+    assert (stats.batches, stats.samples, seen) == (6, sum(sizes), sizes)
+
+    reference_model = make_model(list(model.graph.node), list(model.graph.input), [tensor("h", ["B", 32])],
+                                 {"w1": onnx.numpy_helper.to_array(model.graph.initializer[0]),
+                                  "w2": onnx.numpy_helper.to_array(model.graph.initializer[1])})
+    reference = ort_session(reference_model)
+    expected = _filled([reference.run(["h"], b)[0] for b in batches])
+    assert np.array_equal(stats.histograms["h"].counts, expected.counts)
+    assert stats.histograms["h"].amax == expected.amax and stats.histograms["h"].count == expected.count
+    assert stats.histograms["h"].counts.shape == (2048,)
+
+
+def test_model_path_with_external_data_gives_the_same_histograms(tmp_path: Any) -> None:
+    model = _mlp()
+    files = save_onnx(model, tmp_path / "mlp.onnx")
+    assert (tmp_path / "mlp.onnx.data") in files
+    from_path = collect_histograms(str(tmp_path / "mlp.onnx"), ["h", "r"], _mlp_batches(3))
+    from_proto = collect_histograms(model, ["h", "r"], _mlp_batches(3))
+    for name in ("h", "r"):
+        assert np.array_equal(from_path.histograms[name].counts, from_proto.histograms[name].counts)
+
+
+def test_graph_inputs_can_be_calibrated_from_the_feed() -> None:
+    batches = _mlp_batches(3)
+    stats = collect_histograms(_mlp(), ["x"], batches)
+    assert stats.histograms["x"].amax == max(float(np.abs(b["x"]).max()) for b in batches)
+
+
+def test_nan_in_a_batch_names_the_batch_and_tensor() -> None:
+    batches = _mlp_batches(4)
+    batches[2]["x"][0, 0] = np.nan
+    with pytest.raises(CalibrationError, match=r"batch 2: tensor 'h' has \d+ NaN or Inf"):
+        collect_histograms(_mlp(), ["h"], batches)
+
+
+def test_bad_batches_and_names_raise_calibration_errors() -> None:
+    with pytest.raises(CalibrationError, match=r"batch 1 has no array for model input\(s\) x;"):
+        collect_histograms(_mlp(), ["h"], [_mlp_batches(1)[0], {"images": np.zeros((1, 16), np.float32)}])
+    with pytest.raises(CalibrationError, match="batch 0: ONNX Runtime could not run it"):
+        collect_histograms(_mlp(), ["h"], [{"x": np.zeros((1, 16), np.float64)}])
+    with pytest.raises(CalibrationError, match="'nope' is not in the model"):
+        collect_histograms(_mlp(), ["nope"], _mlp_batches(1))
+    with pytest.raises(CalibrationError, match="'w1' is a weight"):
+        collect_histograms(_mlp(), ["w1"], _mlp_batches(1))
+    with pytest.raises(CalibrationError, match="no batches"):
+        collect_histograms(_mlp(), ["h"], [])
+
+
+def _token_model() -> onnx.ModelProto:
+    """h = x @ w on [B, S, 4] tokens; the output zeroes padded tokens with the attention mask."""
+    w = np.random.default_rng(8).standard_normal((4, 4)).astype(np.float32)
+    return make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]),
+         helper.make_node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),
+         helper.make_node("Unsqueeze", ["m", "last"], ["m3"]),
+         helper.make_node("Mul", ["h", "m3"], ["y"])],
+        [tensor("x", ["B", "S", 4]), tensor("attention_mask", ["B", "S"], TensorProto.INT64)],
+        [tensor("y", ["B", "S", 4])], {"w": w, "last": np.array([-1], np.int64)})
+
+
+def _padded_batches(lengths: list[list[int]], seq: list[int]) -> list[dict[str, np.ndarray]]:
+    """Batches of real tokens ~N(0, 1) followed by padding that holds 1e4 (it must never be counted)."""
+    rng = np.random.default_rng(9)
+    batches = []
+    for real, s in zip(lengths, seq):
+        mask = (np.arange(s)[None, :] < np.array(real)[:, None]).astype(np.int64)
+        x = np.where(mask[..., None] == 1, rng.standard_normal((len(real), s, 4)), 1e4).astype(np.float32)
+        batches.append({"x": x, "attention_mask": mask})
+    return batches
+
+
+def test_variable_sequence_lengths_are_run_as_they_come() -> None:
+    seq = [3, 7, 5]
+    batches = _padded_batches([[s, s] for s in seq], seq)  # no padding
+    stats = collect_histograms(_token_model(), ["h"], batches)
+    assert stats.histograms["h"].count == sum(2 * s * 4 for s in seq)
+    assert stats.batches == 3 and stats.samples == 6 and stats.excluded == {}
+
+
+def test_padded_positions_stay_out_of_the_histogram() -> None:
+    model = _token_model()
+    batches = _padded_batches([[3, 6], [2, 4, 4], [5]], [6, 4, 8])
+    w = onnx.numpy_helper.to_array(model.graph.initializer[0])
+    real = np.concatenate([(b["x"] @ w)[b["attention_mask"] == 1].ravel() for b in batches])
+    stats = collect_histograms(model, ["h"], batches)
+    padded = sum(int((b["attention_mask"] == 0).sum()) * 4 for b in batches)
+    assert (stats.histograms["h"].count, stats.excluded["h"]) == (real.size, padded)
+    np.testing.assert_allclose(stats.histograms["h"].amax, np.abs(real).max(), rtol=1e-5)
+    # FP16 overflow detection counts every value: padding can overflow too.
+    assert collect_max_abs(model, ["h"], batches)["h"] > 1e3
+    assert collect_max_abs(model, ["h"], batches, exclude_masked=True)["h"] == pytest.approx(np.abs(real).max(),
+                                                                                            rel=1e-5)
+
+
+def _attention_model() -> onnx.ModelProto:
+    """scores = x x^T per batch, plus (1 - mask) * -10000 on the keys, then Softmax: BERT's padding mask."""
+    return make_model(
+        [helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+         helper.make_node("MatMul", ["x", "xt"], ["scores"]),
+         helper.make_node("Unsqueeze", ["scores", "axis1"], ["scores4"]),
+         helper.make_node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),
+         helper.make_node("Sub", ["one", "m"], ["inverted"]),
+         helper.make_node("Mul", ["inverted", "neg"], ["bias"]),
+         helper.make_node("Unsqueeze", ["bias", "axes12"], ["bias4"]),
+         helper.make_node("Add", ["scores4", "bias4"], ["biased"]),
+         helper.make_node("Softmax", ["biased"], ["probs"], axis=-1)],
+        [tensor("x", ["B", "S", 4]), tensor("attention_mask", ["B", "S"], TensorProto.INT64)],
+        [tensor("probs", ["B", 1, "S", "S"])],
+        {"axis1": np.array([1], np.int64), "axes12": np.array([1, 2], np.int64),
+         "one": np.array(1.0, np.float32), "neg": np.array(-10000.0, np.float32)})
+
+
+def test_mask_biases_and_padded_scores_stay_out() -> None:
+    batches = _padded_batches([[3, 5], [4, 2]], [5, 4])
+    for b in batches:  # padded tokens give scores of 1e8; keep them finite but far from the real ones
+        b["x"][b["attention_mask"] == 0] = 30.0
+    unmasked = []
+    for b in batches:
+        scores = b["x"] @ b["x"].transpose(0, 2, 1)
+        real = b["attention_mask"] == 1
+        unmasked.append(scores[real[:, :, None] & real[:, None, :]])
+    expected = float(np.abs(np.concatenate(unmasked)).max())
+    stats = collect_histograms(_attention_model(), ["biased", "bias4"], batches)
+    np.testing.assert_allclose(stats.histograms["biased"].amax, expected, rtol=1e-5)
+    assert stats.histograms["biased"].count == sum(u.size for u in unmasked)
+    # the bias itself keeps only its zeros: one per real key
+    assert stats.histograms["bias4"].amax == 0.0
+    assert stats.histograms["bias4"].count == sum(int(b["attention_mask"].sum()) for b in batches)
+    assert amax_from_histogram(stats.histograms["bias4"], "entropy") == AMAX_FLOOR
+    assert collect_max_abs(_attention_model(), ["biased"], batches)["biased"] > 9000.0
+
+
+def _causal_model() -> onnx.ModelProto:
+    """A baked causal mask filled with -1e9 (no mask input), then Softmax, then legit values near -5000."""
+    causal = np.tril(np.ones((4, 4), bool))
+    return make_model(
+        [helper.make_node("Where", ["causal", "x", "fill"], ["biased"]),
+         helper.make_node("Softmax", ["biased"], ["probs"], axis=-1),
+         helper.make_node("MatMul", ["probs", "x"], ["mixed"]),
+         helper.make_node("Sub", ["mixed", "offset"], ["shifted"])],
+        [tensor("x", ["B", 4, 4])], [tensor("shifted", ["B", 4, 4])],
+        {"causal": causal, "fill": np.array(-1e9, np.float32), "offset": np.array(5000.0, np.float32)})
+
+
+def test_baked_mask_constants_are_excluded_up_to_the_softmax_only() -> None:
+    x = np.random.default_rng(10).standard_normal((3, 4, 4)).astype(np.float32)
+    stats = collect_histograms(_causal_model(), ["biased", "shifted"], [{"x": x}])
+    causal = np.tril(np.ones((4, 4), bool))
+    assert stats.histograms["biased"].count == 3 * int(causal.sum())
+    assert stats.histograms["biased"].amax == float(np.abs(x[:, causal]).max())
+    assert stats.histograms["shifted"].count == x.size  # past the Softmax, values near -5000 are real
+    assert stats.histograms["shifted"].amax > 4990.0
+    assert collect_max_abs(_causal_model(), ["biased"], [{"x": x}])["biased"] == pytest.approx(1e9)
