@@ -8,7 +8,7 @@ from pathlib import Path
 from compiler.errors import InputError
 from compiler.specs import ModelSpec
 
-__all__ = ["ModelSource", "ExportSettings", "DEFAULT_BUCKETS"]
+__all__ = ["ModelSource", "ExportSettings", "BuildSettings", "DEFAULT_BUCKETS", "PRECISIONS"]
 
 DEFAULT_BUCKETS = (1, 4, 8, 16)
 
@@ -55,3 +55,34 @@ class ExportSettings:
     @property
     def verify_batches(self) -> list[int]:
         return sorted({1, self.max_batch, *self.extra_verify_batches})
+
+
+PRECISIONS = ("fp32", "fp16", "int8")
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """How engines are built. The precision is already in the ONNX graph (strongly typed networks)."""
+
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    precision: str = "fp32"  # which ONNX of the directory the engines are built from
+    multi_profile: bool = False  # one engine, one optimization profile per bucket
+    workspace_mib: int | None = None  # builder workspace limit; None = TensorRT's default (device memory)
+    opt_level: int = 3  # builder optimization level 0-5
+    hardware_compat: bool = False  # Ampere+ hardware compatibility (HardwareCompatibilityLevel.AMPERE_PLUS)
+    version_compatible: bool = False  # engines later TensorRT versions can run (VERSION_COMPATIBLE flag)
+    timing_cache: Path | None = None  # shared across models; DIR/timing.cache is always used as well
+    engine: str = "tensorrt"  # "tensorrt" | "none"
+    jobs: int = 1  # parallel builds, one process per GPU
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise InputError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if not 0 <= self.opt_level <= 5:
+            raise InputError(f"--opt-level {self.opt_level}: TensorRT's builder levels are 0 to 5")
+        if self.workspace_mib is not None and self.workspace_mib < 1:
+            raise InputError(f"--workspace {self.workspace_mib} MiB must be positive")
+        if self.engine not in ("tensorrt", "none"):
+            raise InputError(f"--engine {self.engine!r}: use tensorrt or none")
+        if self.jobs < 1:
+            raise InputError(f"--jobs {self.jobs} must be at least 1")
