@@ -1,0 +1,479 @@
+"""Insert INT8 QuantizeLinear/DequantizeLinear (Q/DQ) pairs where TensorRT can fuse them.
+
+TensorRT 11 is strongly typed: INT8 exists only where the ONNX graph says so with explicit
+Q/DQ nodes. This stage turns a folded FP32 graph plus one calibrated ``amax`` per activation
+tensor into such a graph, following TensorRT's Q/DQ placement recommendations:
+
+* Quantize the *inputs* of weighted operators (Conv, ConvTranspose, Gemm, MatMul with a
+  constant weight): the activation per tensor, the weight per output channel. Outputs are
+  not quantized; a following layer's input Q/DQ does that where it helps.
+* Symmetric INT8: zero point 0, ``scale = amax / 127``.
+* One Q/DQ pair per activation tensor, shared by every quantized consumer, so TensorRT sees
+  one scale per tensor.
+* On a ResNet residual ``Add(conv_output, shortcut)`` quantize the shortcut, so that TensorRT
+  can fuse the add into the convolution (INT8 residual input), as ModelOpt does.
+* Nothing before Relu, Softmax, LayerNormalization, Gelu, bias adds or other element-wise
+  operators, nothing on biases and nothing on graph outputs: TensorRT cannot fuse Q/DQ there
+  and would run extra reformat kernels.
+* Attention score products (MatMul of two activations, ``Q·K^T`` and ``attn·V``) stay in
+  higher precision unless :attr:`QdqPolicy.quantize_attention_matmuls` says otherwise.
+
+Weights are stored as INT8 initializers followed by a DequantizeLinear only (no
+QuantizeLinear): TensorRT accepts pre-quantized weights behind a DQ layer (its explicit
+quantization guide) and ONNX Runtime runs the same graph on CPU, so both execute exactly the
+same INT8 values; the file is about 4x smaller than with FP32 weights plus a Q/DQ pair, and no
+rounding happens later at engine build time. Only weights that are constant initializers
+are quantized; a folding pass upstream turns Constant nodes into initializers.
+
+What this module will not do: choose amax values (calibration/statistics.py does), quantize
+inside subgraphs (If/Loop bodies), or quantize operators whose weight is not an initializer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler.onnx_io import MAX_IR_VERSION
+
+__all__ = ["QDQ_OPS", "RESIDUAL_ADD", "WEIGHT_CHANNEL_AXIS", "QdqPolicy", "QdqReport", "tensors_to_calibrate",
+           "quantizable_nodes", "qdq_model_from"]
+
+log = logging.getLogger(__name__)
+
+# Operator type -> indices of the inputs that get Q/DQ. Input 1 is the weight (quantized per
+# output channel when it is a constant initializer); input 0 is the activation (per tensor).
+# Biases (Conv/Gemm input 2) are never quantized: TensorRT folds them into the fused kernel.
+QDQ_OPS: dict[str, tuple[int, ...]] = {
+    "Conv": (0, 1),
+    "ConvTranspose": (0, 1),
+    "Gemm": (0, 1),
+    "MatMul": (0, 1),
+}
+
+# The residual rule: a join operator -> producer types whose output TensorRT fuses the join
+# into. ``Add(conv_output, shortcut)`` gets Q/DQ on ``shortcut`` only, so the convolution
+# runs with an INT8 residual input and the add disappears into its epilogue.
+RESIDUAL_ADD: dict[str, frozenset[str]] = {
+    "Add": frozenset({"Conv", "ConvTranspose"}),
+}
+
+# Weight input -> its output-channel axis. Conv [K, C/g, kh, kw]: 0; ConvTranspose
+# [C, K/g, kh, kw]: 1 (per tensor when group > 1, where axis 1 is not the output channel);
+# Gemm B: 0 if transB=1 else 1; MatMul constant B [..., K, N]: the last axis (-1 here).
+WEIGHT_CHANNEL_AXIS: dict[str, int | None] = {
+    "Conv": 0,
+    "ConvTranspose": 1,
+    "Gemm": None,  # depends on transB, see _weight_axis
+    "MatMul": -1,
+}
+
+_INT8_MAX = 127.0
+_MIN_OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear
+
+
+def _as_name_set(value: Any, what: str) -> frozenset[str]:
+    if isinstance(value, str):
+        raise TypeError(f"QdqPolicy.{what} must be a collection of names, not the string {value!r}")
+    return frozenset(value)
+
+
+@dataclass(frozen=True)
+class QdqPolicy:
+    """Which nodes get INT8 Q/DQ. Defaults follow TensorRT's recommendations.
+
+    ``exclude_nodes`` and ``exclude_op_types`` keep nodes in higher precision (no Q/DQ on any of
+    their inputs); the accuracy gate uses ``exclude_nodes`` for its fallback. Any iterable of
+    names is accepted and stored as a frozenset.
+    """
+
+    quantize_attention_matmuls: bool = False
+    quantize_residual_add: bool = True
+    exclude_nodes: frozenset[str] = frozenset()
+    exclude_op_types: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "exclude_nodes", _as_name_set(self.exclude_nodes, "exclude_nodes"))
+        object.__setattr__(self, "exclude_op_types", _as_name_set(self.exclude_op_types, "exclude_op_types"))
+
+
+@dataclass
+class QdqReport:
+    """What :func:`qdq_model_from` did.
+
+    ``qdq_pairs`` counts activation tensors given a QuantizeLinear -> DequantizeLinear pair;
+    ``quantized_weights`` counts weights stored as INT8 behind a DequantizeLinear.
+    """
+
+    quantized_nodes: list[str] = field(default_factory=list)
+    skipped_nodes: dict[str, str] = field(default_factory=dict)
+    qdq_pairs: int = 0
+    quantized_weights: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quantized_nodes": list(self.quantized_nodes), "skipped_nodes": dict(self.skipped_nodes),
+                "qdq_pairs": self.qdq_pairs, "quantized_weights": self.quantized_weights}
+
+
+@dataclass(frozen=True)
+class _QuantizedInput:
+    """One input of a node that gets Q/DQ: an activation (per tensor) or a constant weight."""
+
+    index: int
+    tensor: str
+    is_weight: bool = False
+    axis: int | None = None  # weights only: the per-channel axis, None for one scale
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which inputs of which nodes get Q/DQ (node names in graph order), and why others do not."""
+
+    inputs: dict[str, tuple[_QuantizedInput, ...]]
+    skipped: dict[str, str]
+    activations: list[str]  # in the order the graph produces them, no duplicates
+
+
+def _node_names(graph: onnx.GraphProto) -> list[str]:
+    """Node names, with a stable stand-in for unnamed nodes so policies can still name them."""
+    return [node.name or f"{node.op_type}_{i}" for i, node in enumerate(graph.node)]
+
+
+def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Initializers that are true constants (an initializer also listed as a graph input can be overridden)."""
+    graph_inputs = {i.name for i in graph.input}
+    return {t.name: t for t in graph.initializer if t.name not in graph_inputs}
+
+
+def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
+    for a in node.attribute:
+        if a.name == name:
+            return int(a.i)
+    return default
+
+
+def _weight_axis(node: onnx.NodeProto, weight: onnx.TensorProto) -> int | None:
+    """The output-channel axis of ``node``'s weight, or None where one scale must serve the whole tensor."""
+    rank = len(weight.dims)
+    if node.op_type == "Gemm":
+        return 0 if _attr(node, "transB", 0) else 1
+    if rank < 2 or (node.op_type == "ConvTranspose" and _attr(node, "group", 1) != 1):
+        return None
+    axis = WEIGHT_CHANNEL_AXIS[node.op_type]
+    return None if axis is None else axis % rank
+
+
+def _weighted_inputs(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto],
+                     policy: QdqPolicy) -> tuple[tuple[_QuantizedInput, ...], str]:
+    """The inputs of a QDQ_OPS node to quantize, or () and the reason it stays in higher precision."""
+    indices = [i for i in QDQ_OPS[node.op_type] if i < len(node.input) and node.input[i]]
+    data, weight = node.input[0], node.input[1] if len(node.input) > 1 else ""
+    if not data or not weight:
+        return (), "missing data or weight input"
+    if data in constants and weight in constants:
+        return (), "both inputs are constant; TensorRT folds it at build time"
+    if data in constants:
+        return (), "constant first input: not a linear layer TensorRT fuses with Q/DQ"
+    if weight not in constants:
+        if node.op_type in ("Conv", "ConvTranspose"):
+            return (), "weight is not a constant initializer"
+        if not policy.quantize_attention_matmuls:
+            return (), "attention score product kept in FP32 (policy)"
+        return tuple(_QuantizedInput(i, node.input[i]) for i in indices), ""
+    w = constants[weight]
+    if w.data_type != TensorProto.FLOAT:
+        return (), f"weight is {TensorProto.DataType.Name(w.data_type)}, not FLOAT"
+    planned = [_QuantizedInput(i, node.input[i]) for i in indices if i != 1]
+    planned.append(_QuantizedInput(1, weight, is_weight=True, axis=_weight_axis(node, w)))
+    return tuple(sorted(planned, key=lambda q: q.index)), ""
+
+
+def _depths(graph: onnx.GraphProto) -> dict[str, int]:
+    """Longest path, in nodes, from the graph inputs to each tensor (graph nodes are topologically sorted)."""
+    depth: dict[str, int] = {}
+    for node in graph.node:
+        d = 1 + max((depth.get(t, 0) for t in node.input if t), default=0)
+        for out in node.output:
+            depth[out] = d
+    return depth
+
+
+def _residual_shortcut(node: onnx.NodeProto, producers: Mapping[str, onnx.NodeProto], producer_names: Mapping[str, str],
+                       consumers: Mapping[str, int], depth: Mapping[str, int], constants: Mapping[str, Any],
+                       graph_outputs: set[str]) -> tuple[int, str] | None:
+    """(index of the shortcut input, name of the node the add fuses into), or None if not a residual add.
+
+    The fused input must come straight from a RESIDUAL_ADD producer (a Conv) that feeds nothing
+    else: TensorRT can only fold the add into the conv's epilogue when the conv output has no
+    other reader. When both inputs come from convs (a downsampling block with a 1x1 conv on the
+    shortcut), the deeper one is the main branch, as ModelOpt's longest-path rule decides.
+    """
+    fusible = RESIDUAL_ADD.get(node.op_type)
+    if fusible is None or len(node.input) != 2:
+        return None
+    a, b = node.input
+    if a == b or a in constants or b in constants or not a or not b:
+        return None
+    mains = [i for i, t in enumerate((a, b))
+             if t in producers and producers[t].op_type in fusible and consumers.get(t, 0) == 1
+             and t not in graph_outputs]
+    if not mains:
+        return None
+    main = max(mains, key=lambda i: depth.get(node.input[i], 0))  # ties: input 0, max keeps the first
+    return 1 - main, producer_names[node.input[main]]
+
+
+def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] | None) -> _Plan:
+    """Decide the Q/DQ placement. ``amax`` None: assume every activation will have one."""
+    names = _node_names(graph)
+    constants = _constants(graph)
+    unknown = sorted(policy.exclude_nodes - set(names))
+    if unknown:
+        log.warning("QdqPolicy.exclude_nodes names %d node(s) not in this graph: %s", len(unknown),
+                    ", ".join(unknown[:10]))
+
+    def excluded(node: onnx.NodeProto, name: str) -> str:
+        if name in policy.exclude_nodes:
+            return "excluded by policy.exclude_nodes (kept in higher precision)"
+        if node.op_type in policy.exclude_op_types:
+            return f"op type {node.op_type} excluded by policy.exclude_op_types"
+        return ""
+
+    inputs: dict[str, tuple[_QuantizedInput, ...]] = {}
+    skipped: dict[str, str] = {}
+    for node, name in zip(graph.node, names):
+        if node.op_type not in QDQ_OPS:
+            continue
+        reason = excluded(node, name)
+        planned: tuple[_QuantizedInput, ...] = ()
+        if not reason:
+            planned, reason = _weighted_inputs(node, constants, policy)
+        if planned:
+            inputs[name] = planned
+        else:
+            skipped[name] = reason
+
+    producers = {out: node for node in graph.node for out in node.output}
+    producer_names = {out: name for node, name in zip(graph.node, names) for out in node.output}
+    consumers: dict[str, int] = {}
+    for node in graph.node:
+        for t in set(node.input):
+            consumers[t] = consumers.get(t, 0) + 1
+    depth = _depths(graph)
+    graph_outputs = {o.name for o in graph.output}
+    for node, name in zip(graph.node, names):
+        found = _residual_shortcut(node, producers, producer_names, consumers, depth, constants, graph_outputs)
+        if found is None:
+            continue
+        index, fused_into = found
+        shortcut = node.input[index]
+        reason = excluded(node, name)
+        if not reason and not policy.quantize_residual_add:
+            reason = "residual add left unquantized (policy.quantize_residual_add is False)"
+        if not reason and fused_into not in inputs:
+            reason = f"the conv it would fuse into, {fused_into}, stays in higher precision"
+        if not reason and amax is not None and shortcut not in amax:
+            reason = f"no amax for shortcut input {shortcut}; the add is left unfused"
+            log.warning("residual add %s: %s", name, reason)
+        if reason:
+            skipped[name] = reason
+        else:
+            inputs[name] = (_QuantizedInput(index, shortcut),)
+
+    wanted = {q.tensor for qs in inputs.values() for q in qs if not q.is_weight}
+    produced = [i.name for i in graph.input] + [out for node in graph.node for out in node.output]
+    activations = list(dict.fromkeys(t for t in produced if t in wanted))
+    ordered = {name: inputs[name] for name in names if name in inputs}
+    return _Plan(ordered, skipped, activations)
+
+
+def tensors_to_calibrate(model: onnx.ModelProto, policy: QdqPolicy | None = None) -> list[str]:
+    """Activation tensors that need an amax: non-constant inputs of the nodes that would get Q/DQ.
+
+    In the order the graph produces them (graph inputs first), without duplicates; residual
+    shortcuts are included. Only these need to be exposed by the statistics collector.
+    """
+    return _plan(model.graph, policy or QdqPolicy(), None).activations
+
+
+def quantizable_nodes(model: onnx.ModelProto, policy: QdqPolicy | None = None) -> list[str]:
+    """Names of the nodes that would get Q/DQ under ``policy``, in graph order (residual adds included).
+
+    The accuracy gate picks from these the layers to keep in higher precision. Unnamed nodes
+    are called ``<op_type>_<index>``.
+    """
+    return list(_plan(model.graph, policy or QdqPolicy(), None).inputs)
+
+
+def _check_amax(plan: _Plan, amax: Mapping[str, float]) -> dict[str, float]:
+    missing = [t for t in plan.activations if t not in amax]
+    if missing:
+        raise ValueError(f"no amax for {len(missing)} tensor(s) of nodes to quantize: {', '.join(missing)} "
+                         "(calibrate the tensors that tensors_to_calibrate() lists)")
+    values = {t: float(amax[t]) for t in plan.activations}
+    bad = [f"{t}={v!r}" for t, v in values.items() if not np.isfinite(v) or v < 0]
+    if bad:
+        raise ValueError(f"amax must be finite and >= 0: {', '.join(bad)}")
+    return values
+
+
+def _scale(amax: np.ndarray) -> np.ndarray:
+    """``amax / 127`` as float32; an all-zero tensor or channel gets scale 1 (any scale is exact for zeros)."""
+    scale = (np.asarray(amax, dtype=np.float32) / np.float32(_INT8_MAX)).astype(np.float32)
+    return np.where(scale >= np.finfo(np.float32).tiny, scale, np.float32(1.0)).astype(np.float32)
+
+
+def _quantize_weight(weight: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric INT8 weights and their float32 scales (one per channel along ``axis``, or a scalar)."""
+    w = weight.astype(np.float32, copy=False)
+    if axis is None:
+        scale = _scale(np.abs(w).max(initial=0.0))
+        broadcast = scale
+    else:
+        others = tuple(i for i in range(w.ndim) if i != axis)
+        scale = _scale(np.abs(w).max(axis=others, initial=0.0))
+        shape = [1] * w.ndim
+        shape[axis] = -1
+        broadcast = scale.reshape(shape)
+    # np.rint rounds half to even, as QuantizeLinear does; +-127 keeps the range symmetric.
+    q = np.clip(np.rint(w / broadcast), -_INT8_MAX, _INT8_MAX).astype(np.int8)
+    return q, scale
+
+
+class _Names:
+    """Fresh tensor and node names that collide with nothing in the graph."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.used: set[str] = {t.name for t in graph.initializer} | {i.name for i in graph.input}
+        for node in graph.node:
+            self.used.update(node.input)
+            self.used.update(node.output)
+            self.used.add(node.name)
+
+    def fresh(self, base: str) -> str:
+        name, n = base, 1
+        while name in self.used:
+            name, n = f"{base}_{n}", n + 1
+        self.used.add(name)
+        return name
+
+
+def _subgraph_inputs(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name read by a node of ``graph`` or of any nested subgraph."""
+    read: set[str] = set()
+    for node in graph.node:
+        read.update(node.input)
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                read |= _subgraph_inputs(sub)
+    return read
+
+
+def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
+                   policy: QdqPolicy | None = None) -> tuple[onnx.ModelProto, QdqReport]:
+    """A new model with INT8 Q/DQ inserted as TensorRT recommends, and a report of what was done.
+
+    ``amax`` maps activation tensor names to the calibrated absolute maximum (same units as the
+    tensor); every tensor :func:`tensors_to_calibrate` lists must be there, except residual
+    shortcuts, whose add is then left unquantized. Weights must be loaded (not external data).
+    The input model is not modified. Raises ValueError for missing or non-finite amax values.
+    """
+    policy = policy or QdqPolicy()
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < _MIN_OPSET:
+        raise ValueError(f"per-channel Q/DQ needs opset >= {_MIN_OPSET}; this model has opset {opset}")
+    plan = _plan(model.graph, policy, amax)
+    amax_values = _check_amax(plan, amax)
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.ir_version = min(out.ir_version, MAX_IR_VERSION)
+    graph = out.graph
+    names = _Names(graph)
+    constants = _constants(graph)
+    new_inits: list[onnx.TensorProto] = []
+
+    def scale_and_zero(base: str, scale: np.ndarray) -> tuple[str, str]:
+        scale_name, zero_name = names.fresh(f"{base}_scale"), names.fresh(f"{base}_zero_point")
+        new_inits.append(numpy_helper.from_array(scale.astype(np.float32), scale_name))
+        new_inits.append(numpy_helper.from_array(np.zeros(scale.shape, dtype=np.int8), zero_name))
+        return scale_name, zero_name
+
+    # One Q->DQ pair per activation tensor, placed right after its producer.
+    dequantized: dict[str, str] = {}
+    pair_nodes: dict[str, list[onnx.NodeProto]] = {}
+    for t in plan.activations:
+        scale_name, zero_name = scale_and_zero(t, _scale(np.array(amax_values[t], dtype=np.float32)))
+        q_out, dq_out = names.fresh(f"{t}_quantized"), names.fresh(f"{t}_dequantized")
+        pair_nodes[t] = [
+            helper.make_node("QuantizeLinear", [t, scale_name, zero_name], [q_out], name=names.fresh(f"{t}_Quantize")),
+            helper.make_node("DequantizeLinear", [q_out, scale_name, zero_name], [dq_out],
+                             name=names.fresh(f"{t}_Dequantize")),
+        ]
+        dequantized[t] = dq_out
+
+    # One INT8 initializer + DQ per (weight, axis), placed before its first consumer.
+    weight_dq: dict[tuple[str, int | None], tuple[str, onnx.NodeProto]] = {}
+    for planned in plan.inputs.values():
+        for q in planned:
+            if not q.is_weight or (q.tensor, q.axis) in weight_dq:
+                continue
+            init = constants[q.tensor]
+            if init.data_location == TensorProto.EXTERNAL:
+                raise ValueError(f"weight {q.tensor} is external data that was not loaded; load the model "
+                                 "with its weights (compiler.onnx_io.load_onnx) first")
+            q_weight, scale = _quantize_weight(numpy_helper.to_array(init), q.axis)
+            int8_name = names.fresh(f"{q.tensor}_quantized")
+            new_inits.append(numpy_helper.from_array(q_weight, int8_name))
+            scale_name, zero_name = scale_and_zero(q.tensor, scale)
+            dq_out = names.fresh(f"{q.tensor}_dequantized")
+            dq = helper.make_node("DequantizeLinear", [int8_name, scale_name, zero_name], [dq_out],
+                                  name=names.fresh(f"{q.tensor}_Dequantize"))
+            if q.axis is not None:
+                dq.attribute.append(helper.make_attribute("axis", q.axis))
+            weight_dq[(q.tensor, q.axis)] = (dq_out, dq)
+
+    nodes: list[onnx.NodeProto] = []
+    for i in graph.input:
+        nodes += pair_nodes.get(i.name, [])
+    emitted: set[tuple[str, int | None]] = set()
+    for original, name in zip(graph.node, _node_names(graph)):
+        node = onnx.NodeProto()
+        node.CopyFrom(original)
+        for q in plan.inputs.get(name, ()):
+            if q.is_weight:
+                key = (q.tensor, q.axis)
+                if key not in emitted:
+                    nodes.append(weight_dq[key][1])
+                    emitted.add(key)
+                node.input[q.index] = weight_dq[key][0]
+            else:
+                node.input[q.index] = dequantized[q.tensor]
+        nodes.append(node)
+        for t in node.output:
+            nodes += pair_nodes.get(t, [])
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+    # FP32 weights now read by nobody are dropped: the INT8 copy replaces them.
+    read = _subgraph_inputs(graph) | {o.name for o in graph.output}
+    replaced = {tensor for tensor, _ in weight_dq}
+    kept = [t for t in graph.initializer if t.name in read or t.name not in replaced]
+    del graph.initializer[:]
+    graph.initializer.extend(kept + new_inits)
+
+    report = QdqReport(quantized_nodes=list(plan.inputs), skipped_nodes=dict(plan.skipped),
+                       qdq_pairs=len(plan.activations), quantized_weights=len(weight_dq))
+    log.info("INT8 Q/DQ: %d nodes quantized, %d activation Q/DQ pairs, %d INT8 weights, %d nodes kept in higher "
+             "precision", len(report.quantized_nodes), report.qdq_pairs, report.quantized_weights,
+             len(report.skipped_nodes))
+    for name, reason in plan.skipped.items():
+        log.debug("no Q/DQ on %s: %s", name, reason)
+    return out, report
+
