@@ -106,6 +106,8 @@ def _setup(ctx: click.Context, debug: bool, quiet: bool) -> None:
     ctx.meta["trtc.debug"] = ctx.meta.get("trtc.debug") or debug
     if not debug:  # the exporters warn about things the user cannot act on (torchvision ops, pytree)
         warnings.filterwarnings("ignore")
+        import torch  # noqa: F401  (torch configures its loggers on import; quiet them after)
+
         logging.getLogger("torch").setLevel(logging.ERROR)
     level = logging.WARNING if quiet else logging.INFO
     from rich.logging import RichHandler
@@ -233,3 +235,76 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Calibration data, method and accuracy gate (shared by calibrate and build)."""
+    options = [
+        click.option("--calib-data", help="Calibration data: .npz/.npy file or folder, image folder, or 'random' "
+                     "(smoke tests only)."),
+        click.option("--calib-loader", metavar="PKG.MODULE:FN", help="A function yielding {input_name: array}."),
+        click.option("--calib-samples", type=int, help="Use at most N samples (default 512)."),
+        click.option("--calib-batch", type=int, help="Samples per calibration batch (default 16)."),
+        click.option("--calib-method", type=click.Choice(["percentile", "max", "entropy", "mse"]),
+                     help="How the INT8 range is chosen (default percentile)."),
+        click.option("--percentile", type=float, help="Percentile of |x| for --calib-method percentile (99.99)."),
+        click.option("--calib-cache", type=click.Path(path_type=Path), help="Reuse this calibration.json when model, "
+                     "data and method match (no recalibration)."),
+        click.option("--eval-data", help="Held-out data for the accuracy gate (default: the calibration data)."),
+        click.option("--labels", help="Labels for top-1: a .npy file or the key in the .npz data (default "
+                     "'labels' when present)."),
+        click.option("--max-accuracy-drop", type=float, help="Top-1 points the gate allows (default 0.5)."),
+        click.option("--min-cosine", type=float, help="Cosine floor vs FP32 without labels (default 0.99)."),
+        click.option("--max-fallback", type=int, help="Layers the gate may keep in FP32 (default 8)."),
+        click.option("--keep-fp32", multiple=True, help="Node name or op type to keep in FP32 (repeat)."),
+        click.option("--quantize-attention", is_flag=True, default=None,
+                     help="Also quantize attention score products (kept in FP32 by default)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def calibration_settings_from(kw: dict[str, Any], precision: str, profile: dict[str, dict[str, Any]]) -> Any:
+    from calibration.accuracy import GateSettings
+    from calibration.calibrate import CalibrationSettings
+    from calibration.data import ImagePreprocessing
+
+    def pick(option: str, key: str, default: Any = None) -> Any:
+        return _merged(profile, "calibration", key, kw.get(option), default)
+
+    gate = GateSettings(max_accuracy_drop=float(pick("max_accuracy_drop", "max_accuracy_drop", 0.5)),
+                        min_cosine=float(pick("min_cosine", "min_cosine", 0.99)),
+                        max_fallback=int(kw.get("max_fallback") or 8))
+    image = profile.get("calibration", {}).get("image")
+    return CalibrationSettings(
+        precision=precision, data=pick("calib_data", "data"), loader=pick("calib_loader", "loader"),
+        samples=int(pick("calib_samples", "samples", 512)), batch_size=int(pick("calib_batch", "batch_size", 16)),
+        method=pick("calib_method", "method", "percentile"), percentile=float(pick("percentile", "percentile", 99.99)),
+        eval_data=pick("eval_data", "eval_data"), labels=pick("labels", "labels"), gate=gate,
+        keep_fp32=tuple(pick("keep_fp32", "keep_fp32", ())), quantize_attention=bool(kw.get("quantize_attention")),
+        calib_cache=kw.get("calib_cache"), image=ImagePreprocessing.from_profile(image) if image else None)
+
+
+@cli.command("calibrate")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ (needs calibration data).")
+@click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
+@calibration_options
+@common_options
+def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
+    """Add an INT8 or FP16 ONNX model to an export directory, checked by the accuracy gate.
+
+    \b
+    Examples:
+      trtc calibrate build/m --int8 --calib-data calib.npz --eval-data eval.npz
+      trtc calibrate build/m --fp16 --calib-data calib/ --keep-fp32 Softmax
+    """
+    from calibration.calibrate import calibrate_directory
+    from compiler.report import print_accuracy
+
+    if precision is None:
+        raise InputError("choose --int8 or --fp16")
+    settings = calibration_settings_from(kw, precision, {})
+    calibrate_directory(directory, settings)
+    print_accuracy(directory)

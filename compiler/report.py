@@ -31,3 +31,36 @@ def print_export_summary(manifest: dict[str, Any], out: Path) -> None:
             table.add_row(key, str(c["batch"]), f"{c['max_abs']:.2e}", f"{c['max_rel']:.2e}", f"{c['cosine']:.6f}")
     console.print(table)
     console.print(f"wrote {out / manifest['onnx']['fp32']['file']} and {out / 'manifest.json'}")
+
+
+def print_accuracy(directory: Path) -> None:
+    """The accuracy table from DIR/report/accuracy.json."""
+    import json
+
+    path = directory / "report" / "accuracy.json"
+    if not path.is_file():
+        return
+    for precision, report in json.loads(path.read_text()).items():
+        _print_accuracy_entry(precision, report, path)
+
+
+def _print_accuracy_entry(precision: str, report: dict[str, Any], path: Path) -> None:
+    acc = report.get("accuracy")
+    if acc is None:
+        console.print(f"{report['precision']}: {report.get('note')}")
+        return
+    table = Table("precision", "metric", "FP32", "reduced", "drop / cosine", "max abs err", "kept in FP32",
+                  title="accuracy vs FP32 (ONNX Runtime)")
+    if acc["metric"] == "top1":
+        cols = [f"{100 * acc['fp32_top1']:.2f}%", f"{100 * acc['top1']:.2f}%", f"{acc['drop_points']:.2f} pts"]
+    else:
+        cols = ["-", "-", f"{acc['cosine_mean']:.5f}"]
+    kept = report.get("kept_in_fp32") or {}
+    table.add_row(report["precision"], acc["metric"], *cols, f"{acc['max_abs']:.3g}", str(len(kept)))
+    console.print(table)
+    for layer, why in kept.items():
+        console.print(f"  {layer}: {why}")
+    data = report.get("calibration_data") or {}
+    if data.get("random"):
+        console.print("[bold red]calibrated on RANDOM data: for smoke tests only[/]")
+    console.print("PASS" if acc["passed"] else "FAIL", f"({path})")

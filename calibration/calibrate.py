@@ -1,0 +1,287 @@
+"""INT8 and FP16 graphs from a directory's folded FP32 ONNX, proven with ONNX Runtime.
+
+``calibrated_into`` does the work inside a staging folder (``trtc build`` chains it after
+export); ``calibrate_directory`` is ``trtc calibrate DIR``: it stages, runs, and commits the
+results into DIR with the manifest last. A model that misses the accuracy gate leaves
+``report/accuracy.json`` (one entry per precision) and ``calibration.json`` but no
+reduced-precision ONNX.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from calibration.accuracy import Evaluator, GateOutcome, GateSettings, gate_with_fallback
+from calibration.data import CalibrationData, ImagePreprocessing, calibration_data
+from calibration.fp16 import Fp16Policy, fp16_model_from
+from calibration.qdq import QdqPolicy, qdq_model_from, quantizable_nodes, tensors_to_calibrate
+from calibration.statistics import AMAX_METHODS, collect_histograms, collect_max_abs
+from compiler.errors import AccuracyGateError, CalibrationError
+from compiler.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
+from compiler.manifest import MANIFEST, now, onnx_entry, read_manifest, write_manifest
+from compiler.onnx_io import load_onnx, save_onnx
+from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+
+__all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "calibrate_directory", "spec_of"]
+
+log = logging.getLogger(__name__)
+
+ONNX_NAMES = {"int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
+CALIBRATION_JSON = "calibration.json"
+ACCURACY_JSON = "report/accuracy.json"
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    precision: str  # "int8" | "fp16"
+    data: str | None = None  # see calibration.data for the formats; "random" for smoke tests
+    loader: str | None = None
+    samples: int = 512
+    batch_size: int = 16
+    method: str = "percentile"
+    percentile: float = 99.99
+    eval_data: str | None = None  # default: the calibration data
+    labels: str | None = None
+    gate: GateSettings = field(default_factory=GateSettings)
+    keep_fp32: tuple[str, ...] = ()
+    quantize_attention: bool = False
+    calib_cache: Path | None = None
+    image: ImagePreprocessing | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision not in ONNX_NAMES:
+            raise CalibrationError(f"precision {self.precision!r}: calibrate makes int8 or fp16")
+        if self.method not in AMAX_METHODS:
+            raise CalibrationError(f"--calib-method {self.method!r}: use one of {', '.join(AMAX_METHODS)}")
+        if not 50 < self.percentile <= 100:
+            raise CalibrationError(f"--percentile {self.percentile}: use a value in (50, 100], e.g. 99.99")
+
+
+@dataclass
+class CalibrationOutcome:
+    manifest_update: dict[str, Any]
+    passed: bool
+    message: str
+
+
+def spec_of(manifest: dict[str, Any]) -> ModelSpec:
+    dims = dict(parse_dim_range(f"{k}={v}") for k, v in manifest.get("dims", {}).items())
+    return ModelSpec(tuple(parse_input_spec(s) for s in manifest["inputs"]), dims)
+
+
+def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[str, Any]:
+    """``trtc calibrate DIR``: add model.int8.onnx or model.fp16.onnx to an export directory."""
+    manifest = read_manifest(directory)
+    with directory_lock(directory, f"trtc calibrate --{settings.precision}"), staging_dir(directory) as stage:
+        for name in (CALIBRATION_JSON, ACCURACY_JSON):  # calibration.json is reused when nothing changed
+            if (directory / name).is_file():
+                (stage / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(directory / name, stage / name)
+        outcome = calibrated_into(stage, directory / manifest["onnx"]["fp32"]["file"], spec_of(manifest), settings)
+        if outcome.passed:
+            merged = merge_update(manifest, outcome.manifest_update)
+            write_manifest(stage / MANIFEST, merged)
+            manifest = merged
+        commit_staged(stage, directory)
+    if not outcome.passed:
+        raise AccuracyGateError(outcome.message)
+    return manifest
+
+
+def merge_update(manifest: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(manifest)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: CalibrationSettings,
+                    ) -> CalibrationOutcome:
+    """Write the reduced-precision ONNX, calibration.json and report/accuracy.json into ``stage``.
+
+    ``stage`` may already hold a ``calibration.json`` to reuse (``--calib-cache`` copies it there).
+    """
+    start = time.perf_counter()
+    model = load_onnx(fp32_path)
+    data = _open_data(settings.data, settings, spec) if (settings.data or settings.loader) else None
+    eval_data = _open_data(settings.eval_data, settings, spec, for_eval=True) if settings.eval_data else data
+    model_sha = sha256_file(fp32_path)
+    if settings.precision == "int8":
+        result, details = _int8(stage, model, model_sha, data, eval_data, settings)
+    else:
+        result, details = _fp16(model, data, eval_data, settings)
+    ungated_model = details.pop("_model")
+    report = {"precision": settings.precision, "created": now(), "seconds": round(time.perf_counter() - start, 2),
+              "calibration_data": data.to_dict() if data else None,
+              "eval_data": eval_data.to_dict() if eval_data else None,
+              "gate": asdict(settings.gate), **details}
+    if result is None:
+        report["accuracy"] = None
+        report["note"] = "no evaluation data: the accuracy gate did not run"
+        log.warning("no evaluation data: the %s accuracy gate did not run", settings.precision)
+    else:
+        report["accuracy"] = result.result.to_dict()
+        report["kept_in_fp32"] = result.kept
+        report["gate_history"] = result.history
+    reports = read_json(stage / ACCURACY_JSON) if (stage / ACCURACY_JSON).is_file() else {}
+    atomic_write_json(stage / ACCURACY_JSON, {**reports, settings.precision: report})
+    if result is not None and not result.result.passed:
+        message = (f"the {settings.precision} model misses the accuracy gate ({result.result.summary()}) even with "
+                   f"{len(result.kept)} layer(s) kept in FP32; FP32 artifacts are kept; see {ACCURACY_JSON}; try "
+                   "more calibration data, another --calib-method, or a larger --max-fallback")
+        return CalibrationOutcome({}, False, message)
+    out = stage / ONNX_NAMES[settings.precision]
+    final = result.model if result is not None else ungated_model
+    save_onnx(final, out)
+    update: dict[str, Any] = {
+        "onnx": {settings.precision: onnx_entry(stage, out)},
+        "precision": settings.precision,
+        "accuracy": {settings.precision: {"metric": report["accuracy"]["metric"] if report["accuracy"] else None,
+                                          "summary": result.result.summary() if result else "gate not run",
+                                          "kept_in_fp32": sorted(result.kept) if result else []}},
+    }
+    if settings.precision == "int8":
+        update["calibration"] = {k: report[k] for k in ("calibration_data",)} | details["calibration"]
+    else:
+        update["fp16"] = {"fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"]}
+    return CalibrationOutcome(update, True, "")
+
+
+def _open_data(source: str | None, settings: CalibrationSettings, spec: ModelSpec,
+               for_eval: bool = False) -> CalibrationData:
+    return calibration_data(source, spec, loader=None if for_eval else settings.loader,
+                            batch_size=settings.batch_size, max_samples=settings.samples, image=settings.image,
+                            labels=settings.labels)
+
+
+def _evaluator(model: onnx.ModelProto, eval_data: CalibrationData | None, settings: CalibrationSettings,
+               ) -> Evaluator | None:
+    if eval_data is None:
+        return None
+    labels = eval_data.labels
+    return Evaluator.from_model(model, list(eval_data.batches()), labels, settings.gate)
+
+
+def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: CalibrationData | None,
+          eval_data: CalibrationData | None, settings: CalibrationSettings,
+          ) -> tuple[GateOutcome | None, dict[str, Any]]:
+    policy = QdqPolicy(quantize_attention_matmuls=settings.quantize_attention,
+                       exclude_nodes=frozenset(settings.keep_fp32) & set(quantizable_nodes(model)),
+                       exclude_op_types=frozenset(settings.keep_fp32) - set(quantizable_nodes(model)))
+    tensors = tensors_to_calibrate(model, QdqPolicy(quantize_attention_matmuls=settings.quantize_attention))
+    cache = _usable_cache(stage / CALIBRATION_JSON, model_sha, data, settings)
+    if cache is not None:
+        amax = {k: float(v) for k, v in cache["amax"].items()}
+        log.info("reusing %s: %d tensors, calibrated on %s", CALIBRATION_JSON, len(amax), cache["data"]["source"])
+        record = cache
+    else:
+        if data is None:
+            raise CalibrationError("INT8 needs calibration data: pass --calib-data PATH or --calib-loader, or "
+                                   "--calib-cache with a calibration.json from an earlier build")
+        start = time.perf_counter()
+        stats = collect_histograms(model, tensors, data.batches())
+        amax = stats.amax(settings.method, settings.percentile)
+        record = {"model_sha256": model_sha, "method": settings.method, "percentile": settings.percentile,
+                  "data": data.to_dict(), "seconds": round(time.perf_counter() - start, 2),
+                  "excluded_values": stats.excluded,
+                  "amax": amax}
+        log.info("calibrated %d tensors on %d samples in %.1f s (%s)", len(amax), data.samples,
+                 record["seconds"], settings.method)
+    atomic_write_json(stage / CALIBRATION_JSON, record)
+
+    def build(excluded: frozenset[str]) -> onnx.ModelProto:
+        p = QdqPolicy(quantize_attention_matmuls=policy.quantize_attention_matmuls,
+                      exclude_nodes=policy.exclude_nodes | excluded, exclude_op_types=policy.exclude_op_types)
+        return qdq_model_from(model, amax, p)[0]
+
+    qmodel, qreport = qdq_model_from(model, amax, policy)
+    details: dict[str, Any] = {
+        "qdq": qreport.to_dict(),
+        "calibration": {"method": record["method"], "percentile": record["percentile"],
+                        "samples": record["data"]["samples"], "data_sha256": record["data"]["sha256"],
+                        "random_data": record["data"]["random"], "tensors": len(amax),
+                        "reused_cache": cache is not None},
+        "_model": qmodel,
+    }
+    evaluator = _evaluator(model, eval_data, settings)
+    if evaluator is None:
+        return None, details
+    candidates = quantizable_nodes(model, policy)
+    return gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel), details
+
+
+def _usable_cache(path: Path, model_sha: str, data: CalibrationData | None, settings: CalibrationSettings,
+                  ) -> dict[str, Any] | None:
+    source = settings.calib_cache if settings.calib_cache else (path if path.is_file() else None)
+    if source is None or not Path(source).is_file():
+        if settings.calib_cache:
+            raise CalibrationError(f"--calib-cache {settings.calib_cache}: no such file")
+        return None
+    try:
+        cache = read_json(source)
+    except ValueError as err:
+        raise CalibrationError(f"{source}: not a calibration.json ({err})") from err
+    reasons = []
+    if cache.get("model_sha256") != model_sha:
+        reasons.append("the FP32 model changed")
+    if (cache.get("method"), cache.get("percentile")) != (settings.method, settings.percentile):
+        reasons.append("the method or percentile changed")
+    if data is not None and cache.get("data", {}).get("sha256") != data.fingerprint:
+        reasons.append("the calibration data changed")
+    if reasons:
+        if settings.calib_cache:
+            log.warning("not reusing %s: %s", source, "; ".join(reasons))
+        return None
+    return cache
+
+
+def _fp16(model: onnx.ModelProto, data: CalibrationData | None, eval_data: CalibrationData | None,
+          settings: CalibrationSettings) -> tuple[GateOutcome | None, dict[str, Any]]:
+    max_abs: dict[str, float] | None = None
+    if data is not None:
+        names = _float_tensors(model)
+        max_abs = collect_max_abs(model, names, data.batches())
+        log.info("measured max |x| of %d tensors on %d samples", len(max_abs), data.samples)
+    else:
+        log.warning("no calibration data: FP16 conversion uses the type rules only (no overflow check)")
+    base = Fp16Policy(keep_fp32=frozenset(settings.keep_fp32))
+
+    def build(excluded: frozenset[str]) -> onnx.ModelProto:
+        return fp16_model_from(model, Fp16Policy(keep_fp32=base.keep_fp32 | excluded), max_abs)[0]
+
+    fmodel, report = fp16_model_from(model, base, max_abs)
+    details: dict[str, Any] = {"fp16": report.to_dict(), "_model": fmodel}
+    evaluator = _evaluator(model, eval_data, settings)
+    if evaluator is None:
+        return None, details
+    candidates = [n.name for n in model.graph.node if n.name not in report.fp32_nodes
+                  and n.op_type in _FP16_CANDIDATE_OPS]
+    if max_abs:  # the layers with the largest values first: the likeliest to lose range
+        candidates.sort(key=lambda n: -max((max_abs or {}).get(o, 0.0) for o in _outputs(model, n)))
+    return gate_with_fallback(build, candidates, evaluator, "FP16", initial=fmodel), details
+
+
+_FP16_CANDIDATE_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Softmax", "LayerNormalization",
+                                 "Add", "Mul", "Div", "Sub", "Gelu", "ReduceMean", "Sqrt", "Erf", "Tanh", "Sigmoid"})
+
+
+def _outputs(model: onnx.ModelProto, node_name: str) -> list[str]:
+    return [o for n in model.graph.node if n.name == node_name for o in n.output] or [""]
+
+
+def _float_tensors(model: onnx.ModelProto) -> list[str]:
+    typed = onnx.shape_inference.infer_shapes(model)
+    floats = {vi.name for vi in list(typed.graph.value_info) + list(typed.graph.output)
+              if vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    return [o for n in model.graph.node for o in n.output if o in floats]
+

@@ -1,0 +1,309 @@
+"""Calibration and evaluation data: read, check against the input spec, batch, fingerprint.
+
+Sources (``--calib-data``):
+  * an ``.npz`` file of arrays keyed by input name, or an ``.npy`` file (single-input models);
+    each array is a batch (rank of the input) or one sample (rank - 1);
+  * a folder of such files, read in name order (sequence models keep each file's own length);
+  * a folder of images, preprocessed as the profile's ``[calibration.image]`` says;
+  * ``random``: seeded random inputs, for smoke tests only; the manifest and report say so.
+``--calib-loader pkg.module:fn`` supplies anything else: an iterable of ``{input_name: array}``.
+
+Data is read lazily, file by file, on every pass, so memory does not grow with the data set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compiler.errors import CalibrationError
+from compiler.specs import BATCH_DIM, ModelSpec
+
+__all__ = ["CalibrationData", "calibration_data", "ImagePreprocessing", "RANDOM", "IMAGE_SUFFIXES"]
+
+log = logging.getLogger(__name__)
+
+RANDOM = "random"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".webp")
+LABEL_KEYS = ("labels", "label", "targets")
+
+
+@dataclass(frozen=True)
+class ImagePreprocessing:
+    """How image files become an input tensor: resize the short side, center-crop, scale, normalize."""
+
+    input: str | None = None  # which model input; default: the only image-shaped one
+    size: int | None = None  # short side after resize; default: the crop size
+    crop: tuple[int, int] | None = None  # (H, W); default: from the input spec
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
+    std: tuple[float, ...] = (0.229, 0.224, 0.225)
+    scale: float = 1 / 255
+    layout: str = "NCHW"
+
+    @classmethod
+    def from_profile(cls, table: dict[str, Any]) -> ImagePreprocessing:
+        known = {"input", "size", "crop", "mean", "std", "scale", "layout"}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise CalibrationError(f"calibration.image: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")
+        values = dict(table)
+        for key in ("crop", "mean", "std"):
+            if key in values:
+                values[key] = tuple(values[key])
+        if values.get("layout", "NCHW") not in ("NCHW", "NHWC"):
+            raise CalibrationError("calibration.image.layout must be NCHW or NHWC")
+        return cls(**values)
+
+
+@dataclass
+class CalibrationData:
+    """A re-iterable source of checked batches of at most ``batch_size`` samples.
+
+    ``samples`` and ``fingerprint`` are known after the first full pass (``scan``).
+    """
+
+    description: str
+    spec: ModelSpec
+    batch_size: int
+    max_samples: int
+    read: Callable[[], Iterator[tuple[str, dict[str, np.ndarray]]]] = field(repr=False)  # (where, sample) pairs
+    is_random: bool = False
+    labels: np.ndarray | None = None
+    samples: int = 0
+    fingerprint: str = ""
+
+    def scan(self) -> CalibrationData:
+        """Check every sample once, count them and fingerprint the data."""
+        h = hashlib.sha256()
+        count = 0
+        for _, sample in self._checked_samples():
+            for name in self.spec.input_names:
+                h.update(name.encode())
+                h.update(str(sample[name].shape).encode())
+                h.update(np.ascontiguousarray(sample[name]).tobytes())
+            count += 1
+        if count < self.batch_size:
+            raise CalibrationError(f"{self.description}: {count} samples, fewer than one batch of {self.batch_size}; "
+                                   "give more samples or a smaller --calib-batch")
+        self.samples, self.fingerprint = count, h.hexdigest()
+        if self.labels is not None and len(self.labels) < count:
+            raise CalibrationError(f"{self.description}: {len(self.labels)} labels for {count} samples")
+        return self
+
+    def batches(self) -> Iterator[dict[str, np.ndarray]]:
+        """Batches of up to ``batch_size`` samples; a change of shape (sequence length) starts a new batch."""
+        pending: list[dict[str, np.ndarray]] = []
+        for _, sample in self._checked_samples():
+            if pending and any(pending[0][n].shape != sample[n].shape for n in sample):
+                yield _stack(pending)
+                pending = []
+            pending.append(sample)
+            if len(pending) == self.batch_size:
+                yield _stack(pending)
+                pending = []
+        if pending:
+            yield _stack(pending)
+
+    def _checked_samples(self) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+        for count, (where, sample) in enumerate(self.read()):
+            if count >= self.max_samples:
+                return
+            _check_sample(where, sample, self.spec)
+            yield where, {n: sample[n] for n in self.spec.input_names}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.description, "samples": self.samples, "batch_size": self.batch_size,
+                "sha256": self.fingerprint, "random": self.is_random}
+
+
+def calibration_data(source: str | Path | None, spec: ModelSpec, *, loader: str | None = None,
+                     batch_size: int = 16, max_samples: int = 512, image: ImagePreprocessing | None = None,
+                     labels: str | Path | None = None, seed: int = 0) -> CalibrationData:
+    """Open a data source and check it fully (shapes, dtypes, NaN/Inf, count) before any model runs."""
+    if batch_size < 1 or max_samples < 1:
+        raise CalibrationError("--calib-batch and --calib-samples must be at least 1")
+    if loader:
+        if source:
+            raise CalibrationError("give either --calib-data or --calib-loader, not both")
+        return _scan(CalibrationData(f"--calib-loader {loader}", spec, batch_size, max_samples,
+                                     lambda: _from_loader(loader, spec)))
+    if source is None:
+        raise CalibrationError("no calibration data: pass --calib-data PATH (.npz/.npy file or folder, image folder) "
+                               "or --calib-loader pkg.module:fn; `--calib-data random` exists for smoke tests only")
+    if str(source) == RANDOM:
+        log.warning("calibrating on RANDOM data: scales will not fit real inputs; use this for smoke tests only")
+        return _scan(CalibrationData("random (smoke test only)", spec, batch_size, max_samples,
+                                     lambda: _random_samples(spec, max_samples, seed), is_random=True))
+    path = Path(source)
+    if not path.exists():
+        raise CalibrationError(f"{path}: no such calibration data; check --calib-data")
+    files = _data_files(path)
+    if files:
+        data = CalibrationData(str(path), spec, batch_size, max_samples, lambda: _from_arrays(files, spec))
+        data.labels = _labels(files, labels, max_samples)
+        return _scan(data)
+    images = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) if path.is_dir() else []
+    if images:
+        prep = image or ImagePreprocessing()
+        return _scan(CalibrationData(f"{path} ({len(images)} images)", spec, batch_size, max_samples,
+                                     lambda: _from_images(images, spec, prep)))
+    raise CalibrationError(f"{path}: holds no .npz/.npy files or images; see `trtc calibrate --help` for the formats")
+
+
+def _scan(data: CalibrationData) -> CalibrationData:
+    return data.scan()
+
+
+def _data_files(path: Path) -> list[Path]:
+    if path.is_file():
+        if path.suffix not in (".npz", ".npy"):
+            raise CalibrationError(f"{path}: calibration files must be .npz or .npy (or pass a folder of images)")
+        return [path]
+    return sorted(p for p in path.iterdir() if p.suffix in (".npz", ".npy"))
+
+
+def _arrays(path: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
+    try:
+        if path.suffix == ".npy":
+            if len(spec.inputs) != 1:
+                raise CalibrationError(f"{path}: an .npy file holds one array, but the model has inputs "
+                                       f"{spec.input_names}; use .npz files keyed by input name")
+            return {spec.input_names[0]: np.load(path, allow_pickle=False)}
+        with np.load(path, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except (ValueError, OSError) as err:
+        raise CalibrationError(f"{path}: not a readable numpy file ({err})") from err
+
+
+def _from_arrays(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    for path in files:
+        arrays = _arrays(path, spec)
+        missing = [n for n in spec.input_names if n not in arrays]
+        if missing:
+            raise CalibrationError(f"{path}: no array for input {missing[0]!r} (it has {', '.join(arrays) or 'none'}); "
+                                   "key the arrays by input name")
+        first = spec.inputs[0]
+        batched = arrays[first.name].ndim == len(first.dims)
+        count = len(arrays[first.name]) if batched else 1
+        for i in range(count):
+            yield f"{path.name}[{i}]", {s.name: arrays[s.name][i] if batched else arrays[s.name]
+                                        for s in spec.inputs}
+
+
+def _labels(files: list[Path], labels: str | Path | None, max_samples: int) -> np.ndarray | None:
+    if labels is not None and Path(labels).suffix == ".npy":
+        return np.load(labels, allow_pickle=False)[:max_samples]
+    key = str(labels) if labels else None
+    parts = []
+    for path in files:
+        if path.suffix != ".npz":
+            continue
+        with np.load(path, allow_pickle=False) as npz:
+            names = [key] if key else [k for k in LABEL_KEYS if k in npz.files]
+            if key and key not in npz.files:
+                raise CalibrationError(f"{path}: no {key!r} array for the labels")
+            if names:
+                parts.append(np.atleast_1d(npz[names[0]]))
+    return np.concatenate(parts)[:max_samples] if parts else None
+
+
+def _from_loader(spec_text: str, spec: ModelSpec) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    module_name, _, attr = spec_text.partition(":")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise CalibrationError(f"--calib-loader {spec_text}: cannot load it ({err}); write pkg.module:fn") from err
+    for i, item in enumerate(fn()):
+        if not isinstance(item, dict):
+            raise CalibrationError(f"--calib-loader {spec_text}: item {i} is a {type(item).__name__}, not a dict of "
+                                   "arrays keyed by input name")
+        arrays = {k: np.asarray(v) for k, v in item.items()}
+        first = spec.inputs[0]
+        if first.name in arrays and arrays[first.name].ndim == len(first.dims):
+            for j in range(len(arrays[first.name])):
+                yield f"loader item {i}[{j}]", {k: v[j] for k, v in arrays.items()}
+        else:
+            yield f"loader item {i}", arrays
+
+
+def _random_samples(spec: ModelSpec, count: int, seed: int) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    for i in range(count):
+        feed = spec.example_feed(1, seed=seed + i)
+        yield f"random[{i}]", {k: v[0] for k, v in feed.items()}
+
+
+def _from_images(images: list[Path], spec: ModelSpec, prep: ImagePreprocessing,
+                 ) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise CalibrationError("image folders need Pillow: pip install pillow") from err
+    if len(spec.inputs) != 1 and prep.input is None:
+        raise CalibrationError("the model has several inputs: set calibration.image.input to the image input")
+    target = next(s for s in spec.inputs if s.name == (prep.input or spec.inputs[0].name))
+    dims = target.dims[1:]
+    if len(dims) != 3:
+        raise CalibrationError(f"input {target} is not an image batch (N x C x H x W or N x H x W x C)")
+    h, w = (dims[1], dims[2]) if prep.layout == "NCHW" else (dims[0], dims[1])
+    channels = dims[0] if prep.layout == "NCHW" else dims[2]
+    if prep.crop is None and not (isinstance(h, int) and isinstance(w, int)):
+        raise CalibrationError(f"input {target} has dynamic height/width: set calibration.image.crop = [H, W]")
+    crop: tuple[int, int] = prep.crop or (int(h), int(w))
+    for path in images:
+        try:
+            img = Image.open(path).convert("RGB" if channels == 3 else "L")
+        except OSError as err:
+            raise CalibrationError(f"{path}: not a readable image ({err})") from err
+        short = prep.size or max(crop)
+        scale = short / min(img.size)
+        img = img.resize((max(crop[1], round(img.size[0] * scale)), max(crop[0], round(img.size[1] * scale))),
+                         Image.Resampling.BILINEAR)
+        left, top = (img.size[0] - int(crop[1])) // 2, (img.size[1] - int(crop[0])) // 2
+        img = img.crop((left, top, left + int(crop[1]), top + int(crop[0])))
+        pixels: np.ndarray = np.asarray(img, dtype=np.float32)
+        pixels = pixels[..., None] if pixels.ndim == 2 else pixels
+        mean = np.asarray(prep.mean[: pixels.shape[-1]], np.float32)
+        std = np.asarray(prep.std[: pixels.shape[-1]], np.float32)
+        x = (pixels * np.float32(prep.scale) - mean) / std
+        if prep.layout == "NCHW":
+            x = x.transpose(2, 0, 1)
+        yield path.name, {target.name: np.ascontiguousarray(x, dtype=np.float32)}
+
+
+def _check_sample(where: str, sample: dict[str, np.ndarray], spec: ModelSpec) -> None:
+    for s in spec.inputs:
+        if s.name not in sample:
+            raise CalibrationError(f"{where}: no value for input {s.name!r} (has {', '.join(sample)}); key the data by "
+                                   "input name")
+        value = sample[s.name]
+        if value.dtype != np.dtype(s.dtype):
+            raise CalibrationError(f"{where}: input {s.name!r} is {value.dtype}, the model takes {s.dtype}; "
+                                   f"convert it with .astype('{s.dtype}')")
+        want = s.dims[1:] if s.dims and s.dims[0] == BATCH_DIM else s.dims
+        if value.ndim != len(want):
+            raise CalibrationError(f"{where}: input {s.name!r} has shape {value.shape}, expected one sample shaped "
+                                   f"{'x'.join(map(str, want))}")
+        for axis, (got, dim) in enumerate(zip(value.shape, want)):
+            if isinstance(dim, int) and got != dim:
+                raise CalibrationError(f"{where}: input {s.name!r} has shape {value.shape}; dimension {axis} must be "
+                                       f"{dim}")
+            if isinstance(dim, str) and dim in spec.dims and not spec.dims[dim].min <= got <= spec.dims[dim].max:
+                raise CalibrationError(f"{where}: input {s.name!r} dimension {dim}={got} is outside its range "
+                                       f"{spec.dims[dim]}")
+        if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
+            raise CalibrationError(f"{where}: input {s.name!r} holds NaN or Inf; clean or drop that sample")
+
+
+def _stack(samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {n: np.stack([s[n] for s in samples]) for n in samples[0]}
+
