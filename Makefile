@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps --target $(STUBS) tensorrt-stubs==10.13.0.35.1
+	# the stubs' generator wrote two signatures that are not Python: a parameter named `in`, a required
+	# parameter after defaults
+	sed -i -E '/^\s*def /s/([(,] ?)in: /\1in_: /; s/(power: Weights = None, channel_axis: int)\)/\1 = ...)/' \
+		$(STUBS)/tensorrt_bindings/tensorrt.pyi
 	touch $@
 
 test: install

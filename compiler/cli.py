@@ -229,14 +229,6 @@ def export_cmd(**kw: Any) -> None:
     print_export_summary(manifest, settings.out)
 
 
-def main() -> None:
-    cli.main(prog_name="trtc")
-
-
-if __name__ == "__main__":
-    main()
-
-
 def calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Calibration data, method and accuracy gate (shared by calibrate and build)."""
     options = [
@@ -308,3 +300,94 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
     settings = calibration_settings_from(kw, precision, {})
     calibrate_directory(directory, settings)
     print_accuracy(directory)
+
+
+def build_settings_from(kw: dict[str, Any], profile: dict[str, dict[str, Any]], buckets: tuple[int, ...],
+                        precision: str) -> Any:
+    from compiler.settings import BuildSettings
+
+    def pick(option: str, key: str, default: Any = None) -> Any:
+        return _merged(profile, "build", key, kw.get(option), default)
+
+    timing_cache = pick("timing_cache", "timing_cache")
+    workspace = pick("workspace", "workspace_mib")
+    return BuildSettings(buckets=buckets, precision=precision, multi_profile=bool(pick("multi_profile", "multi_profile",
+                                                                                       False)),
+                         workspace_mib=int(workspace) if workspace is not None else None,
+                         opt_level=int(pick("opt_level", "opt_level", 3)),
+                         hardware_compat=bool(pick("hardware_compat", "hardware_compat", False)),
+                         version_compatible=bool(pick("version_compatible", "version_compatible", False)),
+                         timing_cache=Path(timing_cache) if timing_cache else None,
+                         engine=pick("engine", "engine", "tensorrt"), jobs=int(kw.get("jobs") or 1))
+
+
+def build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """How engines are built (shared by build and rebuild)."""
+    options = [
+        click.option("--multi-profile", is_flag=True, default=None,
+                     help="One engine with one optimization profile per bucket (weights stored once)."),
+        click.option("--workspace", type=int, metavar="MIB", help="Builder workspace limit in MiB."),
+        click.option("--opt-level", type=click.IntRange(0, 5), help="Builder optimization level (default 3)."),
+        click.option("--hardware-compat", is_flag=True, default=None,
+                     help="Engines that run on any Ampere or newer GPU (recorded in the manifest)."),
+        click.option("--version-compatible", is_flag=True, default=None,
+                     help="Engines that later TensorRT versions of the same major can run (recorded)."),
+        click.option("--timing-cache", type=click.Path(path_type=Path),
+                     help="A timing cache shared across models (DIR/timing.cache is always used too)."),
+        click.option("--jobs", type=int, help="Build buckets in parallel, one process per GPU."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@cli.command("build")
+@model_options
+@click.option("--out", type=click.Path(path_type=Path), help="Output directory (default build/<model name>).")
+@click.option("--buckets", type=BucketsType(), help="Batch buckets, one engine each (default 1,4,8,16).")
+@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ (needs --calib-data).")
+@click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
+@click.option("--fp32", "precision", flag_value="fp32", help="FP32 (the default).")
+@click.option("--engine", type=click.Choice(["tensorrt", "none"]),
+              help="'none' stops after the ONNX and calibration artifacts, on purpose (exit 0).")
+@click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
+@click.option("--rtol", type=float, help="Export verification tolerance relative to output scale (default 1e-4).")
+@click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
+@calibration_options
+@build_options
+@common_options
+def build_cmd(precision: str | None, **kw: Any) -> None:
+    """Build TensorRT engines per batch bucket: export, calibrate, build, in one directory.
+
+    \b
+    Examples:
+      trtc build model.pt --int8 --buckets 1,4,8,16 --calib-data calib.npz --out build/m
+      trtc build model.pt --fp16 --calib-data calib/ --out build/m
+      trtc build --profile profiles/resnet_digits.toml
+    Without TensorRT, everything but the engines is written and trtc exits with 4 (see trtc --help).
+    """
+    from compiler.build import build_directory
+    from compiler.report import print_build_summary
+
+    if kw.get("out") is None and kw.get("model") and not kw.get("profile"):
+        kw["out"] = Path("build") / Path(kw["model"]).stem
+    export, profile = export_settings_from(kw)
+    precision = precision or profile.get("build", {}).get("precision", "fp32")
+    calibration = calibration_settings_from(kw, precision, profile) if precision in ("int8", "fp16") else None
+    build = build_settings_from(kw, profile, export.buckets, precision)
+    try:
+        manifest = build_directory(export, calibration, build)
+    except TrtcError as err:
+        if err.exit_code == 4:  # TensorRT missing: the rest was written; show it before the one-line error
+            print_build_summary(export.out)
+        raise
+    print_build_summary(export.out, manifest)
+
+
+
+def main() -> None:
+    cli.main(prog_name="trtc")
+
+
+if __name__ == "__main__":
+    main()

@@ -133,6 +133,8 @@ def directory_lock(out_dir: Path, command: str) -> Iterator[None]:
                                   "wait for it to finish or choose another --out directory") from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command}).encode())
+        for leftover in out_dir.glob(".staging-*"):  # from a run that was killed; only the lock holder stages
+            shutil.rmtree(leftover, ignore_errors=True)
         yield
     finally:
         if created and [p.name for p in out_dir.iterdir()] == [LOCK_NAME]:

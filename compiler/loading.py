@@ -185,6 +185,30 @@ def _from_factory(spec: str, weights: Path | None) -> LoadedModel:
     return LoadedModel("factory", source, module=module.eval())
 
 
+def program_ranges(program: Any) -> dict[str, tuple[int, int | None]]:
+    """Declared (min, max) of each dynamic dim of an ExportedProgram, named as ``specs_from_exported_program`` names
+    them (B for the first); max is None when unbounded."""
+    import torch
+
+    ranges: dict[str, tuple[int, int | None]] = {}
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    letters = iter("STUVWXYZHKLMNPQR")
+    seen: dict[str, str] = {}
+    for name in program.graph_signature.user_inputs:
+        val = placeholders[name].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for size in val.shape:
+            if isinstance(size, int) or str(size) in seen:
+                continue
+            seen[str(size)] = BATCH_DIM if not seen else next(letters)
+            vr = program.range_constraints.get(size.node.expr)
+            lo = max(1, int(vr.lower)) if vr is not None else 1
+            hi = int(vr.upper) if vr is not None and vr.upper.is_finite else None
+            ranges[seen[str(size)]] = (lo, hi)
+    return ranges
+
+
 def specs_from_exported_program(program: Any) -> tuple[list[InputSpec], dict[str, DimRange]]:
     """Input specs read off an ExportedProgram's placeholders and range constraints.
 

@@ -311,6 +311,6 @@ def run_passes(model: onnx.ModelProto, passes: list[tuple[str, Pass]] | None = N
             raise PassError(f"pass {name} failed after [{ran}]: {err}") from err
         results.append(PassResult(name, nodes, len(model.graph.node), inits, len(model.graph.initializer),
                                   time.perf_counter() - start, changes))
-        log.info("pass %s: nodes %d -> %d, initializers %d -> %d", name, nodes, len(model.graph.node), inits,
+        log.debug("pass %s: nodes %d -> %d, initializers %d -> %d", name, nodes, len(model.graph.node), inits,
                  len(model.graph.initializer))
     return model, results

@@ -124,3 +124,29 @@ def _reference_runner(loaded: LoadedModel, spec: ModelSpec, model: Any) -> Torch
     if loaded.module is None:
         return None
     return TorchRunner(loaded.module, spec.input_names, [o.name for o in model.graph.output])
+
+
+def check_against_model(loaded: LoadedModel, spec: ModelSpec, buckets: tuple[int, ...]) -> None:
+    """Buckets and dim ranges must fit what the model itself declares (ExportedProgram ranges, fixed ONNX dims)."""
+    if loaded.exported_program is not None:
+        from compiler.loading import program_ranges
+
+        for name, (lo, hi) in program_ranges(loaded.exported_program).items():
+            if name == BATCH_DIM and hi is not None and max(buckets) > hi:
+                raise InputError(f"bucket {max(buckets)} is larger than the model allows: its ExportedProgram "
+                                 f"declares batch <= {hi}; lower --buckets or export with a larger batch range")
+            if name in spec.dims and (spec.dims[name].min < lo or (hi is not None and spec.dims[name].max > hi)):
+                raise InputError(f"--dim {name}={spec.dims[name]} contradicts the model, which declares {name} in "
+                                 f"[{lo}, {hi if hi is not None else 'inf'}]; fix the range in the profile or --dim")
+    if loaded.is_onnx and loaded.onnx_path is not None:
+        from compiler.onnx_io import load_onnx
+
+        graph = load_onnx(loaded.onnx_path, load_weights=False).graph
+        for inp in graph.input:
+            dims = inp.type.tensor_type.shape.dim
+            want = next((s for s in spec.inputs if s.name == inp.name), None)
+            if want and dims and want.dims and want.dims[0] == BATCH_DIM and dims[0].dim_value:
+                fixed = dims[0].dim_value
+                if fixed not in (max(buckets),) or len(buckets) > 1:
+                    raise InputError(f"the ONNX input {inp.name} has a fixed batch of {fixed}, so buckets "
+                                     f"{','.join(map(str, buckets))} cannot be built; re-export with a dynamic batch")

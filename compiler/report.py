@@ -64,3 +64,22 @@ def _print_accuracy_entry(precision: str, report: dict[str, Any], path: Path) ->
     if data.get("random"):
         console.print("[bold red]calibrated on RANDOM data: for smoke tests only[/]")
     console.print("PASS" if acc["passed"] else "FAIL", f"({path})")
+
+
+def print_build_summary(out: Path, manifest: dict[str, Any] | None = None) -> None:
+    import json
+
+    if manifest is None:
+        path = out / "manifest.json"
+        if not path.is_file():
+            return
+        manifest = json.loads(path.read_text())
+    print_accuracy(out)
+    table = Table("artifact", "file", "size", title=f"build {out} ({manifest.get('precision', 'fp32')})")
+    for precision, entry in manifest.get("onnx", {}).items():
+        table.add_row(f"onnx {precision}", entry["file"], f"{entry['bytes'] / 2**20:.2f} MiB")
+    for engine in manifest.get("engines", []):
+        table.add_row(f"engine b{engine.get('bucket')}", engine["file"], f"{engine['bytes'] / 2**20:.2f} MiB")
+    console.print(table)
+    if manifest.get("engines_note"):
+        console.print(f"engines {manifest['engines_note'].removeprefix('not built: ')}: not built")

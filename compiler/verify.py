@@ -70,7 +70,7 @@ def verify_runners(candidate: Runner, reference: Runner, spec: ModelSpec, batche
         got = candidate.infer(feed)
         got = {r: got[c] for r, c in zip(ref, got)}  # outputs in graph order; names may differ
         cmp = compare_outputs(got, ref, batch)
-        log.info("%s at batch %d: max abs %.3g, max rel %.3g, cosine %.6f", what, batch, cmp.max_abs, cmp.max_rel,
+        log.debug("%s at batch %d: max abs %.3g, max rel %.3g, cosine %.6f", what, batch, cmp.max_abs, cmp.max_rel,
                  cmp.cosine)
         results.append(cmp)
         if not cmp.max_rel <= rtol:

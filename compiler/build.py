@@ -1,0 +1,108 @@
+"""``trtc build``: export, calibrate and build engines into one directory, atomically.
+
+Everything is written into a staging folder inside the output directory and moved into
+place only at the end, manifest last:
+  * the accuracy gate fails -> nothing of the build replaces the previous one; the failed
+    attempt's report, calibration and FP32 ONNX go to ``DIR/failed/`` for inspection (exit 3);
+  * TensorRT is not installed -> every artifact but the engines is committed, then exit 4
+    (``--engine none`` makes that the intended outcome, exit 0);
+  * any other error or a kill -> the previous build stays as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from compiler.errors import AccuracyGateError, TensorRTNotInstalled
+from compiler.files import commit_staged, directory_lock, staging_dir
+from compiler.loading import load_model
+from compiler.manifest import MANIFEST, refuse_other_model, write_manifest
+from compiler.pipeline import FP32_ONNX, check_against_model, exported_into, resolve_spec, source_fingerprint
+from compiler.settings import BuildSettings, ExportSettings
+
+__all__ = ["build_directory", "FAILED_DIR"]
+
+log = logging.getLogger(__name__)
+
+FAILED_DIR = "failed"
+
+
+def build_directory(export: ExportSettings, calibration: Any | None, build: BuildSettings,
+                    command: str = "trtc build") -> dict[str, Any]:
+    """Run the whole chain; returns the manifest written. ``calibration`` is a CalibrationSettings or None (FP32)."""
+    from calibration.calibrate import CALIBRATION_JSON, calibrated_into, merge_update
+
+    start = time.perf_counter()
+    out = export.out
+    loaded = load_model(export.source.path, factory=export.source.factory, weights=export.source.weights,
+                        trust_pickle=export.source.trust_pickle)
+    spec = resolve_spec(loaded, export.spec)
+    check_against_model(loaded, spec, build.buckets)
+    fingerprint = source_fingerprint(loaded)
+    with directory_lock(out, command):
+        refuse_other_model(out, fingerprint, export.force)
+        with staging_dir(out) as stage:
+            manifest = exported_into(stage, loaded, spec, export, fingerprint)
+            if calibration is not None:
+                cache = calibration.calib_cache or (out / CALIBRATION_JSON)
+                if Path(cache).is_file():
+                    shutil.copy2(cache, stage / CALIBRATION_JSON)
+                outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
+                if not outcome.passed:
+                    _keep_failed_attempt(stage, out, manifest)
+                    raise AccuracyGateError(outcome.message + f"; the failed attempt is in {out / FAILED_DIR}")
+                manifest = merge_update(manifest, outcome.manifest_update)
+            manifest["build"] = {**asdict(build), "timing_cache": str(build.timing_cache) if build.timing_cache
+                                 else None}
+            manifest["engines"] = []
+            missing: TensorRTNotInstalled | None = None
+            if build.engine == "none":
+                manifest["engines_note"] = "not built: --engine none"
+            else:
+                missing = _engines_into(stage, out, manifest, spec, build)
+            manifest["build_seconds"] = round(time.perf_counter() - start, 2)
+            write_manifest(stage / MANIFEST, manifest)
+            commit_staged(stage, out)
+    if missing is not None:
+        raise missing
+    return manifest
+
+
+def _engines_into(stage: Path, out: Path, manifest: dict[str, Any], spec: Any, build: BuildSettings,
+                  ) -> TensorRTNotInstalled | None:
+    """Build the engines into ``stage``; returns (not raises) TensorRTNotInstalled so the rest is committed first."""
+    from compiler import engines
+
+    if engines.tensorrt_version() is None:
+        err = TensorRTNotInstalled(f"TensorRT is not installed: engines not built; install trtc[tensorrt] on a "
+                                   f"machine with an NVIDIA GPU and run `trtc rebuild {out}`")
+        manifest["engines_note"] = "not built: TensorRT is not installed here"
+        manifest["environment"] = engines.environment(build)
+        return err
+    engines.require_tensorrt(out)
+    onnx_rel = manifest["onnx"][build.precision]["file"] if build.precision in manifest["onnx"] else FP32_ONNX
+    if (out / "timing.cache").is_file():  # shared across buckets and across rebuilds of this directory
+        shutil.copy2(out / "timing.cache", stage / "timing.cache")
+    manifest["engines"] = engines.build_engine_files(out, stage, onnx_rel, spec, build)
+    manifest["environment"] = engines.environment(build)
+    return None
+
+
+def _keep_failed_attempt(stage: Path, out: Path, manifest: dict[str, Any]) -> None:
+    """Move what the failed attempt produced to DIR/failed/, leaving the previous build untouched."""
+    failed = out / FAILED_DIR
+    if failed.exists():
+        shutil.rmtree(failed)
+    kept = stage / ".failed"
+    kept.mkdir()
+    for path in list(stage.iterdir()):
+        if path.name not in (".failed", ".export"):
+            os.replace(path, kept / path.name)
+    write_manifest(kept / MANIFEST, {**manifest, "failed": "accuracy gate"})
+    os.replace(kept, failed)
