@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,13 +26,70 @@ def _cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    has_trt = importlib.util.find_spec("tensorrt") is not None
+    from compiler.engines import tensorrt_version
+
+    has_trt = tensorrt_version() is not None  # a namespace package or stubs named tensorrt do not count
     has_gpu = _cuda()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
-    skip_trt = pytest.mark.skip(reason="needs TensorRT: `import tensorrt` fails here (install trtc[tensorrt] "
-                                       "on a machine with an NVIDIA GPU)")
+    skip_trt = pytest.mark.skip(
+        reason="needs TensorRT and a GPU: " + ("no CUDA GPU here" if has_trt else
+                                               "no real TensorRT imports here (install trtc[tensorrt] on a "
+                                               "machine with an NVIDIA GPU)"))
     for item in items:
         if "tensorrt" in item.keywords and not (has_trt and has_gpu):
             item.add_marker(skip_trt)
         elif "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+
+
+# --- engine builds without TensorRT ---------------------------------------------------------------------------
+
+FAKE_ENGINE_HEADER = b"FAKE ENGINE WRITTEN BY A TEST DOUBLE - NOT A TENSORRT ENGINE\n"
+
+
+def fake_engine_build_step_for_tests(loader: Any) -> tuple[bytes, str]:
+    """TEST DOUBLE OF THE BUILD STEP ONLY: no TensorRT is involved and the bytes are not an engine.
+
+    Stands in for ``compiler.engines.tensorrt_build_step`` so that everything around a build (engine
+    files, manifest entries, staleness, rebuild, merge, atomic commits) runs for real where TensorRT
+    cannot be installed. The "engine" is derived from the ONNX file's sha256, the loader's optimization
+    profiles and the GPU the worker was pinned to; the timing cache is appended to, as Polygraphy's
+    ``save_timing_cache`` does after a real build.
+    """
+    from compiler.files import sha256_file
+
+    network, create_config = loader._network, loader._config._config  # Polygraphy keeps its chain private
+    profiles = [{name: [list(s.min), list(s.opt), list(s.max)] for name, s in profile.items()}
+                for profile in create_config.profiles]
+    record = {"onnx_sha256": sha256_file(network.path), "profiles": profiles,
+              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    with open(loader.timing_cache_path, "ab") as cache:
+        cache.write(json.dumps(profiles).encode() + b"\n")
+    layers = {"Layers": [{"Name": "fc + relu", "Outputs": [{"Name": "y", "DataType": "Float"}]}]}
+    return FAKE_ENGINE_HEADER + json.dumps(record).encode(), json.dumps(layers)
+
+
+@pytest.fixture
+def exported_dir(tmp_path: Path) -> Path:
+    """A directory as ``trtc export`` leaves it, for a tiny ONNX model: x (Bx64) -> MatMul -> Relu -> y (Bx8).
+
+    The weights (2 KiB) live in model.onnx.data, as the exporter writes them; buckets 1 and 4.
+    """
+    from onnx import helper
+
+    from compiler.manifest import MANIFEST, now, onnx_entry, write_manifest
+    from compiler.onnx_io import save_onnx
+    from tests.onnx_helpers import make_model, tensor
+
+    out = tmp_path / "exported"
+    weights = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
+                        helper.make_node("Relu", ["h"], ["y"], name="relu")],
+                       [tensor("x", ["B", 64])], [tensor("y", ["B", 8])], {"w": weights})
+    save_onnx(model, out / "model.onnx")
+    write_manifest(out / MANIFEST, {
+        "trtc_version": "0.1.0", "created": now(),
+        "source": {"path": "tests/conftest.py:exported_dir", "format": "onnx", "sha256": "0" * 64},
+        "inputs": ["x:Bx64:float32"], "dims": {}, "output_names": ["y"], "buckets": [1, 4],
+        "onnx": {"fp32": onnx_entry(out, out / "model.onnx")}, "precision": "fp32"})
+    return out

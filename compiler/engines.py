@@ -1,0 +1,680 @@
+"""TensorRT engines for a build directory: one engine per batch bucket, or one with a profile per bucket.
+
+The precision is already in the ONNX graph (Q/DQ pairs and casts), so every network is built
+strongly typed and no precision flag is ever set: on TensorRT 10 through the STRONGLY_TYPED
+creation flag, on TensorRT 11 because every network is strongly typed.
+
+Engines are built through Polygraphy's loaders, which read like the pipeline::
+
+    EngineBytesFromNetwork(NetworkFromOnnxPath(onnx, strongly_typed=True),
+                           config=PostprocessConfig(CreateConfig(profiles=[...], ...), TensorRTEnumOptions(...)),
+                           save_timing_cache=STAGE/timing.cache)
+
+The chain is only constructed here; nothing touches TensorRT until a *build step* calls it.
+``tensorrt_build_step`` is the real one; tests inject a double of the build step alone, so that
+everything around it (files, manifest entries, staleness, atomic commits) is tested for real.
+
+Directory layout written by ``build_engine_files`` (into the staging folder, committed by the caller)::
+
+    engines/b4.engine          serialized engine for batch 4
+    engines/b4.layers.json     the engine inspector's layer information (which layers run in INT8/FP16)
+    timing.cache               TensorRT's tactic timing cache, shared by the buckets and by rebuilds
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from compiler.errors import BuildError, InputError, TensorRTNotInstalled
+from compiler.files import atomic_write_bytes, atomic_write_text, read_json, sha256_file, sha256_files
+from compiler.onnx_io import onnx_files
+from compiler.settings import BuildSettings
+from compiler.specs import BATCH_DIM, ModelSpec, parse_dim_range, parse_input_spec
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+__all__ = ["SUPPORTED_MAJORS", "ENGINES_DIR", "TIMING_CACHE", "NOT_INSTALLED", "Shapes", "BuildStep",
+           "tensorrt_version", "require_tensorrt", "strongly_typed_flag", "profile_shapes", "multi_profile_shapes",
+           "TensorRTEnumOptions", "engine_loader", "build_engine_files", "tensorrt_build_step",
+           "describe_parser_errors", "layer_summary", "environment", "visible_gpus", "settings_to_dict",
+           "settings_from_dict", "spec_from_manifest", "merge_timing_cache", "manifest_engine_keys",
+           "parse_compute_capability"]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MAJORS = (10, 11)
+ENGINES_DIR = "engines"
+TIMING_CACHE = "timing.cache"
+NOT_INSTALLED = ("TensorRT is not installed: engines not built; install trtc[tensorrt] on a machine with an NVIDIA "
+                 "GPU and run `trtc rebuild {directory}`")
+
+Shape = tuple[int, ...]
+Shapes = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
+BuildStep = Callable[[Any], tuple[bytes, str]]  # polygraphy engine loader -> (engine bytes, layer information JSON)
+
+
+# --- which TensorRT -------------------------------------------------------------------------------------------
+
+def tensorrt_version() -> str | None:
+    """The version of the TensorRT that imports here, or None.
+
+    Only a real TensorRT counts: a namespace package (a stray ``tensorrt/`` folder, type stubs on
+    the path) imports but has neither ``Builder`` nor ``__version__``.
+    """
+    try:
+        import tensorrt
+    except (ImportError, OSError) as err:  # OSError: the wheel is there but libnvinfer does not load
+        log.debug("TensorRT does not import: %s", err)
+        return None
+    version = getattr(tensorrt, "__version__", None)
+    if not hasattr(tensorrt, "Builder") or not isinstance(version, str):
+        return None
+    return version
+
+
+def _major(version: str) -> int:
+    return int(version.split(".")[0])
+
+
+def require_tensorrt(directory: Path | str | None = None) -> str:
+    """The TensorRT version, after checking that it is installed and one that trtc supports (10.x, 11.x).
+
+    Raises ``TensorRTNotInstalled`` (exit code 4) naming ``trtc rebuild DIR`` as the way to finish the
+    directory later, or ``BuildError`` for a TensorRT older than 10.
+    """
+    version = tensorrt_version()
+    if version is None:
+        raise TensorRTNotInstalled(NOT_INSTALLED.format(directory=directory if directory is not None else "DIR"))
+    major = _major(version)
+    if major < SUPPORTED_MAJORS[0]:
+        raise BuildError(f"TensorRT {version} is too old: trtc needs 10.x or 11.x (strongly typed networks); "
+                         "install trtc[tensorrt] to get a supported version")
+    if major > SUPPORTED_MAJORS[-1]:
+        log.warning("TensorRT %s is newer than trtc knows (10.x, 11.x); building anyway", version)
+    return version
+
+
+def strongly_typed_flag() -> bool:
+    """Whether to ask Polygraphy for a STRONGLY_TYPED network (``strongly_typed=True``).
+
+    TensorRT 10 builds a weakly typed network unless the flag is set, and then the builder's precision
+    flags (which trtc never sets) would decide layer precision instead of the graph's Q/DQ and casts:
+    the flag is required. TensorRT 11 networks are always strongly typed; the flag is deprecated and
+    ignored there. Polygraphy 0.53 sets it with ``getattr(NetworkDefinitionCreationFlag, "STRONGLY_TYPED")``
+    and fails ("not available") if a release drops the enum member, so on 11.x the flag is asked for only
+    while the enum still has it. Without TensorRT here (a loader built to be inspected) the answer is 10.x's.
+    """
+    version = tensorrt_version()
+    if version is None or _major(version) < 11:
+        return True
+    import tensorrt as trt
+
+    return hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
+
+
+# --- shapes and loaders ---------------------------------------------------------------------------------------
+
+def profile_shapes(spec: ModelSpec, bucket: int) -> Shapes:
+    """Min/opt/max shape of every input for the engine of one batch bucket.
+
+    The batch ``B`` is fixed at the bucket (min = opt = max); every other dynamic dimension spans its
+    declared range (``--dim S=1:128:512``). Inputs without dynamic dimensions get their one shape thrice.
+    """
+    if bucket < 1:
+        raise InputError(f"bucket {bucket} is not a positive integer: write --buckets like 1,4,8,16")
+    low = {name: r.min for name, r in spec.dims.items()}
+    opt = {name: r.opt for name, r in spec.dims.items()}
+    high = {name: r.max for name, r in spec.dims.items()}
+    for values in (low, opt, high):
+        values[BATCH_DIM] = bucket
+    return {i.name: (i.shape(low), i.shape(opt), i.shape(high)) for i in spec.inputs}
+
+
+def multi_profile_shapes(spec: ModelSpec, buckets: Sequence[int]) -> list[Shapes]:
+    """One ``profile_shapes`` per bucket, in bucket order: the profiles of a multi-profile engine."""
+    return [profile_shapes(spec, b) for b in buckets]
+
+
+@dataclass(frozen=True)
+class TensorRTEnumOptions:
+    """Builder-config options that Polygraphy's ``CreateConfig`` takes as TensorRT enum values.
+
+    Given here as plain values and applied through ``PostprocessConfig`` when the config is created,
+    so that the loader chain can be constructed (and inspected) where TensorRT is not installed:
+    ``trt.MemoryPoolType.WORKSPACE`` as a dict key would import TensorRT at construction.
+    """
+
+    workspace_bytes: int | None = None  # None: TensorRT's default (the device's memory)
+    hardware_compat: bool = False  # HardwareCompatibilityLevel.AMPERE_PLUS
+
+    def __call__(self, builder: Any, network: Any, config: trt.IBuilderConfig) -> None:
+        import tensorrt as trt
+
+        if self.workspace_bytes is not None:
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, self.workspace_bytes)
+        if self.hardware_compat:
+            config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
+
+
+def engine_loader(onnx_path: Path, spec: ModelSpec, buckets_for_this_engine: Sequence[int], settings: BuildSettings,
+                  timing_cache_path: Path) -> Any:
+    """The Polygraphy loader that builds one engine; constructed only, nothing is built.
+
+    One optimization profile per bucket in ``buckets_for_this_engine`` (one bucket: a single-profile
+    engine). The timing cache at ``timing_cache_path`` is loaded before the build when it exists and
+    saved (merged into) after it, under Polygraphy's file lock, so the buckets share it. Options from
+    ``settings``: workspace limit, builder optimization level 0-5, Ampere+ hardware compatibility,
+    version compatibility. With version compatibility the lean runtime stays inside the engine
+    (``exclude_lean_runtime`` off): a trtc directory is self-contained, and a runtime loading such an
+    engine must set ``Runtime.engine_host_code_allowed = True``. TF32 stays off (Polygraphy's default):
+    an FP32 graph runs in FP32. The ONNX parser keeps its default flags (NATIVE_INSTANCENORM is on by
+    default since TensorRT 10, which hardware/version compatibility needs).
+    """
+    from polygraphy.backend.trt import (
+        CreateConfig,
+        EngineBytesFromNetwork,
+        NetworkFromOnnxPath,
+        PostprocessConfig,
+        Profile,
+    )
+    from polygraphy.logger import G_LOGGER
+
+    profiles = []
+    for shapes in multi_profile_shapes(spec, buckets_for_this_engine):
+        profile = Profile()
+        for name, (low, opt, high) in shapes.items():
+            profile.add(name, min=low, opt=opt, max=high)
+        profiles.append(profile)
+    load_cache = str(timing_cache_path) if timing_cache_path.is_file() else None
+    with G_LOGGER.verbosity(G_LOGGER.WARNING):  # CreateConfig announces at INFO that TF32 is off
+        network = NetworkFromOnnxPath(str(onnx_path), strongly_typed=strongly_typed_flag())
+        config = CreateConfig(profiles=profiles,
+                              builder_optimization_level=settings.opt_level,
+                              version_compatible=settings.version_compatible or None,
+                              load_timing_cache=load_cache)
+        options = TensorRTEnumOptions(
+            workspace_bytes=settings.workspace_mib << 20 if settings.workspace_mib is not None else None,
+            hardware_compat=settings.hardware_compat)
+        return EngineBytesFromNetwork(network, config=PostprocessConfig(config, options),
+                                      save_timing_cache=str(timing_cache_path))
+
+
+# --- the real build step ----------------------------------------------------------------------------------------
+
+def describe_parser_errors(parser: trt.OnnxParser) -> str:
+    """The ONNX parser's errors as one line each naming the node and operator TensorRT rejected."""
+    lines = []
+    for index in range(parser.num_errors):
+        error: trt.ParserError = parser.get_error(index)
+        if error.node() >= 0:
+            where = f"node {error.node_name() or '#' + str(error.node())} ({error.node_operator() or '?'})"
+        else:
+            where = "the graph"
+        stack = error.local_function_stack()
+        if stack:
+            where += f" in local function {' > '.join(stack)}"
+        lines.append(f"{where}: {error.desc()} [{error.code().name}]")
+    return "; ".join(lines) or "the parser reported no error, yet parsing failed"
+
+
+def _parser_errors(onnx_path: Path) -> str | None:
+    """Parse ``onnx_path`` once more with a fresh TensorRT parser and describe what it rejects, or None.
+
+    Polygraphy logs the parser's errors and raises "Could not parse ONNX correctly", dropping the
+    error objects; a second parse is cheap next to a build, and only happens on failure.
+    """
+    import tensorrt as trt
+
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    flags = 0
+    if strongly_typed_flag():
+        flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if parser.parse_from_file(str(onnx_path)) and parser.num_errors == 0:
+        return None
+    return describe_parser_errors(parser)
+
+
+def _deserialize(engine_bytes: bytes) -> trt.ICudaEngine:
+    import tensorrt as trt
+
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    runtime.engine_host_code_allowed = True  # version-compatible engines carry the lean runtime; trtc built it
+    engine = runtime.deserialize_cuda_engine(engine_bytes)
+    if engine is None:
+        raise BuildError("TensorRT built an engine it cannot load back; run with --debug and see TensorRT's log")
+    return engine
+
+
+def layer_information(engine_bytes: bytes) -> str:
+    """The engine inspector's information on every layer, as JSON (detailed: configs are built DETAILED)."""
+    import tensorrt as trt
+
+    inspector = _deserialize(engine_bytes).create_engine_inspector()
+    return inspector.get_engine_information(trt.LayerInformationFormat.JSON)
+
+
+def tensorrt_build_step(loader: Any) -> tuple[bytes, str]:
+    """Build with TensorRT through Polygraphy: the serialized engine and its layer information JSON.
+
+    Parser failures become a ``BuildError`` that names each ONNX node and operator TensorRT rejected;
+    other failures a ``BuildError`` pointing at TensorRT's log.
+    """
+    from polygraphy.exception import PolygraphyException
+    from polygraphy.logger import G_LOGGER
+
+    severity = G_LOGGER.INFO if log.isEnabledFor(logging.DEBUG) else G_LOGGER.WARNING
+    try:
+        with G_LOGGER.verbosity(severity):
+            engine_bytes = loader()
+    except (PolygraphyException, RuntimeError) as err:  # RuntimeError: what TensorRT's bindings raise
+        onnx_path = Path(loader._network.path)  # polygraphy keeps the path public on NetworkFromOnnxPath
+        rejected = _parser_errors(onnx_path)
+        if rejected:
+            raise BuildError(f"TensorRT cannot parse {onnx_path.name}: {rejected}; change or replace these "
+                             "operators in the model (or export with another --opset)") from err
+        raise BuildError(f"TensorRT failed to build the engine ({err}); run with --debug to see TensorRT's "
+                         "log, or lower --opt-level / raise --workspace") from err
+    data = bytes(engine_bytes)
+    return data, layer_information(data)
+
+
+# --- layer information ------------------------------------------------------------------------------------------
+
+_TYPE_NAMES = {"float": "FP32", "fp32": "FP32", "half": "FP16", "fp16": "FP16", "bf16": "BF16", "bfloat16": "BF16",
+               "int8": "INT8", "fp8": "FP8", "int4": "INT4", "fp4": "FP4", "int32": "INT32", "int64": "INT64",
+               "bool": "BOOL", "uint8": "UINT8"}
+_TYPE_TOKEN = re.compile(r"\b(" + "|".join(_TYPE_NAMES) + r")\b", re.IGNORECASE)
+
+
+def _output_type(layer: dict[str, Any]) -> str:
+    outputs = layer.get("Outputs") or []
+    first = outputs[0] if outputs and isinstance(outputs[0], dict) else {}
+    # TensorRT 11 has a "DataType" field; TensorRT 10 folds it into "Format/Datatype" ("Row major linear FP16 ...")
+    text = str(first.get("DataType") or first.get("Format/Datatype") or "")
+    match = _TYPE_TOKEN.search(text)
+    return _TYPE_NAMES[match.group(1).lower()] if match else "unknown"
+
+
+def layer_summary(layers_json: str) -> dict[str, Any]:
+    """Layer count and the count of layers per output data type, from the inspector's JSON.
+
+    Reads TensorRT 10's and 11's layouts; layers given only by name (an engine built without
+    DETAILED profiling verbosity) are counted under "unknown".
+    """
+    try:
+        info = json.loads(layers_json)
+    except ValueError:
+        return {"count": None, "output_types": {}}
+    layers = info.get("Layers", []) if isinstance(info, dict) else []
+    types: dict[str, int] = {}
+    for layer in layers:
+        name = _output_type(layer) if isinstance(layer, dict) else "unknown"
+        types[name] = types.get(name, 0) + 1
+    return {"count": len(layers), "output_types": dict(sorted(types.items()))}
+
+
+# --- building a directory's engines -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _EngineJob:
+    """Everything one engine build needs, picklable for a worker process."""
+
+    onnx_path: Path
+    onnx_rel: str
+    onnx_sha256: str
+    stage: Path
+    spec: ModelSpec
+    buckets: tuple[int, ...]
+    settings: BuildSettings
+    build_step: BuildStep | None
+
+    @property
+    def name(self) -> str:
+        if len(self.buckets) == 1:
+            return f"b{self.buckets[0]}"
+        return "profiles_b" + "_".join(str(b) for b in self.buckets)
+
+
+def _build_engine(job: _EngineJob) -> list[dict[str, Any]]:
+    """Build one engine into ``STAGE/engines``; one manifest entry per bucket (profile) it serves."""
+    cache = job.stage / TIMING_CACHE
+    loader = engine_loader(job.onnx_path, job.spec, job.buckets, job.settings, cache)
+    step = job.build_step or tensorrt_build_step
+    start = time.perf_counter()
+    engine_bytes, layers_json = step(loader)
+    seconds = time.perf_counter() - start
+    engine_rel = f"{ENGINES_DIR}/{job.name}.engine"
+    layers_rel = f"{ENGINES_DIR}/{job.name}.layers.json"
+    atomic_write_bytes(job.stage / engine_rel, engine_bytes)
+    try:
+        layers_text = json.dumps(json.loads(layers_json), indent=1) + "\n"
+    except ValueError:
+        layers_text = layers_json
+    atomic_write_text(job.stage / layers_rel, layers_text)
+    digest = sha256_file(job.stage / engine_rel)
+    summary = layer_summary(layers_json)
+    log.info("built %s in %.1f s: %.1f MiB, %s layers %s", engine_rel, seconds, len(engine_bytes) / 2**20,
+             summary["count"], summary["output_types"])
+    entries = []
+    for profile, bucket in enumerate(job.buckets):
+        shapes = profile_shapes(job.spec, bucket)
+        entries.append({
+            "bucket": bucket,
+            "file": engine_rel,
+            "profile": profile,
+            "sha256": digest,
+            "bytes": len(engine_bytes),
+            "shapes": {name: {"min": list(s[0]), "opt": list(s[1]), "max": list(s[2])} for name, s in shapes.items()},
+            "build_seconds": round(seconds, 3),
+            "layers": {"file": layers_rel, **summary},
+            "onnx": job.onnx_rel,
+            "onnx_sha256": job.onnx_sha256,
+        })
+    return entries
+
+
+def visible_gpus() -> list[str]:
+    """The CUDA device ids a worker may be pinned to: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    lines = _nvidia_smi(["--query-gpu=index", "--format=csv,noheader"])
+    return [line.strip() for line in lines if line.strip()]
+
+
+def _pin_worker_to_gpu(gpu_ids: Any) -> None:
+    """Worker initializer: take one GPU id from the queue before anything initializes CUDA."""
+    gpu = gpu_ids.get(timeout=60)  # put() by the parent goes through a feeder thread: wait for it
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+
+
+def _build_in_parallel(jobs: list[_EngineJob], workers: int, gpus: list[str]) -> list[list[dict[str, Any]]]:
+    """Run ``jobs`` in ``workers`` spawned processes, each pinned to its own GPU when GPUs are known."""
+    context = multiprocessing.get_context("spawn")  # forked CUDA state is unusable; spawn starts clean
+    gpu_ids = context.Queue()
+    for index in range(workers):
+        gpu_ids.put(gpus[index] if gpus else None)
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context,
+                                                initializer=_pin_worker_to_gpu, initargs=(gpu_ids,)) as pool:
+        futures = [pool.submit(_build_engine, job) for job in jobs]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # the first failure stops the queued builds
+            raise
+
+
+def _seed_timing_cache(directory: Path, stage_cache: Path, settings: BuildSettings, env: dict[str, Any]) -> None:
+    """Start STAGE/timing.cache from DIR/timing.cache, else from the shared ``settings.timing_cache``.
+
+    DIR's cache holds this model's tactics and wins; it is skipped when the directory's engines were
+    built with another TensorRT or GPU (TensorRT would not use it: a timing cache is per device and
+    version). The shared cache is only read here; ``build_engine_files`` merges the new timings into
+    it after a successful build.
+    """
+    stage_cache.unlink(missing_ok=True)  # this policy decides, whatever a caller copied in before
+    own = directory / TIMING_CACHE
+    if own.is_file():
+        try:
+            built = (read_json(directory / "manifest.json") or {}).get("environment") or {}
+        except (OSError, ValueError):
+            built = {}
+        same = all(built.get(k) == env.get(k) for k in ("tensorrt", "gpu", "compute_capability"))
+        if same:
+            shutil.copyfile(own, stage_cache)
+            return
+        log.info("not reusing %s: it was made with TensorRT %s on %s", own, built.get("tensorrt"), built.get("gpu"))
+    if settings.timing_cache is not None and settings.timing_cache.is_file():
+        shutil.copyfile(settings.timing_cache, stage_cache)
+
+
+def merge_timing_cache(source: Path, target: Path) -> None:
+    """Fold the timings of ``source`` into the timing cache ``target`` (created if absent), under a file lock.
+
+    Needs TensorRT: a timing cache can only be combined by TensorRT itself.
+    """
+    import tensorrt as trt
+    from polygraphy import util
+
+    builder = trt.Builder(trt.Logger(trt.Logger.WARNING))
+    config = builder.create_builder_config()
+    cache = config.create_timing_cache(source.read_bytes())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with util.LockFile(str(target)):
+        if target.is_file():
+            cache.combine(config.create_timing_cache(target.read_bytes()), ignore_mismatch=True)
+        atomic_write_bytes(target, bytes(memoryview(cache.serialize())))
+
+
+def build_engine_files(directory: Path, stage: Path, onnx_rel: str, spec: ModelSpec, settings: BuildSettings,
+                       build_step: BuildStep | None = None, *, env: dict[str, Any] | None = None,
+                       ) -> list[dict[str, Any]]:
+    """Build the engines of ``settings`` into ``stage``; returns their manifest entries, by bucket.
+
+    ``onnx_rel`` names the ONNX file relative to the directory; it is read from ``stage`` when the
+    current command wrote it there (``trtc build``), else from ``directory`` (``trtc rebuild``).
+    One engine per bucket (``engines/b4.engine``) or, with ``settings.multi_profile``, one engine with a
+    profile per bucket (one entry per bucket, each naming the shared file and its ``profile`` index).
+    Each engine gets ``engines/<name>.layers.json``. ``stage/timing.cache`` is seeded from DIR's (or the
+    shared) cache and grows with every build; after all builds succeed it is merged into
+    ``settings.timing_cache`` too. Nothing is written outside ``stage`` except that shared cache.
+
+    ``build_step`` turns a loader into (engine bytes, layer JSON); None means TensorRT
+    (``tensorrt_build_step``), which must be installed (``TensorRTNotInstalled`` otherwise). With
+    ``settings.jobs`` > 1 single-profile engines are built in that many processes, one GPU each.
+    ``env`` is the environment the engines are built in (``environment(settings)`` when None).
+    """
+    if settings.engine == "none":
+        log.info("engines not built: --engine none")
+        return []
+    if build_step is None:
+        require_tensorrt(directory)
+    env = env if env is not None else environment(settings)
+    capability = parse_compute_capability(env.get("compute_capability"))
+    if settings.hardware_compat and capability is not None and capability < (8, 0):
+        raise BuildError(f"--hardware-compat (Ampere+) engines must be built on an Ampere or newer GPU (compute "
+                         f"capability 8.0+); this one, {env.get('gpu')}, is {env.get('compute_capability')}")
+    onnx_path = stage / onnx_rel if (stage / onnx_rel).is_file() else directory / onnx_rel
+    if not onnx_path.is_file():
+        raise InputError(f"{directory / onnx_rel}: no such ONNX file; run `trtc export` or `trtc build` into "
+                         f"{directory} first")
+    onnx_sha256 = sha256_files(onnx_files(onnx_path))
+    (stage / ENGINES_DIR).mkdir(parents=True, exist_ok=True)
+    _seed_timing_cache(directory, stage / TIMING_CACHE, settings, env)
+
+    buckets = tuple(sorted(set(settings.buckets)))
+    groups = [buckets] if settings.multi_profile else [(b,) for b in buckets]
+    jobs = [_EngineJob(onnx_path, onnx_rel, onnx_sha256, stage, spec, group, settings, build_step) for group in groups]
+    gpus = visible_gpus() if settings.jobs > 1 and len(jobs) > 1 else []
+    workers = min(settings.jobs, len(jobs), len(gpus) or settings.jobs)
+    if settings.jobs > 1 and workers < settings.jobs:
+        log.info("--jobs %d: %d build process(es) (%d engine(s), %d GPU(s) visible)", settings.jobs, workers,
+                 len(jobs), len(gpus))
+    entries: list[dict[str, Any]] = []
+    if workers > 1:
+        for built in _build_in_parallel(jobs, workers, gpus):
+            entries += built
+    else:
+        for job in jobs:
+            entries += _build_engine(job)
+    if settings.timing_cache is not None and build_step is None and (stage / TIMING_CACHE).is_file():
+        merge_timing_cache(stage / TIMING_CACHE, settings.timing_cache)
+    return sorted(entries, key=lambda e: e["bucket"])
+
+
+# --- the environment engines are built and run in --------------------------------------------------------------
+
+def parse_compute_capability(text: Any) -> tuple[int, int] | None:
+    """A compute capability as numbers: "8.6" -> (8, 6); None for anything else (None, "", "N/A")."""
+    match = re.fullmatch(r"(\d+)\.(\d+)", str(text)) if text is not None else None
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _nvidia_smi(args: list[str]) -> list[str]:
+    """Lines nvidia-smi prints for ``args``; empty when it is absent or fails (no driver, no GPU)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        done = subprocess.run([exe, *args], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.debug("nvidia-smi failed: %s", err)
+        return []
+    return done.stdout.splitlines() if done.returncode == 0 else []
+
+
+def _cuda_version(number: int) -> str:
+    """CUDA's integer versions: 12040 -> "12.4"."""
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+def _gpu_from_cuda_python() -> dict[str, Any]:
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart
+        except ImportError:
+            return {}
+    info: dict[str, Any] = {}
+    try:
+        err, version = cudart.cudaRuntimeGetVersion()
+        if int(err) == 0:
+            info["cuda_runtime"] = _cuda_version(version)
+        err, version = cudart.cudaDriverGetVersion()
+        if int(err) == 0 and version:
+            info["cuda_driver"] = _cuda_version(version)
+        err, props = cudart.cudaGetDeviceProperties(0)
+        if int(err) == 0:
+            name = props.name
+            info["gpu"] = (name.decode() if isinstance(name, bytes) else str(name)).rstrip("\x00")
+            info["compute_capability"] = f"{props.major}.{props.minor}"
+    except (RuntimeError, OSError) as exc:  # cuda-python installed, the CUDA runtime library not loadable
+        log.debug("cuda-python cannot query the GPU: %s", exc)
+    return info
+
+
+def _gpu_from_torch() -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError:
+        return {}
+    info: dict[str, Any] = {}
+    if torch.version.cuda:
+        info["cuda_runtime"] = torch.version.cuda
+    try:
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["compute_capability"] = f"{major}.{minor}"
+    except RuntimeError as err:  # a driver that torch sees but cannot initialize
+        log.debug("torch cannot query the GPU: %s", err)
+    return info
+
+
+def _gpu_from_nvidia_smi() -> dict[str, Any]:
+    lines = _nvidia_smi(["--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"])
+    if not lines:  # drivers before 510 do not know the compute_cap field
+        lines = _nvidia_smi(["--query-gpu=name,driver_version", "--format=csv,noheader"])
+    if not lines:
+        return {}
+    parts = [p.strip() for p in lines[0].split(",")]
+    info: dict[str, Any] = {"gpu": parts[0], "driver": parts[-1]}
+    if len(parts) == 3 and parse_compute_capability(parts[1]):
+        info["compute_capability"] = parts[1]
+    header = re.search(r"CUDA Version:\s*([0-9.]+)", "\n".join(_nvidia_smi([])))
+    if header:
+        info["cuda_driver"] = header.group(1)
+    return info
+
+
+def environment(settings: BuildSettings | None = None) -> dict[str, Any]:
+    """Where engines are built or run: TensorRT, CUDA, GPU, platform, and the compatibility settings.
+
+    Keys: ``tensorrt`` (version or None when not installed), ``cuda_runtime`` (e.g. "12.9"),
+    ``cuda_driver`` (the newest CUDA the driver supports), ``driver`` (driver version),
+    ``gpu`` (name of device 0), ``compute_capability`` ("9.0"), ``platform`` ("linux-x86_64"),
+    ``hardware_compat`` and ``version_compatible`` (from ``settings``; False without). GPU facts come
+    from cuda-python when installed, then torch (a CUDA build that sees a GPU), then nvidia-smi; a
+    fact no source gives is None. Never raises for a missing TensorRT, driver or GPU.
+    """
+    info: dict[str, Any] = {"tensorrt": tensorrt_version(), "cuda_runtime": None, "cuda_driver": None,
+                            "driver": None, "gpu": None, "compute_capability": None}
+    gpu_keys = ("cuda_runtime", "cuda_driver", "driver", "gpu", "compute_capability")
+    for source in (_gpu_from_cuda_python, _gpu_from_torch, _gpu_from_nvidia_smi):
+        if all(info[key] is not None for key in gpu_keys):
+            break
+        for key, value in source().items():
+            if info.get(key) is None:
+                info[key] = value
+    info["platform"] = f"{sys.platform}-{platform.machine()}"
+    info["hardware_compat"] = bool(settings.hardware_compat) if settings else False
+    info["version_compatible"] = bool(settings.version_compatible) if settings else False
+    return info
+
+
+# --- settings and specs as the manifest stores them -------------------------------------------------------------
+
+def settings_to_dict(settings: BuildSettings) -> dict[str, Any]:
+    """``BuildSettings`` as ``manifest["build"]``: JSON values (lists, strings) under the field names."""
+    out = dataclasses.asdict(settings)
+    out["buckets"] = list(settings.buckets)
+    out["timing_cache"] = str(settings.timing_cache) if settings.timing_cache is not None else None
+    return out
+
+
+def settings_from_dict(data: dict[str, Any]) -> BuildSettings:
+    """``BuildSettings`` from ``manifest["build"]``; keys this trtc does not know are ignored (with a note)."""
+    known = {f.name for f in dataclasses.fields(BuildSettings)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        log.info("manifest build settings %s are unknown to this trtc and ignored", ", ".join(unknown))
+    values = {k: v for k, v in data.items() if k in known}
+    if "buckets" in values:
+        values["buckets"] = tuple(int(b) for b in values["buckets"])
+    if values.get("timing_cache") is not None:
+        values["timing_cache"] = Path(values["timing_cache"])
+    try:
+        return BuildSettings(**values)
+    except TypeError as err:
+        raise InputError(f"manifest build settings do not parse ({err}); rebuild with `trtc build --force`") from err
+
+
+def spec_from_manifest(manifest: dict[str, Any]) -> ModelSpec:
+    """The input spec recorded by ``trtc export`` (``inputs`` and ``dims``)."""
+    try:
+        inputs = tuple(parse_input_spec(text) for text in manifest["inputs"])
+        dims = dict(parse_dim_range(f"{name}={text}") for name, text in (manifest.get("dims") or {}).items())
+    except (KeyError, TypeError) as err:
+        raise InputError(f"the manifest has no usable input spec ({err}); re-export with `trtc export`") from err
+    return ModelSpec(inputs, dims)
+
+
+def manifest_engine_keys(settings: BuildSettings, env: dict[str, Any], entries: list[dict[str, Any]],
+                         ) -> dict[str, Any]:
+    """The manifest keys an engine build writes: ``build`` (the settings, so ``trtc rebuild`` can repeat
+    them), ``environment`` (where the engines were built, for ``trtc check``) and ``engines``."""
+    return {"build": settings_to_dict(settings),
+            "environment": {**env, "hardware_compat": settings.hardware_compat,
+                            "version_compatible": settings.version_compatible},
+            "engines": entries}

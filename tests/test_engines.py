@@ -1,0 +1,334 @@
+"""Engine builds: profile shapes, the Polygraphy loader chain, engine files and manifest entries.
+
+TensorRT cannot be installed on this project's machines. Everything up to the build itself is
+tested for real (the loader chain is constructed and inspected, not built); the build step alone
+is replaced by ``fake_engine_build_step_for_tests`` (conftest.py). The ``tensorrt``-marked tests
+build real engines and are skipped, with the reason, where TensorRT or a GPU is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from compiler.engines import (
+    NOT_INSTALLED,
+    TensorRTEnumOptions,
+    build_engine_files,
+    describe_parser_errors,
+    engine_loader,
+    environment,
+    layer_summary,
+    multi_profile_shapes,
+    profile_shapes,
+    require_tensorrt,
+    settings_from_dict,
+    settings_to_dict,
+    spec_from_manifest,
+    tensorrt_version,
+)
+from compiler.errors import BuildError, TensorRTNotInstalled
+from compiler.files import sha256_file, staging_dir
+from compiler.manifest import read_manifest
+from compiler.settings import BuildSettings
+from compiler.specs import DimRange, ModelSpec, parse_input_spec
+from tests.conftest import FAKE_ENGINE_HEADER, fake_engine_build_step_for_tests
+
+ENV = {"tensorrt": "10.13.0.35", "cuda_runtime": "12.9", "cuda_driver": "12.9", "driver": "575.57.08",
+       "gpu": "NVIDIA H200", "compute_capability": "9.0", "platform": "linux-x86_64"}
+
+TRANSFORMER = ModelSpec((parse_input_spec("input_ids:BxS:int64"), parse_input_spec("attention_mask:BxS:int64")),
+                        {"S": DimRange(1, 16, 64)})
+
+
+def test_profile_shapes_fix_the_batch_and_span_the_other_dims() -> None:
+    shapes = profile_shapes(TRANSFORMER, 4)
+    assert shapes == {"input_ids": ((4, 1), (4, 16), (4, 64)), "attention_mask": ((4, 1), (4, 16), (4, 64))}
+    static = ModelSpec((parse_input_spec("images:Bx3x8x8"), parse_input_spec("scale:1x3")))
+    assert profile_shapes(static, 8) == {"images": ((8, 3, 8, 8),) * 3, "scale": ((1, 3),) * 3}
+
+
+def test_multi_profile_shapes_one_profile_per_bucket_in_order() -> None:
+    profiles = multi_profile_shapes(TRANSFORMER, [1, 8])
+    assert [p["input_ids"] for p in profiles] == [((1, 1), (1, 16), (1, 64)), ((8, 1), (8, 16), (8, 64))]
+
+
+def _chain(loader: Any) -> tuple[Any, Any, TensorRTEnumOptions]:
+    """The parts of a Polygraphy loader chain (Polygraphy keeps them in private attributes)."""
+    return loader._network, loader._config._config, loader._config._func
+
+
+def test_engine_loader_carries_profiles_settings_and_timing_cache(tmp_path: Path) -> None:
+    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, PostprocessConfig
+
+    cache = tmp_path / "timing.cache"
+    settings = BuildSettings(buckets=(1, 4), workspace_mib=512, opt_level=5, hardware_compat=True,
+                             version_compatible=True)
+    loader = engine_loader(tmp_path / "model.onnx", TRANSFORMER, [4], settings, cache)
+    assert isinstance(loader, EngineBytesFromNetwork) and isinstance(loader._config, PostprocessConfig)
+    network, config, options = _chain(loader)
+    assert isinstance(network, NetworkFromOnnxPath) and isinstance(config, CreateConfig)
+    assert network.path == str(tmp_path / "model.onnx")
+    assert network.strongly_typed is True  # TensorRT 10 needs the flag; 11 ignores it
+    assert len(config.profiles) == 1
+    ids = config.profiles[0]["input_ids"]
+    assert (tuple(ids.min), tuple(ids.opt), tuple(ids.max)) == ((4, 1), (4, 16), (4, 64))
+    assert config.builder_optimization_level == 5
+    assert config.version_compatible is True and not config.exclude_lean_runtime  # the engine is self-contained
+    assert (config.fp16, config.int8, config.tf32) == (False, False, False)  # precision comes from the graph
+    assert options == TensorRTEnumOptions(workspace_bytes=512 << 20, hardware_compat=True)
+    assert config.timing_cache_path is None  # nothing to load yet: no warning about a missing file
+    assert loader.timing_cache_path == str(cache)  # saved (merged into) after the build
+
+    cache.write_bytes(b"timings")
+    defaults = engine_loader(tmp_path / "model.onnx", TRANSFORMER, [1, 4, 8], BuildSettings(), cache)
+    _, config, options = _chain(defaults)
+    assert config.timing_cache_path == str(cache)  # loaded before the build
+    assert [tuple(p["attention_mask"].max) for p in config.profiles] == [(1, 64), (4, 64), (8, 64)]
+    assert config.builder_optimization_level == 3 and not config.version_compatible
+    assert options == TensorRTEnumOptions(workspace_bytes=None, hardware_compat=False)
+
+
+def _build(directory: Path, settings: BuildSettings, step: Any = fake_engine_build_step_for_tests,
+           env: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+    """Run build_engine_files into a staging folder; the entries and the staged files' bytes."""
+    spec = spec_from_manifest(read_manifest(directory))
+    with staging_dir(directory) as stage:
+        entries = build_engine_files(directory, stage, "model.onnx", spec, settings, step, env=env or ENV)
+        files = {p.relative_to(stage).as_posix(): p.read_bytes() for p in stage.rglob("*") if p.is_file()}
+    return entries, files
+
+
+def test_one_engine_per_bucket_with_layer_files_and_entries(exported_dir: Path) -> None:
+    entries, files = _build(exported_dir, BuildSettings(buckets=(4, 1)))
+    assert sorted(files) == ["engines/b1.engine", "engines/b1.layers.json", "engines/b4.engine",
+                             "engines/b4.layers.json", "timing.cache"]
+    assert [e["bucket"] for e in entries] == [1, 4]
+    onnx_sha = read_manifest(exported_dir)["onnx"]["fp32"]["sha256"]
+    for entry in entries:
+        data = files[entry["file"]]
+        assert data.startswith(FAKE_ENGINE_HEADER)
+        assert entry["file"] == f"engines/b{entry['bucket']}.engine" and entry["profile"] == 0
+        assert entry["bytes"] == len(data) and entry["sha256"] == _sha(data)
+        b = entry["bucket"]
+        assert entry["shapes"] == {"x": {"min": [b, 64], "opt": [b, 64], "max": [b, 64]}}
+        assert entry["onnx"] == "model.onnx" and entry["onnx_sha256"] == onnx_sha
+        assert entry["layers"] == {"file": f"engines/b{b}.layers.json", "count": 1, "output_types": {"FP32": 1}}
+        assert json.loads(files[entry["layers"]["file"]])["Layers"][0]["Name"] == "fc + relu"
+        assert entry["build_seconds"] >= 0
+    assert len(files["timing.cache"].splitlines()) == 2  # one cache, grown by both builds
+
+
+def test_multi_profile_builds_one_engine_with_a_profile_per_bucket(exported_dir: Path) -> None:
+    entries, files = _build(exported_dir, BuildSettings(buckets=(1, 4, 8), multi_profile=True))
+    assert [(e["bucket"], e["file"], e["profile"]) for e in entries] == [
+        (1, "engines/profiles_b1_4_8.engine", 0), (4, "engines/profiles_b1_4_8.engine", 1),
+        (8, "engines/profiles_b1_4_8.engine", 2)]
+    record = json.loads(files["engines/profiles_b1_4_8.engine"][len(FAKE_ENGINE_HEADER):])
+    assert [p["x"][0] for p in record["profiles"]] == [[1, 64], [4, 64], [8, 64]]
+
+
+def test_jobs_build_buckets_in_processes_pinned_to_one_gpu_each(exported_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    entries, files = _build(exported_dir, BuildSettings(buckets=(1, 4), jobs=2))
+    serial, _ = _build(exported_dir, BuildSettings(buckets=(1, 4)))
+    pinned = {json.loads(files[e["file"]][len(FAKE_ENGINE_HEADER):])["cuda_visible_devices"] for e in entries}
+    assert pinned <= {"0", "1"}  # each worker sees exactly one GPU
+    assert [(e["bucket"], e["file"], e["shapes"]) for e in entries] == [
+        (e["bucket"], e["file"], e["shapes"]) for e in serial]
+
+
+def test_timing_cache_comes_from_the_directory_else_the_shared_one(exported_dir: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared.cache"
+    shared.write_bytes(b"shared timings\n")
+    settings = BuildSettings(buckets=(1,), timing_cache=shared)
+    _, files = _build(exported_dir, settings)
+    assert files["timing.cache"].startswith(b"shared timings\n")  # no DIR/timing.cache yet
+
+    manifest = read_manifest(exported_dir)
+    (exported_dir / "manifest.json").write_text(json.dumps({**manifest, "environment": ENV}))
+    (exported_dir / "timing.cache").write_bytes(b"this directory's timings\n")
+    _, files = _build(exported_dir, settings)
+    assert files["timing.cache"].startswith(b"this directory's timings\n")
+    _, files = _build(exported_dir, settings, env={**ENV, "gpu": "NVIDIA A100", "compute_capability": "8.0"})
+    assert files["timing.cache"].startswith(b"shared timings\n")  # DIR's was timed on another GPU
+    assert shared.read_bytes() == b"shared timings\n"  # only a real build merges into the shared cache
+
+
+def test_hardware_compat_needs_an_ampere_or_newer_gpu_to_build_on(exported_dir: Path) -> None:
+    with pytest.raises(BuildError, match=r"Ampere or newer GPU.*7\.5"):
+        _build(exported_dir, BuildSettings(buckets=(1,), hardware_compat=True),
+               env={**ENV, "gpu": "Tesla T4", "compute_capability": "7.5"})
+
+
+def test_engine_none_builds_nothing(exported_dir: Path) -> None:
+    entries, files = _build(exported_dir, BuildSettings(engine="none"))
+    assert entries == [] and files == {}
+
+
+@pytest.mark.skipif(tensorrt_version() is not None, reason="TensorRT is installed here: the message is for its absence")
+def test_without_tensorrt_the_default_build_step_refuses_with_the_exact_message(exported_dir: Path) -> None:
+    expected = ("TensorRT is not installed: engines not built; install trtc[tensorrt] on a machine with an NVIDIA "
+                f"GPU and run `trtc rebuild {exported_dir}`")
+    with pytest.raises(TensorRTNotInstalled) as caught:
+        _build(exported_dir, BuildSettings(buckets=(1,)), step=None)
+    assert str(caught.value) == expected and caught.value.exit_code == 4
+    assert NOT_INSTALLED.format(directory="DIR").endswith("run `trtc rebuild DIR`")
+    with pytest.raises(TensorRTNotInstalled, match=r"run `trtc rebuild DIR`$"):
+        require_tensorrt()
+
+
+def test_layer_summary_reads_tensorrt_10_and_11_layouts() -> None:
+    trt10 = {"Layers": [{"Name": "conv", "Outputs": [{"Format/Datatype": "Channel major INT8 format where ..."}]},
+                        {"Name": "head", "Outputs": [{"Format/Datatype": "Row major linear FP16 format"}]},
+                        {"Name": "softmax", "Outputs": [{"Format/Datatype": "Row major linear FP32"}]}],
+             "Bindings": ["x", "y"]}
+    trt11 = {"Layers": [{"Name": "q", "Outputs": [{"DataType": "Int8", "Format": "Row major linear"}]},
+                        {"Name": "mm", "Outputs": [{"DataType": "Half"}]}], "I/O Tensors": []}
+    assert layer_summary(json.dumps(trt10)) == {"count": 3, "output_types": {"FP16": 1, "FP32": 1, "INT8": 1}}
+    assert layer_summary(json.dumps(trt11)) == {"count": 2, "output_types": {"FP16": 1, "INT8": 1}}
+    assert layer_summary(json.dumps({"Layers": ["conv + relu"]})) == {"count": 1, "output_types": {"unknown": 1}}
+
+
+class _ErrorCodeDouble:
+    name = "UNSUPPORTED_NODE"
+
+
+class _ParserErrorDouble:
+    """Test double of one ``tensorrt.ParserError`` (only the methods describe_parser_errors reads)."""
+
+    def __init__(self, node: int, name: str, op: str, desc: str) -> None:
+        self._node, self._name, self._op, self._desc = node, name, op, desc
+
+    def node(self) -> int:
+        return self._node
+
+    def node_name(self) -> str:
+        return self._name
+
+    def node_operator(self) -> str:
+        return self._op
+
+    def desc(self) -> str:
+        return self._desc
+
+    def code(self) -> _ErrorCodeDouble:
+        return _ErrorCodeDouble()
+
+    def local_function_stack(self) -> list[str]:
+        return []
+
+
+class _ParserDouble:
+    def __init__(self, errors: list[_ParserErrorDouble]) -> None:
+        self.errors = errors
+        self.num_errors = len(errors)
+
+    def get_error(self, index: int) -> _ParserErrorDouble:
+        return self.errors[index]
+
+
+def test_parser_errors_name_the_node_and_operator() -> None:
+    parser = _ParserDouble([_ParserErrorDouble(7, "/blocks.0/attn/Foo", "FooOp", "No importer registered"),
+                            _ParserErrorDouble(-1, "", "", "graph has no outputs")])
+    text = describe_parser_errors(parser)  # type: ignore[arg-type]
+    assert text == ("node /blocks.0/attn/Foo (FooOp): No importer registered [UNSUPPORTED_NODE]; "
+                    "the graph: graph has no outputs [UNSUPPORTED_NODE]")
+
+
+def test_environment_answers_without_failing_and_records_the_compat_settings() -> None:
+    env = environment(BuildSettings(hardware_compat=True))
+    assert set(env) >= {"tensorrt", "cuda_runtime", "cuda_driver", "driver", "gpu", "compute_capability",
+                        "platform", "hardware_compat", "version_compatible"}
+    assert env["tensorrt"] == tensorrt_version()
+    assert env["hardware_compat"] is True and env["version_compatible"] is False
+    json.dumps(env)  # goes into the manifest as it is
+
+
+def test_build_settings_round_trip_through_the_manifest() -> None:
+    settings = BuildSettings(buckets=(1, 8), precision="int8", multi_profile=True, workspace_mib=64, opt_level=4,
+                             hardware_compat=True, version_compatible=True, timing_cache=Path("/tmp/t.cache"), jobs=2)
+    stored = json.loads(json.dumps(settings_to_dict(settings)))
+    assert stored["buckets"] == [1, 8] and stored["timing_cache"] == "/tmp/t.cache"
+    assert settings_from_dict({**stored, "from_a_newer_trtc": 1}) == settings
+
+
+def _sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- with TensorRT and a GPU --------------------------------------------------------------------------------------
+
+@pytest.mark.tensorrt
+def test_real_engines_for_two_buckets_match_onnxruntime(tmp_path: Path) -> None:
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+    from compiler.pipeline import export_directory
+    from compiler.runners import OrtRunner
+    from compiler.settings import ExportSettings, ModelSource
+
+    out = tmp_path / "mlp"
+    export_directory(ExportSettings(ModelSource(factory="examples.models:mlp"), out,
+                                    ModelSpec((parse_input_spec("x:Bx64"),)), buckets=(1, 4)))
+    shared = tmp_path / "shared.cache"
+    settings = BuildSettings(buckets=(1, 4), timing_cache=shared)
+    spec = spec_from_manifest(read_manifest(out))
+    with staging_dir(out) as stage:
+        entries = build_engine_files(out, stage, "model.onnx", spec, settings)
+        assert [e["file"] for e in entries] == ["engines/b1.engine", "engines/b4.engine"]
+        assert (stage / "timing.cache").stat().st_size > 0 and shared.stat().st_size > 0
+        reference = OrtRunner(out / "model.onnx", ["CPUExecutionProvider"])
+        for entry in entries:
+            engine = (stage / entry["file"]).read_bytes()
+            assert sha256_file(stage / entry["file"]) == entry["sha256"]
+            layers = json.loads((stage / entry["layers"]["file"]).read_text())
+            assert len(layers["Layers"]) == entry["layers"]["count"] > 0
+            assert entry["layers"]["output_types"].get("FP32", 0) > 0  # an FP32 graph runs in FP32
+            feed = spec.example_feed(entry["bucket"], seed=1)
+            with TrtRunner(EngineFromBytes(engine)) as runner:
+                got = runner.infer(feed)
+            want = reference.infer(feed)
+            for name, value in want.items():
+                np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.tensorrt
+def test_real_parser_error_names_the_rejected_node(tmp_path: Path) -> None:
+    from onnx import helper
+
+    from compiler.manifest import MANIFEST, onnx_entry, write_manifest
+    from compiler.onnx_io import save_onnx
+    from tests.onnx_helpers import make_model, tensor
+
+    out = tmp_path / "custom"
+    model = make_model([helper.make_node("NoSuchOp", ["x"], ["y"], name="mystery", domain="com.example")],
+                       [tensor("x", ["B", 4])], [tensor("y", ["B", 4])])
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    save_onnx(model, out / "model.onnx")
+    write_manifest(out / MANIFEST, {"inputs": ["x:Bx4:float32"], "dims": {}, "buckets": [1],
+                                    "onnx": {"fp32": onnx_entry(out, out / "model.onnx")}})
+    with pytest.raises(BuildError, match=r"node mystery \(NoSuchOp\)"), staging_dir(out) as stage:
+        build_engine_files(out, stage, "model.onnx", spec_from_manifest(read_manifest(out)),
+                           BuildSettings(buckets=(1,)))
+
+
+def test_gpu_facts_from_nvidia_smi_as_an_h200_prints_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from compiler import engines
+
+    printed = {  # captured from nvidia-smi 580.159.04 on an H200
+        "--query-gpu=name,compute_cap,driver_version": ["NVIDIA H200, 9.0, 580.159.04"],
+        "--query-gpu=index": ["0"],
+        "": ["| NVIDIA-SMI 580.159.04             Driver Version: 580.159.04     CUDA Version: 13.0     |"],
+    }
+    monkeypatch.setattr(engines, "_nvidia_smi", lambda args: printed[args[0] if args else ""])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert engines._gpu_from_nvidia_smi() == {"gpu": "NVIDIA H200", "driver": "580.159.04",
+                                              "compute_capability": "9.0", "cuda_driver": "13.0"}
+    assert engines.visible_gpus() == ["0"]
