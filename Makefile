@@ -38,7 +38,7 @@ demo: install
 
 # Rebuild the engines of every profile: the CI job to run on a TensorRT upgrade.
 engines: install
-	@for p in profiles/*.toml; do echo "== $$p"; $(VENV)/bin/trtc build --profile $$p --if-stale || exit $$?; done
+	@for p in profiles/*.toml; do echo "== $$p"; $(VENV)/bin/trtc rebuild --profile $$p --if-stale || exit $$?; done
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

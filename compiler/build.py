@@ -15,10 +15,10 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from compiler.engines import settings_to_dict
 from compiler.errors import AccuracyGateError, TensorRTNotInstalled
 from compiler.files import commit_staged, directory_lock, staging_dir
 from compiler.loading import load_model
@@ -58,8 +58,7 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
                     _keep_failed_attempt(stage, out, manifest)
                     raise AccuracyGateError(outcome.message + f"; the failed attempt is in {out / FAILED_DIR}")
                 manifest = merge_update(manifest, outcome.manifest_update)
-            manifest["build"] = {**asdict(build), "timing_cache": str(build.timing_cache) if build.timing_cache
-                                 else None}
+            manifest["build"] = settings_to_dict(build)
             manifest["engines"] = []
             missing: TensorRTNotInstalled | None = None
             if build.engine == "none":
@@ -79,18 +78,15 @@ def _engines_into(stage: Path, out: Path, manifest: dict[str, Any], spec: Any, b
     """Build the engines into ``stage``; returns (not raises) TensorRTNotInstalled so the rest is committed first."""
     from compiler import engines
 
+    env = engines.environment(build)
     if engines.tensorrt_version() is None:
-        err = TensorRTNotInstalled(f"TensorRT is not installed: engines not built; install trtc[tensorrt] on a "
-                                   f"machine with an NVIDIA GPU and run `trtc rebuild {out}`")
         manifest["engines_note"] = "not built: TensorRT is not installed here"
-        manifest["environment"] = engines.environment(build)
-        return err
+        manifest.update(engines.manifest_engine_keys(build, env, []))
+        return TensorRTNotInstalled(engines.NOT_INSTALLED.format(directory=out))
     engines.require_tensorrt(out)
     onnx_rel = manifest["onnx"][build.precision]["file"] if build.precision in manifest["onnx"] else FP32_ONNX
-    if (out / "timing.cache").is_file():  # shared across buckets and across rebuilds of this directory
-        shutil.copy2(out / "timing.cache", stage / "timing.cache")
-    manifest["engines"] = engines.build_engine_files(out, stage, onnx_rel, spec, build)
-    manifest["environment"] = engines.environment(build)
+    entries = engines.build_engine_files(out, stage, onnx_rel, spec, build, env=env)
+    manifest.update(engines.manifest_engine_keys(build, env, entries))
     return None
 
 

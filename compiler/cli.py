@@ -385,6 +385,170 @@ def build_cmd(precision: str | None, **kw: Any) -> None:
 
 
 
+@cli.command("check")
+@click.argument("directory", type=click.Path(path_type=Path))
+@common_options
+def check_cmd(directory: Path) -> None:
+    """Exit 0 when every engine of DIR can run here, 1 when some are stale (printed, with why), 2 on error.
+
+    \b
+    An engine is stale when its file is missing or changed, or when this machine's TensorRT version or
+    GPU differs from the build's and the compatibility flags do not cover it.
+      trtc check build/m || trtc rebuild build/m --if-stale
+    """
+    from compiler.check import check_directory
+
+    result = check_directory(directory)
+    for line in result.lines():
+        click.echo(line)
+    click.get_current_context().exit(result.exit_code)
+
+
+@cli.command("rebuild")
+@click.argument("directory", type=click.Path(path_type=Path), required=False)
+@click.option("--profile", type=click.Path(path_type=Path),
+              help="Rebuild the profile's build.out; with no build there yet, run the whole build.")
+@click.option("--if-stale", is_flag=True, help="Do nothing when every engine can run here.")
+@common_options
+def rebuild_cmd(directory: Path | None, profile: Path | None, if_stale: bool) -> None:
+    """Rebuild the engines of DIR from its stored ONNX: no re-export, no recalibration.
+
+    The quantization scales stay exactly as calibrated, whatever the TensorRT version.
+
+    \b
+    Examples:
+      trtc rebuild build/m --if-stale          # the CI job on a TensorRT upgrade
+      trtc rebuild --profile profiles/resnet_digits.toml --if-stale
+    """
+    from compiler.check import rebuild_directory
+    from compiler.profile import load_profile
+
+    if profile is not None:
+        if directory is not None:
+            raise InputError("give DIR or --profile, not both")
+        settings = load_profile(profile)
+        if "out" not in settings.get("build", {}):
+            raise InputError(f"{profile}: build.out is not set, so there is no directory to rebuild")
+        directory = Path(settings["build"]["out"])
+        if not (directory / "manifest.json").is_file():
+            click.echo(f"{directory} has no build yet: running trtc build --profile {profile}", err=True)
+            click.get_current_context().invoke(build_cmd, profile=profile)
+            return
+    if directory is None:
+        raise InputError("give the build directory to rebuild, or --profile")
+    result = rebuild_directory(directory, if_stale)
+    if not result.rebuilt:
+        click.echo(f"{directory}: every engine can run here; nothing rebuilt")
+        return
+    for stale in result.stale_before:
+        click.echo(f"was stale: {stale}")
+    click.echo(f"rebuilt {len(result.engines)} engine(s) in {directory}")
+
+
+@cli.command("merge")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.argument("others", nargs=-1, required=True, type=click.Path(path_type=Path))
+@common_options
+def merge_cmd(directory: Path, others: tuple[Path, ...]) -> None:
+    """Add the engines built in OTHERS (e.g. one bucket per CI job) to DIR.
+
+    Every directory must hold the same ONNX and build settings and come from the same TensorRT and GPU.
+
+    \b
+      trtc merge build/m build-b1/m build-b4/m
+    """
+    from compiler.check import merge_manifests
+
+    manifest = merge_manifests(directory, list(others))
+    click.echo(f"{directory}: engines for buckets {', '.join(str(e['bucket']) for e in manifest['engines'])}")
+
+
+class PercentType(click.ParamType):
+    name = "PERCENT"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        from compiler.bench import parse_percent
+
+        if isinstance(value, float):
+            return value
+        try:
+            return parse_percent(value)
+        except InputError as err:
+            self.fail(str(err), param, ctx)
+
+
+def bench_settings_from(kw: dict[str, Any]) -> Any:
+    """BenchSettings from the command-line options."""
+    from compiler.bench import BACKENDS, BenchSettings
+
+    def names(text: str | None) -> tuple[str, ...]:
+        return tuple(p.strip() for p in (text or "").split(",") if p.strip())
+
+    return BenchSettings(
+        backends=names(kw["backends"]) or BACKENDS, buckets=tuple(kw["buckets"] or ()), iterations=kw["iterations"],
+        min_seconds=kw["min_seconds"], max_seconds=kw["max_seconds"], warmup=kw["warmup"],
+        warmup_seconds=kw["warmup_seconds"], seed=kw["seed"], data=kw["data"], ort_providers=names(kw["ort_providers"]),
+        device=kw["device"], trust_pickle=bool(kw["trust_pickle"]), baseline=kw["baseline"],
+        max_regression=kw["max_regression"], report_dir=kw["report_dir"], plot=not kw["no_plot"], threads=kw["threads"])
+
+
+@cli.command("bench")
+@model_options
+@click.option("--buckets", type=BucketsType(), help="Batch sizes to run (default: the build's buckets).")
+@click.option("--backends", metavar="NAME,...", help="Run only these: torch, torch-cudagraph, onnxruntime, tensorrt.")
+@click.option("--ort-providers", metavar="EP,...", help="ONNX Runtime providers, best first (default: TensorRT EP, "
+              "CUDA EP, CPU; those usable here).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Device of the torch backends (default: CUDA "
+              "when present).")
+@click.option("--iterations", "-n", type=int, default=100, show_default=True,
+              help="At least this many timed runs per backend and bucket.")
+@click.option("--min-seconds", type=float, default=2.0, show_default=True, help="And at least this long.")
+@click.option("--max-seconds", type=float, help="Stop a measurement after this long, even short of the minimums.")
+@click.option("--warmup", type=int, default=10, show_default=True, help="Untimed runs first, at least this many.")
+@click.option("--warmup-seconds", type=float, default=0.5, show_default=True, help="And for at least this long.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--data", type=click.Path(path_type=Path), help="An .npz with one array per input instead of random "
+              "inputs.")
+@click.option("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (default: its own choice).")
+@click.option("--baseline", type=click.Path(path_type=Path), help="An earlier bench.json of this build: exit 1 on a "
+              "regression.")
+@click.option("--max-regression", type=PercentType(), default="5%", show_default=True,
+              help="Slower P50 or lower throughput than the baseline by more than this is a regression.")
+@click.option("--report-dir", type=click.Path(path_type=Path), help="Where bench.json/.csv/.png go (default "
+              "DIR/report, or ./bench-report for a model file).")
+@click.option("--no-plot", is_flag=True, help="Do not draw bench.png.")
+@common_options
+def bench_cmd(**kw: Any) -> None:
+    """Latency, throughput and accuracy of a build on every backend that runs here, per batch bucket.
+
+    MODEL is a build directory, or a model file (with --input) to export to a temporary directory and
+    compare eager PyTorch with ONNX Runtime alone. Backends that cannot run here are listed with why.
+
+    \b
+    Examples:
+      trtc bench build/m
+      trtc bench build/m --backends torch,onnxruntime --buckets 1,8 -n 200 --min-seconds 5
+      trtc bench build/m --baseline old/bench.json --max-regression 5%
+      trtc bench model.pt2 --input images:Bx3x224x224 --buckets 1,8
+    """
+    from compiler.bench import bench_directory, bench_model, bench_renderables
+    from compiler.report import console
+
+    settings = bench_settings_from(kw)
+    target = kw["model"]
+    if target is not None and target.is_dir():
+        if kw["model_factory"] or kw["inputs"] or kw["dims"] or kw["profile"] or kw["weights"]:
+            raise InputError(f"{target} is a build directory, which records its model and inputs; drop --input, "
+                             "--dim, --model-factory, --weights and --profile")
+        report = bench_directory(target, settings)
+    else:
+        export, _ = export_settings_from({**kw, "out": Path("bench-export")})  # bench_model exports to a temp dir
+        report = bench_model(export, settings)
+    for item in bench_renderables(report):
+        console.print(item)
+    report.raise_for_regressions()
+
+
 def main() -> None:
     cli.main(prog_name="trtc")
 
