@@ -293,7 +293,7 @@ DEFAULT_PASSES: list[tuple[str, Pass]] = [
     ("constant_folding", fold_constants),
     ("batchnorm_folding", fold_batchnorm),
     ("cleanup", cleanup),
-    ("shape_inference", infer_shapes),
+    ("final_shape_inference", infer_shapes),  # value_info for the rewritten graph
 ]
 
 

@@ -124,7 +124,7 @@ def test_torchscript_exporter_output_keeps_batchnorm_until_our_pass() -> None:
     folded, results = run_passes(exported)
     assert ops(folded)["BatchNormalization"] == 0
     assert [r.name for r in results] == ["shape_inference", "constant_folding", "batchnorm_folding", "cleanup",
-                                         "shape_inference"]
+                                         "final_shape_inference"]
     assert folded.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "B"
     x = np.random.default_rng(1).normal(size=(5, 1, 8, 8)).astype(np.float32)
     with torch.no_grad():
