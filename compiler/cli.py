@@ -531,6 +531,8 @@ def bench_cmd(**kw: Any) -> None:
       trtc bench build/m --baseline old/bench.json --max-regression 5%
       trtc bench model.pt2 --input images:Bx3x224x224 --buckets 1,8
     """
+    from rich.console import Console
+
     from compiler.bench import bench_directory, bench_model, bench_renderables
     from compiler.report import console
 
@@ -544,8 +546,9 @@ def bench_cmd(**kw: Any) -> None:
     else:
         export, _ = export_settings_from({**kw, "out": Path("bench-export")})  # bench_model exports to a temp dir
         report = bench_model(export, settings)
+    out = console if console.is_terminal else Console(width=200)  # logs and pipes get the whole table
     for item in bench_renderables(report):
-        console.print(item)
+        out.print(item)
     report.raise_for_regressions()
 
 

@@ -1,0 +1,1109 @@
+"""``trtc bench``: latency, throughput and accuracy of every way a build can run, on identical inputs.
+
+Backends, each run at every batch bucket:
+
+  torch            the source model in eager mode: FP32, and under autocast FP16 when the build is FP16/INT8
+  torch-cudagraph  the same, captured in one CUDA graph per bucket (CUDA only)
+  onnxruntime      every ONNX of the build (fp32, int8, fp16) with the best execution provider
+                   (TensorRT EP, then CUDA EP, then CPU) or the ones ``ort_providers`` names
+  tensorrt         the build's engines
+
+A backend that cannot run here is listed in the report's ``skipped`` with the reason; a backend that
+fails while running is listed there too, as failed, with the error.
+
+Inputs are made once per bucket, from a seed or from an .npz file, and every backend gets the same
+bytes (their sha256 is in the report). Outputs of each backend's first run are compared with the FP32
+eager PyTorch reference: max abs error, cosine similarity, and top-1 agreement for 2-D (classifier)
+outputs. Without a PyTorch model (an ONNX source) the reference is ONNX Runtime FP32 on the CPU.
+
+Timing (``time_runner``): warm-up of at least ``warmup`` runs and ``warmup_seconds``, then at least
+``iterations`` runs and at least ``min_seconds`` (``max_seconds`` caps both; stopping early is noted).
+Every run uploads the feed, launches and downloads the outputs. The host clock (``perf_counter_ns``)
+around all three is the *end-to-end* latency; the launch alone is the *device* latency, timed with
+CUDA events on a GPU and with the host clock on the CPU. Speed-ups (against eager PyTorch FP32 at the
+same bucket), throughput and regressions use the device latency. While benchmarking, TF32 is off (FP32
+means FP32, as in trtc's engines) and cuDNN autotuning is on. All CUDA work runs on one non-default stream.
+
+Peak device memory: for the torch backends, torch's allocator peak during the run less what was already
+allocated, plus the model's weights; for TensorRT and ONNX Runtime on CUDA, the device-wide drop in free
+memory since the runner was created (``cudaMemGetInfo``; other processes on the GPU disturb it); on the
+CPU, not measured (None).
+
+Files, in ``DIR/report/`` unless ``report_dir`` says otherwise: ``bench.json`` (everything; layout in
+``report_dict``), ``bench.csv`` (one row per backend and bucket, skipped ones included) and ``bench.png``
+(latency and throughput against batch size; needs matplotlib, the ``trtc[plot]`` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import gc
+import hashlib
+import io
+import logging
+import os
+import platform
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compiler.errors import InputError, TrtcError
+from compiler.files import atomic_write_bytes, atomic_write_json, atomic_write_text, directory_lock, read_json
+from compiler.manifest import now, read_manifest, tool_versions
+from compiler.runners import CudaGraphRunner, OrtRunner, StagedRunner, TorchRunner, TrtRunner
+from compiler.settings import ExportSettings
+from compiler.specs import BATCH_DIM, ModelSpec, parse_dim_range, parse_input_spec
+from compiler.verify import compare_outputs
+
+__all__ = ["BACKENDS", "BenchSettings", "Latency", "Accuracy", "BenchResult", "Skipped", "Regression",
+           "BenchReport", "PerformanceRegression", "bench_directory", "bench_model", "time_runner",
+           "input_feeds", "accuracy_of", "eager_model", "find_regressions", "bench_renderables", "parse_percent"]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "torch-cudagraph", "onnxruntime", "tensorrt")
+REPORT_KIND = "trtc-bench"
+REPORT_SCHEMA = 1
+JSON_NAME, CSV_NAME, PNG_NAME = "bench.json", "bench.csv", "bench.png"
+REFERENCE = ("torch", "fp32")  # the row speed-ups are relative to
+ONNX_PRECISION_ORDER = ("fp32", "fp16", "int8")
+
+
+class PerformanceRegression(TrtcError):
+    """``trtc bench --baseline``: a backend got slower than the baseline allows."""
+
+    exit_code = 1
+
+
+# --- settings ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """How ``trtc bench`` measures. Seconds are wall-clock; fractions (``max_spread``, ``max_regression``) are 0-1."""
+
+    backends: tuple[str, ...] = BACKENDS
+    buckets: tuple[int, ...] = ()  # empty: the build's buckets
+    iterations: int = 100  # at least this many timed runs per backend and bucket...
+    min_seconds: float = 2.0  # ...and at least this long
+    max_seconds: float | None = None  # stop a measurement (warm-up included) after this long; noted in the report
+    warmup: int = 10  # at least this many untimed runs first...
+    warmup_seconds: float = 0.5  # ...and at least this long
+    seed: int = 0
+    data: Path | None = None  # an .npz with one array per input name (first axis = samples); None: seeded random
+    ort_providers: tuple[str, ...] = ()  # empty: the best usable ones
+    device: str | None = None  # for the torch backends: "cuda" or "cpu"; None: CUDA when present
+    trust_pickle: bool = False  # load a pickled nn.Module source (runs code from the file)
+    max_spread: float = 0.2  # (P90 - P50) / P50 above this is reported as a wide spread
+    baseline: Path | None = None  # an earlier bench.json of the same build
+    max_regression: float = 0.05  # slower P50 or lower throughput than the baseline by more than this fails
+    report_dir: Path | None = None  # default DIR/report
+    plot: bool = True
+    threads: int = 0  # ONNX Runtime intra-op threads; 0: its default
+
+    def __post_init__(self) -> None:
+        unknown = [b for b in self.backends if b not in BACKENDS]
+        if unknown or not self.backends:
+            raise InputError(f"--backends {','.join(self.backends)}: choose from {','.join(BACKENDS)}")
+        if any(b < 1 for b in self.buckets):
+            raise InputError(f"--buckets {self.buckets}: buckets are positive batch sizes")
+        if self.iterations < 1:
+            raise InputError(f"--iterations {self.iterations} must be at least 1")
+        if self.warmup < 0 or self.warmup_seconds < 0 or self.min_seconds < 0:
+            raise InputError("--warmup, --warmup-seconds and --min-seconds cannot be negative")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise InputError(f"--max-seconds {self.max_seconds} must be positive")
+        if self.device not in (None, "cuda", "cpu"):
+            raise InputError(f"--device {self.device!r}: use cuda or cpu")
+        if not 0 <= self.max_regression < 10:
+            raise InputError(f"--max-regression {100 * self.max_regression:g}%: give a percentage such as 5%")
+        if self.data is not None and not Path(self.data).is_file():
+            raise InputError(f"--data {self.data}: no such file; pass an .npz with one array per input")
+        if self.baseline is not None and not Path(self.baseline).is_file():
+            raise InputError(f"--baseline {self.baseline}: no such file; pass an earlier report/bench.json")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v
+                for k, v in asdict(self).items()}
+
+
+def parse_percent(text: str | float) -> float:
+    """``"5%"`` or ``"5"`` -> 0.05 (always percent)."""
+    value = str(text).strip().removesuffix("%").strip()
+    try:
+        number = float(value)
+    except ValueError:
+        raise InputError(f"--max-regression {text!r} is not a percentage: write e.g. 5%") from None
+    if not 0 <= number < 1000:
+        raise InputError(f"--max-regression {text!r}: use a percentage from 0% to 1000%")
+    return number / 100
+
+
+# --- what one measurement produces ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Latency:
+    """Latency statistics in milliseconds."""
+
+    p50: float
+    p90: float
+    p99: float
+    mean: float
+    std: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, ms: list[float]) -> Latency:
+        a = np.asarray(ms, dtype=np.float64)
+        p50, p90, p99 = (float(v) for v in np.percentile(a, [50, 90, 99]))
+        return cls(p50, p90, p99, float(a.mean()), float(a.std()), float(a.min()), float(a.max()))
+
+    @property
+    def spread(self) -> float:
+        """(P90 - P50) / P50: how far the slow tail is from the typical run."""
+        return (self.p90 - self.p50) / self.p50 if self.p50 > 0 else 0.0
+
+    @property
+    def cv(self) -> float:
+        """Coefficient of variation, std / mean."""
+        return self.std / self.mean if self.mean > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """Worst case over the outputs, against the reference; ``top1_agreement`` only for 2-D float outputs."""
+
+    max_abs: float
+    max_rel: float
+    cosine: float
+    top1_agreement: float | None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What ``time_runner`` measured: device and end-to-end latency of each timed run, and the first outputs."""
+
+    device_ms: list[float]
+    e2e_ms: list[float]
+    clock: str  # "cuda_event" or "perf_counter_ns" (for the device latency; end-to-end is always perf_counter_ns)
+    seconds: float
+    warmup_runs: int
+    stopped_early: bool
+    outputs: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One backend at one bucket."""
+
+    backend: str
+    precision: str
+    bucket: int
+    runner: str  # the runner's name: provider, autocast, engine profile
+    device: str
+    clock: str
+    iterations: int
+    seconds: float
+    stopped_early: bool
+    latency_ms: Latency  # device latency
+    e2e_ms: Latency  # end to end, host<->device copies included
+    throughput: float  # samples/s from the mean device latency
+    e2e_throughput: float  # samples/s from the mean end-to-end latency
+    spread: float
+    cv: float
+    spread_wide: bool
+    peak_memory_bytes: int | None
+    memory_method: str | None
+    accuracy: Accuracy | None
+    speedup: float | None = None  # eager PyTorch FP32 P50 / this P50 (device latency), same bucket
+    e2e_speedup: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}/{self.precision}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["name"] = self.name
+        return out
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A backend (and precision, bucket where it applies) that did not run, and why."""
+
+    backend: str
+    precision: str | None
+    bucket: int | None
+    reason: str
+    failed: bool = False  # True: it was tried and raised; False: it cannot run here
+
+    @property
+    def name(self) -> str:
+        return self.backend + (f"/{self.precision}" if self.precision else "")
+
+
+@dataclass(frozen=True)
+class Regression:
+    name: str
+    bucket: int
+    metric: str  # "p50_ms" or "throughput"
+    baseline: float
+    current: float
+    change: float  # fraction, positive = worse
+
+    def describe(self) -> str:
+        if self.metric == "p50_ms":
+            what = f"P50 {self.baseline:.3f} -> {self.current:.3f} ms"
+        else:
+            what = f"throughput {self.baseline:,.0f} -> {self.current:,.0f} samples/s"
+        return f"{self.name} bucket {self.bucket}: {what} ({100 * self.change:+.1f}% worse)"
+
+
+@dataclass
+class BenchReport:
+    """The report as written to bench.json (``data``), where it was written, and the regressions found."""
+
+    data: dict[str, Any]
+    json_path: Path
+    csv_path: Path
+    png_path: Path | None
+    regressions: list[Regression] = field(default_factory=list)
+
+    def raise_for_regressions(self) -> None:
+        """Raise ``PerformanceRegression`` (exit code 1) when the baseline comparison found any."""
+        if not self.regressions:
+            return
+        threshold = self.data["baseline"]["max_regression"]
+        shown = "; ".join(r.describe() for r in self.regressions[:4])
+        more = f"; and {len(self.regressions) - 4} more" if len(self.regressions) > 4 else ""
+        raise PerformanceRegression(f"performance regression beyond {100 * threshold:g}% against "
+                                    f"{self.data['baseline']['file']}: {shown}{more}")
+
+
+# --- inputs -----------------------------------------------------------------------------------------------------
+
+def input_feeds(spec: ModelSpec, buckets: tuple[int, ...], seed: int = 0, data: Path | None = None,
+                ) -> dict[int, dict[str, np.ndarray]]:
+    """One feed per bucket: seeded random (``ModelSpec.example_feed``, other dynamic dims at their opt) or
+    the first ``bucket`` samples of each array in ``data`` (repeated when it holds fewer)."""
+    if data is None:
+        return {b: spec.example_feed(b, seed=seed) for b in buckets}
+    try:
+        with np.load(data) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except (OSError, ValueError) as err:
+        raise InputError(f"--data {data}: not a readable .npz file ({err})") from err
+    missing = [n for n in spec.input_names if n not in arrays]
+    if missing:
+        raise InputError(f"--data {data} has no array for input(s) {', '.join(missing)} (it has "
+                         f"{', '.join(arrays) or 'none'}); save one array per input name")
+    feeds: dict[int, dict[str, np.ndarray]] = {}
+    for bucket in buckets:
+        feed: dict[str, np.ndarray] = {}
+        for inp in spec.inputs:
+            array = arrays[inp.name]
+            if inp.dims and inp.dims[0] == BATCH_DIM:
+                if array.ndim != len(inp.dims):
+                    raise InputError(f"--data {data}: {inp.name} has shape {array.shape} but the input is {inp}")
+                array = array[np.arange(bucket) % len(array)]
+            feed[inp.name] = np.ascontiguousarray(array.astype(inp.dtype if inp.dtype != "bfloat16" else "float32"))
+        feeds[bucket] = feed
+    return feeds
+
+
+def _feed_record(feed: dict[str, np.ndarray]) -> dict[str, Any]:
+    h = hashlib.sha256()
+    for name, array in feed.items():
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(array).tobytes())
+    return {"sha256": h.hexdigest(),
+            "tensors": {n: {"shape": list(a.shape), "dtype": str(a.dtype)} for n, a in feed.items()}}
+
+
+# --- timing and accuracy ----------------------------------------------------------------------------------------
+
+def time_runner(runner: StagedRunner, feed: dict[str, np.ndarray], settings: BenchSettings) -> Timing:
+    """Warm ``runner`` up, then time upload + launch + download (end to end) and the launch alone (device).
+
+    On CUDA the launch is bracketed by CUDA events on the current stream (call this under a non-default
+    stream); on the CPU by ``perf_counter_ns``. The first run's outputs are returned for the accuracy check.
+    """
+    cuda = runner.device == "cuda"
+    if cuda:
+        import torch
+    cap = settings.max_seconds
+    start = time.perf_counter()
+    runner.upload(feed)
+    runner.launch()
+    outputs = runner.download()
+    warmup_runs = 1
+    while warmup_runs < settings.warmup or time.perf_counter() - start < settings.warmup_seconds:
+        if cap is not None and time.perf_counter() - start >= cap:
+            break
+        runner.upload(feed)
+        runner.launch()
+        runner.download()
+        warmup_runs += 1
+    events: list[tuple[Any, Any]] = []
+    device_ns: list[int] = []
+    e2e_ns: list[int] = []
+    begin = time.perf_counter()
+    stopped_early = False
+    while True:
+        t0 = time.perf_counter_ns()
+        runner.upload(feed)
+        if cuda:
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            first.record()
+            runner.launch()
+            last.record()
+            events.append((first, last))
+        else:
+            l0 = time.perf_counter_ns()
+            runner.launch()
+            device_ns.append(time.perf_counter_ns() - l0)
+        runner.download()  # waits for the outputs
+        e2e_ns.append(time.perf_counter_ns() - t0)
+        elapsed = time.perf_counter() - begin
+        if len(e2e_ns) >= settings.iterations and elapsed >= settings.min_seconds:
+            break
+        if cap is not None and time.perf_counter() - start >= cap:
+            stopped_early = len(e2e_ns) < settings.iterations or elapsed < settings.min_seconds
+            break
+    if cuda:
+        torch.cuda.synchronize()
+        device_ms = [float(a.elapsed_time(b)) for a, b in events]
+    else:
+        device_ms = [ns / 1e6 for ns in device_ns]
+    return Timing(device_ms, [ns / 1e6 for ns in e2e_ns], "cuda_event" if cuda else "perf_counter_ns",
+                  time.perf_counter() - begin, warmup_runs, stopped_early, outputs)
+
+
+def accuracy_of(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], bucket: int) -> Accuracy:
+    """Max abs/rel error and cosine (``compare_outputs``) plus top-1 agreement over 2-D float outputs.
+
+    Outputs are matched in order (names differ between PyTorch and ONNX).
+    """
+    matched = {r: got[g] for r, g in zip(reference, got)}
+    cmp = compare_outputs(matched, reference, bucket)
+    agreements = [float(np.mean(np.argmax(matched[n], axis=1) == np.argmax(r, axis=1)))
+                  for n, r in reference.items()
+                  if r.ndim == 2 and r.shape[1] > 1 and np.issubdtype(r.dtype, np.floating)]
+    return Accuracy(cmp.max_abs, cmp.max_rel, cmp.cosine, min(agreements) if agreements else None)
+
+
+# --- what runs ----------------------------------------------------------------------------------------------------
+
+class _Unavailable(Exception):
+    """A backend cannot run at this bucket; the message says why."""
+
+
+@dataclass
+class _Plan:
+    """A backend and precision to measure, and how to open its runner for a bucket."""
+
+    backend: str
+    precision: str
+    open: Callable[[int], StagedRunner]
+    per_bucket: bool = False  # a runner per bucket (TensorRT engines) instead of one for all buckets
+    torch_memory: bool = False  # peak memory from torch's allocator (else the device-wide free-memory delta)
+    weight_bytes: int = 0  # the eager model's parameters and buffers, resident before the measurement starts
+
+
+@dataclass
+class _Target:
+    """What is benchmarked: a build directory's manifest, its input spec, and the eager model if it loads."""
+
+    directory: Path
+    manifest: dict[str, Any]
+    spec: ModelSpec
+    model: Any  # nn.Module or None
+    model_note: str  # why there is no model, or where it came from
+    model_mode: bool  # True: `trtc bench model.pt`, a temporary export
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _tensorrt_unavailable() -> str | None:
+    """Why the tensorrt backend cannot run here, or None."""
+    try:
+        import tensorrt
+    except (ImportError, OSError) as err:
+        return f"TensorRT is not installed (`import tensorrt` fails: {err}); install trtc[tensorrt] on a machine " \
+               "with an NVIDIA GPU"
+    if not hasattr(tensorrt, "Builder"):
+        return "TensorRT is not installed (`import tensorrt` finds no TensorRT); install trtc[tensorrt]"
+    if not _cuda_available():
+        return "no CUDA device: torch.cuda.is_available() is False"
+    return None
+
+
+def _plans(target: _Target, settings: BenchSettings, device: str) -> tuple[list[_Plan], list[Skipped]]:
+    manifest, spec, model = target.manifest, target.spec, target.model
+    names, outputs = spec.input_names, list(manifest.get("output_names") or [])
+    onnx = manifest.get("onnx") or {}
+    reduced = any(p in onnx for p in ("fp16", "int8")) or manifest.get("precision") in ("fp16", "int8")
+    torch_precisions = ("fp32", "fp16") if reduced else ("fp32",)
+    cuda = _cuda_available()
+    plans: list[_Plan] = []
+    skipped: list[Skipped] = []
+    model_mode_note = ("`trtc bench MODEL` runs eager PyTorch and ONNX Runtime only; build a directory with "
+                       "`trtc build` and bench it for the others")
+
+    def skip(backend: str, precision: str | None, reason: str) -> None:
+        skipped.append(Skipped(backend, precision, None, reason))
+
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) \
+        if model is not None and hasattr(model, "parameters") else 0
+
+    def torch_runner(precision: str) -> Callable[[int], StagedRunner]:
+        return lambda bucket: TorchRunner(model, names, outputs, device, autocast_fp16=precision == "fp16")
+
+    def graph_runner(precision: str) -> Callable[[int], StagedRunner]:
+        return lambda bucket: CudaGraphRunner(model, names, outputs, autocast_fp16=precision == "fp16")
+
+    for backend in BACKENDS:
+        if backend not in settings.backends:
+            continue
+        if backend == "torch":
+            for precision in torch_precisions:
+                if model is None:
+                    skip(backend, precision, target.model_note)
+                elif precision == "fp16" and device != "cuda":
+                    skip(backend, precision, "autocast FP16 runs on CUDA only, and this run is on the CPU")
+                else:
+                    plans.append(_Plan(backend, precision, torch_runner(precision), torch_memory=True,
+                                       weight_bytes=weights))
+        elif backend == "torch-cudagraph":
+            for precision in torch_precisions:
+                if target.model_mode:
+                    skip(backend, precision, model_mode_note)
+                elif not cuda:
+                    skip(backend, precision, "no CUDA device: torch.cuda.is_available() is False")
+                elif device != "cuda":
+                    skip(backend, precision, "--device cpu: CUDA graphs run on CUDA only")
+                elif model is None:
+                    skip(backend, precision, target.model_note)
+                else:
+                    plans.append(_Plan(backend, precision, graph_runner(precision), torch_memory=True,
+                                       weight_bytes=weights))
+        elif backend == "onnxruntime":
+            from compiler.onnx_io import usable_providers
+
+            providers = usable_providers(list(settings.ort_providers) or None)
+            if settings.ort_providers and providers[0] != settings.ort_providers[0]:
+                log.warning("ONNX Runtime cannot use %s here; running with %s", settings.ort_providers[0],
+                            providers[0])
+            for precision in sorted(onnx, key=lambda p: ONNX_PRECISION_ORDER.index(p)
+                                    if p in ONNX_PRECISION_ORDER else 99):
+                path = target.directory / onnx[precision]["file"]
+                plans.append(_Plan(backend, precision, _ort_opener(path, providers, settings.threads)))
+        elif backend == "tensorrt":
+            engines = manifest.get("engines") or []
+            reason = model_mode_note if target.model_mode else _tensorrt_unavailable()
+            if reason is None and not engines:
+                note = str(manifest.get("engines_note") or "not built")
+                reason = f"the build has no TensorRT engines ({note.removeprefix('not built: ')}); " \
+                         f"build them with `trtc build` where TensorRT is installed"
+            if reason is not None:
+                skip(backend, None, reason)
+                continue
+            by_precision: dict[str, list[dict[str, Any]]] = {}
+            for entry in engines:
+                by_precision.setdefault(_engine_precision(entry, manifest), []).append(entry)
+            for precision, entries in by_precision.items():
+                plans.append(_Plan(backend, precision, _engine_opener(target.directory, entries), per_bucket=True))
+    return plans, skipped
+
+
+def _ort_opener(path: Path, providers: list[str], threads: int) -> Callable[[int], StagedRunner]:
+    return lambda bucket: OrtRunner(path, providers, threads=threads)
+
+
+def _engine_precision(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
+    """The precision of the ONNX an engine was built from (its ``onnx`` file), else the build's precision."""
+    for precision, onnx_entry in (manifest.get("onnx") or {}).items():
+        if onnx_entry.get("file") == entry.get("onnx"):
+            return str(precision)
+    return str((manifest.get("build") or {}).get("precision") or manifest.get("precision") or "fp32")
+
+
+def _engine_opener(directory: Path, entries: list[dict[str, Any]]) -> Callable[[int], StagedRunner]:
+    def open_engine(bucket: int) -> StagedRunner:
+        entry = next((e for e in entries if e.get("bucket") == bucket), None)
+        if entry is None:
+            built = ",".join(str(e.get("bucket")) for e in entries)
+            raise _Unavailable(f"no engine for bucket {bucket} (engines exist for buckets {built})")
+        path = directory / entry["file"]
+        if not path.is_file():
+            raise _Unavailable(f"{path} is missing; rebuild the engines with `trtc rebuild {directory}`")
+        return TrtRunner(path, int(entry.get("profile") or 0))
+
+    return open_engine
+
+
+# --- the source model and the reference ---------------------------------------------------------------------
+
+def _spec(manifest: dict[str, Any]) -> ModelSpec:
+    try:
+        inputs = tuple(parse_input_spec(text) for text in manifest["inputs"])
+        dims = dict(parse_dim_range(f"{k}={v}") for k, v in (manifest.get("dims") or {}).items())
+    except (KeyError, TypeError) as err:
+        raise InputError(f"the manifest has no usable input spec ({err}); re-export with `trtc export`") from err
+    return ModelSpec(inputs, dims)
+
+
+def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: bool = False) -> tuple[Any, str]:
+    """The source model from the manifest's ``source`` (``{path, format}``), or None and the reason.
+
+    A factory source is recorded as ``pkg.module:fn`` or ``pkg.module:fn + WEIGHTS``. Paths are as the
+    export command was given them (relative to where it ran). An ExportedProgram is moved to the device
+    with torch's ``move_to_device_pass``, since its graph names devices literally.
+    """
+    from compiler.loading import load_model
+    from compiler.pipeline import source_fingerprint
+
+    source = manifest.get("source") or {}
+    fmt, text = source.get("format"), str(source.get("path") or "")
+    if fmt == "onnx":
+        return None, "the build's source is an ONNX file: there is no PyTorch model to run"
+    if fmt == "pickle" and not trust_pickle:
+        return None, ("the source is a pickled nn.Module: pass --trust-pickle to load it (this runs code from "
+                      "the file)")
+    try:
+        if fmt == "factory":
+            factory, _, weights = text.partition(" + ")
+            loaded = load_model(factory=factory.strip(), weights=weights.strip() or None)
+        else:
+            if not Path(text).is_file():
+                return None, (f"the source model {text} is not here (the manifest records the path trtc export "
+                              "was given); run trtc bench from that directory")
+            loaded = load_model(text, trust_pickle=trust_pickle)
+    except InputError as err:
+        return None, f"the source model does not load: {err}"
+    if source.get("sha256") and source_fingerprint(loaded) != source["sha256"]:
+        log.warning("the source model %s changed since the build (sha256 differs): the torch rows and the accuracy "
+                    "reference are the new model's", text)
+    module = loaded.module
+    if loaded.exported_program is not None and device != "cpu":
+        from torch.export.passes import move_to_device_pass
+
+        module = move_to_device_pass(loaded.exported_program, device).module()
+    return module, f"{fmt} {text}"
+
+
+def _reference_outputs(target: _Target, feeds: dict[int, dict[str, np.ndarray]], device: str,
+                       ) -> tuple[dict[int, dict[str, np.ndarray]], str]:
+    """FP32 eager PyTorch outputs per bucket; ONNX Runtime FP32 on the CPU when there is no PyTorch model."""
+    runner: StagedRunner
+    if target.model is not None:
+        runner = TorchRunner(target.model, target.spec.input_names, list(target.manifest.get("output_names") or []),
+                             device)
+        what = f"torch/fp32 (eager, {device})"
+    else:
+        runner = OrtRunner(target.directory / target.manifest["onnx"]["fp32"]["file"], ["CPUExecutionProvider"])
+        what = "onnxruntime/fp32 (CPUExecutionProvider): no PyTorch model to compare with"
+    try:
+        return {b: runner.infer(feed) for b, feed in feeds.items()}, what
+    finally:
+        runner.close()
+
+
+@contextlib.contextmanager
+def _torch_bench_mode() -> Iterator[None]:
+    """TF32 off (FP32 means FP32) and cuDNN autotuning on, restored afterwards."""
+    import torch
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark)
+    cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark = False, False, True
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark = saved
+
+
+# --- measuring ----------------------------------------------------------------------------------------------------
+
+_STREAM: Any = None
+
+
+def _bench_stream() -> Any:
+    """The process's one benchmark stream (non-default: TensorRT and CUDA graphs are slow on the default one)."""
+    global _STREAM
+    import torch
+
+    if _STREAM is None and torch.cuda.is_available():
+        _STREAM = torch.cuda.Stream()
+    return _STREAM
+
+
+def _free_device_memory() -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def _release_device_memory() -> None:
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _measure(plan: _Plan, runner: StagedRunner, bucket: int, feed: dict[str, np.ndarray],
+             reference: dict[str, np.ndarray], settings: BenchSettings, free_before_open: int | None,
+             stream: Any) -> BenchResult:
+    """Time ``runner`` at one bucket (CUDA work on ``stream``) and compare its first outputs with ``reference``."""
+    import torch
+
+    cuda = runner.device == "cuda"
+    resident = 0
+    if cuda and plan.torch_memory:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        resident = int(torch.cuda.memory_allocated())
+    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+        timing = time_runner(runner, feed, settings)
+    memory: int | None = None
+    method: str | None = None
+    if cuda and plan.torch_memory:
+        # what this run added to what was already allocated (weights, other runs' cuBLAS workspaces), plus weights
+        memory = int(torch.cuda.max_memory_allocated()) - resident + plan.weight_bytes
+        method = "torch.cuda.max_memory_allocated during the run, less what it found allocated, plus the weights"
+    elif cuda and free_before_open is not None:
+        free_now = _free_device_memory()
+        if free_now is not None:
+            memory, method = max(0, free_before_open - free_now), "device-wide cudaMemGetInfo delta since the " \
+                                                                  "runner was created"
+    latency, e2e = Latency.of(timing.device_ms), Latency.of(timing.e2e_ms)
+    wide = latency.spread > settings.max_spread
+    accuracy = accuracy_of(timing.outputs, reference, bucket)
+    result = BenchResult(
+        backend=plan.backend, precision=plan.precision, bucket=bucket, runner=runner.name, device=runner.device,
+        clock=timing.clock, iterations=len(timing.e2e_ms), seconds=round(timing.seconds, 4),
+        stopped_early=timing.stopped_early, latency_ms=latency, e2e_ms=e2e,
+        throughput=bucket * 1000.0 / latency.mean if latency.mean > 0 else float("inf"),
+        e2e_throughput=bucket * 1000.0 / e2e.mean if e2e.mean > 0 else float("inf"),
+        spread=latency.spread, cv=latency.cv, spread_wide=wide, peak_memory_bytes=memory, memory_method=method,
+        accuracy=accuracy)
+    log.info("%s bucket %d on %s: P50 %.3f ms (end to end %.3f ms), %d runs, cosine %.6f", result.name, bucket,
+             runner.name, latency.p50, e2e.p50, result.iterations, accuracy.cosine)
+    return result
+
+
+def _run_plan(plan: _Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, np.ndarray]],
+              reference: dict[int, dict[str, np.ndarray]], settings: BenchSettings, stream: Any,
+              ) -> tuple[list[BenchResult], list[Skipped]]:
+    """Measure one backend at every bucket. A failure is recorded (failed=True) with its error, not raised:
+    the other backends still run, and the report and table show it.
+
+    ``stream`` is the one non-default CUDA stream every measurement runs on: torch keeps a cuBLAS workspace
+    for each stream it sees, for the life of the process, so a stream per measurement would leak them."""
+    results: list[BenchResult] = []
+    skipped: list[Skipped] = []
+    runner: StagedRunner | None = None
+    free_before: int | None = None
+    try:
+        for bucket in buckets:
+            opening = False
+            try:
+                if runner is None or plan.per_bucket:
+                    if runner is not None:
+                        runner.close()
+                        runner = None
+                        _release_device_memory()
+                    free_before = _free_device_memory()
+                    opening = True
+                    runner = plan.open(bucket)
+                    opening = False
+                results.append(_measure(plan, runner, bucket, feeds[bucket], reference[bucket], settings,
+                                        free_before, stream))
+            except _Unavailable as why:
+                skipped.append(Skipped(plan.backend, plan.precision, bucket, str(why)))
+            except (TrtcError, RuntimeError, OSError, ValueError, ImportError) as err:
+                reason = f"failed: {type(err).__name__}: {_first_line(err)}"
+                log.warning("%s/%s at bucket %d %s", plan.backend, plan.precision, bucket, reason)
+                log.debug("traceback", exc_info=True)
+                shared_open = opening and not plan.per_bucket
+                skipped.append(Skipped(plan.backend, plan.precision, None if shared_open else bucket, reason,
+                                       failed=True))
+                if shared_open:
+                    break  # the runner shared by all buckets does not open: each bucket would fail the same way
+    finally:
+        if runner is not None:
+            runner.close()
+        _release_device_memory()
+    return results, skipped
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:300] if lines else ""
+
+
+def _with_speedups(results: list[BenchResult]) -> list[BenchResult]:
+    base = {r.bucket: r for r in results if (r.backend, r.precision) == REFERENCE}
+    out = []
+    for r in results:
+        ref = base.get(r.bucket)
+        if ref is None:
+            out.append(r)
+            continue
+        out.append(dataclasses.replace(r, speedup=ref.latency_ms.p50 / r.latency_ms.p50 if r.latency_ms.p50 else None,
+                                       e2e_speedup=ref.e2e_ms.p50 / r.e2e_ms.p50 if r.e2e_ms.p50 else None))
+    return out
+
+
+# --- entry points -------------------------------------------------------------------------------------------------
+
+def bench_directory(directory: Path, settings: BenchSettings) -> BenchReport:
+    """Benchmark a build directory (``trtc export``/``calibrate``/``build`` output); writes the report files.
+
+    Holds the directory's lock while it runs, so that no build changes the files under it.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    with directory_lock(directory, "trtc bench"):
+        return _bench(directory, manifest, settings, model_mode=False,
+                      report_dir=settings.report_dir or directory / "report")
+
+
+def bench_model(export: ExportSettings, settings: BenchSettings) -> BenchReport:
+    """``trtc bench MODEL``: export ``export.source`` into a temporary directory, then benchmark eager PyTorch
+    and ONNX Runtime FP32 on it. Reports go to ``settings.report_dir`` (default ``./bench-report``)."""
+    from compiler.pipeline import export_directory
+
+    with tempfile.TemporaryDirectory(prefix="trtc-bench-") as tmp:
+        build = Path(tmp) / "build"
+        manifest = export_directory(dataclasses.replace(export, out=build, force=True), command="trtc bench")
+        return _bench(build, manifest, settings, model_mode=True,
+                      report_dir=settings.report_dir or Path("bench-report"))
+
+
+def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, model_mode: bool,
+           report_dir: Path) -> BenchReport:
+    spec = _spec(manifest)
+    buckets = tuple(sorted(set(settings.buckets or manifest.get("buckets") or (1,))))
+    device = settings.device or ("cuda" if _cuda_available() else "cpu")
+    if device == "cuda" and not _cuda_available():
+        raise InputError("--device cuda, but torch.cuda.is_available() is False here; use --device cpu")
+    feeds = input_feeds(spec, buckets, settings.seed, settings.data)
+    baseline = _read_baseline(settings.baseline, manifest) if settings.baseline else None
+    results: list[BenchResult] = []
+    with _torch_bench_mode():
+        model, model_note = eager_model(manifest, device, settings.trust_pickle)
+        target = _Target(directory, manifest, spec, model, model_note, model_mode)
+        reference, reference_name = _reference_outputs(target, feeds, device)
+        plans, skipped = _plans(target, settings, device)
+        stream = _bench_stream()
+        for plan in plans:
+            got, missed = _run_plan(plan, buckets, feeds, reference, settings, stream)
+            results += got
+            skipped += missed
+    results = _with_speedups(results)
+    warnings = _warnings(results, settings)
+    data = report_dict(directory if not model_mode else None, manifest, settings, device, reference_name, feeds,
+                       results, skipped, warnings)
+    regressions: list[Regression] = []
+    if baseline is not None:
+        regressions, compared, not_compared = find_regressions(data, baseline, settings.max_regression)
+        data["baseline"] = {"file": str(settings.baseline), "created": baseline.get("created"),
+                            "max_regression": settings.max_regression, "compared": compared,
+                            "not_compared": not_compared, "regressions": [asdict(r) for r in regressions]}
+    return _write_report(data, report_dir, settings.plot, regressions)
+
+
+def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
+    notes = []
+    for r in results:
+        if r.spread_wide:
+            notes.append(f"{r.name} bucket {r.bucket}: wide spread, P90 is {100 * r.spread:.0f}% above P50 "
+                         f"(CV {100 * r.cv:.0f}%): another load on the machine? raise --min-seconds")
+        if r.stopped_early:
+            notes.append(f"{r.name} bucket {r.bucket}: stopped by --max-seconds after {r.iterations} runs")
+    for note in notes:
+        log.debug("%s", note)  # shown with the table, from the report
+    return notes
+
+
+# --- the report ---------------------------------------------------------------------------------------------------
+
+def machine_info() -> dict[str, Any]:
+    """The host, CPU and GPU the numbers were measured on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": cpu,
+                            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                            "cuda": torch.version.cuda, "gpu": None, "gpu_memory_bytes": None,
+                            "compute_capability": None, "gpu_count": 0}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_bytes=int(props.total_memory),
+                    compute_capability=f"{props.major}.{props.minor}", gpu_count=torch.cuda.device_count(),
+                    cudnn=torch.backends.cudnn.version())
+    return info
+
+
+def _versions() -> dict[str, Any]:
+    versions: dict[str, Any] = dict(tool_versions())
+    try:
+        import tensorrt
+
+        versions["tensorrt"] = getattr(tensorrt, "__version__", None)
+    except (ImportError, OSError):
+        versions["tensorrt"] = None
+    return versions
+
+
+def report_dict(directory: Path | None, manifest: dict[str, Any], settings: BenchSettings, device: str,
+                reference: str, feeds: dict[int, dict[str, np.ndarray]], results: list[BenchResult],
+                skipped: list[Skipped], warnings: list[str]) -> dict[str, Any]:
+    """bench.json. Keys:
+
+    ``kind`` ("trtc-bench"), ``schema`` (1), ``created``; ``build``: the directory (None for a temporary
+    export), source {path, format, sha256}, precision, sha256 of each ONNX and engine; ``machine``;
+    ``versions``; ``settings`` (``BenchSettings``); ``device`` of the torch backends; ``reference``;
+    ``inputs``: source and, per bucket, the feed's sha256 and tensor shapes/dtypes; ``results``: one
+    ``BenchResult`` per backend and bucket (``latency_ms`` and ``e2e_ms`` hold p50, p90, p99, mean, std,
+    min, max); ``skipped``: backend, precision, bucket, reason, failed; ``warnings``; ``baseline`` (with
+    ``--baseline``: file, max_regression, compared, not_compared, regressions).
+    """
+    source = dict(manifest.get("source") or {})
+    return {
+        "kind": REPORT_KIND,
+        "schema": REPORT_SCHEMA,
+        "created": now(),
+        "build": {
+            "directory": str(directory) if directory is not None else None,
+            "source": source,
+            "precision": manifest.get("precision"),
+            "onnx": {p: e.get("sha256") for p, e in (manifest.get("onnx") or {}).items()},
+            "engines": {str(e.get("bucket")): e.get("sha256") for e in manifest.get("engines") or []},
+        },
+        "machine": machine_info(),
+        "versions": _versions(),
+        "settings": settings.to_dict(),
+        "device": device,
+        "reference": reference,
+        "inputs": {"source": str(settings.data) if settings.data else f"random, seed {settings.seed}",
+                   "buckets": {str(b): _feed_record(feed) for b, feed in feeds.items()}},
+        "results": [r.to_dict() for r in results],
+        "skipped": [asdict(s) for s in skipped],
+        "warnings": warnings,
+        "baseline": None,
+    }
+
+
+CSV_FIELDS = ["status", "backend", "precision", "bucket", "runner", "device", "clock", "iterations",
+              "p50_ms", "p90_ms", "p99_ms", "mean_ms", "std_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms",
+              "e2e_mean_ms", "throughput", "e2e_throughput", "spread", "cv", "speedup", "e2e_speedup",
+              "peak_memory_bytes", "max_abs", "max_rel", "cosine", "top1_agreement", "reason"]
+
+
+def _csv_text(data: dict[str, Any]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for r in data["results"]:
+        lat, e2e, acc = r["latency_ms"], r["e2e_ms"], r["accuracy"] or {}
+        writer.writerow({
+            "status": "ok", "backend": r["backend"], "precision": r["precision"], "bucket": r["bucket"],
+            "runner": r["runner"], "device": r["device"], "clock": r["clock"], "iterations": r["iterations"],
+            **{f"{k}_ms": lat[k] for k in ("p50", "p90", "p99", "mean", "std")},
+            **{f"e2e_{k}_ms": e2e[k] for k in ("p50", "p90", "p99", "mean")},
+            "throughput": r["throughput"], "e2e_throughput": r["e2e_throughput"], "spread": r["spread"],
+            "cv": r["cv"], "speedup": r["speedup"], "e2e_speedup": r["e2e_speedup"],
+            "peak_memory_bytes": r["peak_memory_bytes"], "max_abs": acc.get("max_abs"),
+            "max_rel": acc.get("max_rel"), "cosine": acc.get("cosine"), "top1_agreement": acc.get("top1_agreement"),
+            "reason": "",
+        })
+    for s in data["skipped"]:
+        writer.writerow({"status": "failed" if s["failed"] else "skipped", "backend": s["backend"],
+                         "precision": s["precision"] or "", "bucket": s["bucket"] if s["bucket"] is not None else "",
+                         "reason": s["reason"]})
+    return out.getvalue()
+
+
+def _png_bytes(data: dict[str, Any]) -> bytes | None:
+    """Latency (P50, log scale) and throughput against batch size, a line per backend/precision; None without
+    matplotlib. Uses matplotlib's object API (no pyplot), so no global backend is changed."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in data["results"]:
+        series.setdefault(f"{r['name']} ({r['device']})", []).append(r)
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    lat_ax, tp_ax = fig.subplots(1, 2)
+    for label, rows in series.items():
+        rows = sorted(rows, key=lambda r: r["bucket"])
+        xs = [r["bucket"] for r in rows]
+        lat_ax.plot(xs, [r["latency_ms"]["p50"] for r in rows], marker="o", label=label)
+        tp_ax.plot(xs, [r["throughput"] for r in rows], marker="o", label=label)
+    buckets = sorted({r["bucket"] for r in data["results"]})
+    for ax, title, unit in ((lat_ax, "P50 latency", "ms"), (tp_ax, "throughput", "samples/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(buckets or [1])
+        ax.set_xticklabels([str(b) for b in buckets] or ["1"])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    if series:
+        tp_ax.legend(fontsize="small")
+    machine = data["machine"]
+    where = machine.get("gpu") or machine.get("cpu")
+    fig.suptitle(f"trtc bench: {data['build']['source'].get('path', '?')} on {where}", fontsize="medium")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
+
+
+def _write_report(data: dict[str, Any], report_dir: Path, plot: bool, regressions: list[Regression]) -> BenchReport:
+    report_dir.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path, png_path = report_dir / JSON_NAME, report_dir / CSV_NAME, report_dir / PNG_NAME
+    png = _png_bytes(data) if plot else None
+    if png is not None:
+        atomic_write_bytes(png_path, png)
+        data["plot"] = {"file": str(png_path), "note": None}
+    else:
+        note = "--no-plot" if not plot else "matplotlib is not installed: install trtc[plot] for bench.png"
+        data["plot"] = {"file": None, "note": note}
+        if plot:
+            log.info("no %s: %s", PNG_NAME, note)
+    atomic_write_text(csv_path, _csv_text(data))
+    atomic_write_json(json_path, data)
+    return BenchReport(data, json_path, csv_path, png_path if png is not None else None, regressions)
+
+
+# --- baseline -------------------------------------------------------------------------------------------------------
+
+def _read_baseline(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    try:
+        baseline = read_json(path)
+    except (OSError, ValueError) as err:
+        raise InputError(f"--baseline {path}: not a readable JSON file ({err})") from err
+    if not isinstance(baseline, dict) or baseline.get("kind") != REPORT_KIND:
+        raise InputError(f"--baseline {path}: not a trtc bench report (report/bench.json)")
+    old = (baseline.get("build") or {}).get("source") or {}
+    new = manifest.get("source") or {}
+    if old.get("sha256") and new.get("sha256") and old["sha256"] != new["sha256"]:
+        raise InputError(f"--baseline {path} measured another model ({old.get('path')}); compare runs of the same "
+                         "build")
+    return baseline
+
+
+def find_regressions(current: dict[str, Any], baseline: dict[str, Any], threshold: float,
+                     ) -> tuple[list[Regression], int, list[str]]:
+    """Rows (backend/precision, bucket) in both reports whose P50 rose or throughput fell by more than
+    ``threshold`` (a fraction). Returns the regressions, how many rows were compared, and the rows that
+    could not be (absent from one report, or measured on another device)."""
+    old = {(r["name"], r["bucket"]): r for r in baseline.get("results") or []}
+    regressions: list[Regression] = []
+    compared = 0
+    not_compared: list[str] = []
+    for r in current["results"]:
+        key = (r["name"], r["bucket"])
+        before = old.pop(key, None)
+        if before is None:
+            not_compared.append(f"{r['name']} bucket {r['bucket']}: not in the baseline")
+            continue
+        if before.get("device") != r["device"]:
+            not_compared.append(f"{r['name']} bucket {r['bucket']}: baseline ran on {before.get('device')}")
+            continue
+        compared += 1
+        p50_old, p50_new = before["latency_ms"]["p50"], r["latency_ms"]["p50"]
+        if p50_old > 0 and (p50_new - p50_old) / p50_old > threshold:
+            regressions.append(Regression(r["name"], r["bucket"], "p50_ms", p50_old, p50_new,
+                                          (p50_new - p50_old) / p50_old))
+        tp_old, tp_new = before["throughput"], r["throughput"]
+        if tp_old > 0 and (tp_old - tp_new) / tp_old > threshold:
+            regressions.append(Regression(r["name"], r["bucket"], "throughput", tp_old, tp_new,
+                                          (tp_old - tp_new) / tp_old))
+    not_compared += [f"{name} bucket {bucket}: in the baseline only" for name, bucket in old]
+    return regressions, compared, not_compared
+
+
+# --- the terminal table ---------------------------------------------------------------------------------------------
+
+def bench_renderables(report: BenchReport) -> list[Any]:
+    """Rich renderables for the terminal: the results table, then skipped backends, warnings, files, baseline."""
+    from rich.table import Table
+    from rich.text import Text
+
+    data = report.data
+    machine = data["machine"]
+    table = Table("backend", "runner", "batch", "P50 ms", "P90 ms", "P99 ms", "spread", "e2e P50 ms",
+                  "samples/s", "speed-up", "e2e speed-up", "peak MiB", "max abs err", "cosine", "top-1",
+                  title=f"trtc bench: {data['build']['source'].get('path', '?')} on "
+                        f"{machine.get('gpu') or machine.get('cpu')} (speed-up vs torch/fp32, P50)")
+    for r in data["results"]:
+        acc = r["accuracy"] or {}
+        spread = f"{100 * r['spread']:.0f}%"
+        table.add_row(
+            r["name"], _short_runner(r["runner"]), str(r["bucket"]), f"{r['latency_ms']['p50']:.3f}",
+            f"{r['latency_ms']['p90']:.3f}", f"{r['latency_ms']['p99']:.3f}",
+            Text(spread + " !", style="bold yellow") if r["spread_wide"] else spread,
+            f"{r['e2e_ms']['p50']:.3f}", f"{r['throughput']:,.0f}", _times(r["speedup"]), _times(r["e2e_speedup"]),
+            f"{r['peak_memory_bytes'] / 2**20:.1f}" if r["peak_memory_bytes"] is not None else "-",
+            f"{acc['max_abs']:.2e}" if acc else "-", f"{acc['cosine']:.6f}" if acc else "-",
+            f"{100 * acc['top1_agreement']:.1f}%" if acc.get("top1_agreement") is not None else "-")
+    out: list[Any] = [table]
+    for s in data["skipped"]:
+        where = f" bucket {s['bucket']}" if s["bucket"] is not None else ""
+        name = s["backend"] + (f"/{s['precision']}" if s["precision"] else "")
+        style = "bold red" if s["failed"] else "dim"
+        out.append(Text(f"{'failed' if s['failed'] else 'skipped'}: {name}{where}: {s['reason']}", style=style))
+    out += [Text(f"warning: {w}", style="yellow") for w in data["warnings"]]
+    files = [str(report.json_path), str(report.csv_path)] + ([str(report.png_path)] if report.png_path else [])
+    out.append(Text(f"wrote {', '.join(files)}" + (f" (no {PNG_NAME}: {data['plot']['note']})"
+                                                  if not report.png_path else "")))
+    base = data.get("baseline")
+    if base:
+        verdict = (f"{len(report.regressions)} regression(s)" if report.regressions else "no regression")
+        out.append(Text(f"baseline {base['file']}: {base['compared']} row(s) compared, {verdict} beyond "
+                        f"{100 * base['max_regression']:g}%", style="bold red" if report.regressions else "green"))
+        out += [Text(f"  regressed: {r.describe()}", style="red") for r in report.regressions]
+        out += [Text(f"  not compared: {n}", style="dim") for n in base["not_compared"]]
+    return out
+
+
+def _short_runner(name: str) -> str:
+    """The runner's name without its backend: "onnxruntime[CUDAExecutionProvider]" -> "CUDA EP", "torch" -> "eager"."""
+    inside = name.partition("[")[2].rstrip("]")
+    if not inside:
+        return {"torch": "eager", "torch-cudagraph": "CUDA graph", "tensorrt": "engine"}.get(name, name)
+    return inside.replace("ExecutionProvider", " EP")
+
+
+def _times(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"

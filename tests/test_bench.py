@@ -1,0 +1,355 @@
+"""`trtc bench`: backends, accuracy columns, report files, baselines and skipped backends, on the CPU.
+
+One TorchScript export of the bundled digits CNN (plus its FP16 graph) serves every test; each
+bench runs a handful of iterations, so the numbers are noise and only their shape is checked.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import importlib.util
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from onnx import numpy_helper
+
+from compiler.bench import (
+    BenchReport,
+    BenchSettings,
+    _engine_precision,
+    _short_runner,
+    accuracy_of,
+    bench_directory,
+    eager_model,
+    find_regressions,
+    input_feeds,
+    parse_percent,
+    time_runner,
+)
+from compiler.cli import cli
+from compiler.errors import InputError
+from compiler.manifest import read_manifest
+from compiler.onnx_io import load_onnx, save_onnx
+from compiler.pipeline import export_directory
+from compiler.settings import ExportSettings, ModelSource
+from compiler.specs import DimRange, ModelSpec, parse_input_spec
+from examples import models
+
+# Tiny counts, and the CPU everywhere so that these tests read the same on a GPU machine (test_cuda_* is for GPUs).
+FAST = dict(iterations=3, min_seconds=0.0, warmup=1, warmup_seconds=0.0, device="cpu",
+            ort_providers=("CPUExecutionProvider",))
+FAST_ARGS = ["-q", "-n", "3", "--min-seconds", "0", "--warmup", "1", "--warmup-seconds", "0", "--device", "cpu",
+             "--ort-providers", "CPUExecutionProvider"]
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An export directory of the digits CNN with model.onnx and model.fp16.onnx, buckets 1 and 4."""
+    from calibration.calibrate import CalibrationSettings, calibrate_directory
+
+    root = tmp_path_factory.mktemp("bench")
+    source = root / "digits.ts"
+    torch.jit.save(torch.jit.trace(models.resnet_digits(), torch.randn(2, 1, 8, 8)), source)
+    spec = ModelSpec((parse_input_spec("images:Bx1x8x8"),))
+    export_directory(ExportSettings(ModelSource(source), root / "build", spec, buckets=(1, 4)))
+    calibrate_directory(root / "build", CalibrationSettings("fp16", data="random", samples=16))
+    return root / "build"
+
+
+@pytest.fixture(scope="module")
+def bench(build: Path, tmp_path_factory: pytest.TempPathFactory) -> BenchReport:
+    """One library run over every backend, written to its own report directory."""
+    out = tmp_path_factory.mktemp("report")
+    result = bench_directory(build, BenchSettings(**FAST, report_dir=out))  # type: ignore[arg-type]
+    assert result.json_path == out / "bench.json" and result.csv_path == out / "bench.csv"
+    assert json.loads(result.json_path.read_text()) == json.loads(json.dumps(result.data))
+    return result
+
+
+@pytest.fixture(scope="module")
+def report(bench: BenchReport) -> dict[str, Any]:
+    return bench.data
+
+
+def rows(data: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(r["name"], r["bucket"]): r for r in data["results"]}
+
+
+def test_torch_and_onnxruntime_run_every_onnx_at_every_bucket(report: dict[str, Any]) -> None:
+    assert set(rows(report)) == {(name, b) for name in ("torch/fp32", "onnxruntime/fp32", "onnxruntime/fp16")
+                                 for b in (1, 4)}
+    for r in report["results"]:
+        assert r["iterations"] >= 3 and r["device"] == "cpu" and r["clock"] == "perf_counter_ns"
+        lat = r["latency_ms"]
+        assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+        assert r["e2e_ms"]["p50"] > 0 and r["throughput"] == pytest.approx(r["bucket"] * 1000 / lat["mean"])
+        assert r["speedup"] == pytest.approx(rows(report)[("torch/fp32", r["bucket"])]["latency_ms"]["p50"]
+                                             / lat["p50"])
+    assert report["reference"].startswith("torch/fp32")
+
+
+def test_accuracy_columns_against_the_eager_reference(report: dict[str, Any]) -> None:
+    by = rows(report)
+    for b in (1, 4):
+        assert by[("torch/fp32", b)]["accuracy"] == {"max_abs": 0.0, "max_rel": 0.0, "cosine": pytest.approx(1.0),
+                                                     "top1_agreement": 1.0}
+        fp32 = by[("onnxruntime/fp32", b)]["accuracy"]
+        assert fp32["max_abs"] < 1e-4 and fp32["cosine"] > 0.99999 and fp32["top1_agreement"] == 1.0
+        fp16 = by[("onnxruntime/fp16", b)]["accuracy"]
+        assert 0 < fp16["max_abs"] < 0.05 and fp16["cosine"] > 0.999
+
+
+def test_a_perturbed_model_shows_its_error(build: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(build, broken, ignore=shutil.ignore_patterns("report", ".trtc.lock"))
+    model = load_onnx(broken / "model.onnx")
+    head = next(i for i in model.graph.initializer if tuple(i.dims) == (10, 64))  # the classifier's weight
+    rng = np.random.default_rng(0)
+    head.CopyFrom(numpy_helper.from_array(rng.standard_normal((10, 64)).astype(np.float32), head.name))
+    save_onnx(model, broken / "model.onnx")
+    data = bench_directory(broken, BenchSettings(**FAST, backends=("onnxruntime",), buckets=(4,),  # type: ignore[arg-type]
+                                                 plot=False)).data
+    acc = rows(data)[("onnxruntime/fp32", 4)]["accuracy"]
+    assert acc["cosine"] < 0.99 and acc["top1_agreement"] < 1.0 and acc["max_abs"] > 0.1
+    # the unchanged FP16 graph still agrees: the reference is the eager model, not the perturbed ONNX
+    assert rows(data)[("onnxruntime/fp16", 4)]["accuracy"]["top1_agreement"] == 1.0
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the reasons checked here are this CPU machine's")
+def test_backends_that_cannot_run_are_listed_with_reasons(report: dict[str, Any]) -> None:
+    skipped = {(s["backend"], s["precision"]): s for s in report["skipped"]}
+    if importlib.util.find_spec("tensorrt") is None:
+        assert "TensorRT is not installed" in skipped[("tensorrt", None)]["reason"]
+    for precision in ("fp32", "fp16"):
+        assert "no CUDA device" in skipped[("torch-cudagraph", precision)]["reason"]
+    assert "CUDA only" in skipped[("torch", "fp16")]["reason"]
+    assert not any(s["failed"] for s in report["skipped"])
+
+
+def test_json_layout(report: dict[str, Any]) -> None:
+    assert {"kind", "schema", "created", "build", "machine", "versions", "settings", "device", "reference", "inputs",
+            "results", "skipped", "warnings", "baseline", "plot"} <= set(report)
+    assert report["kind"] == "trtc-bench" and report["schema"] == 1
+    assert set(report["build"]["onnx"]) == {"fp32", "fp16"} and report["build"]["source"]["format"] == "torchscript"
+    assert {"cpu", "cpu_count", "gpu", "platform"} <= set(report["machine"])
+    assert {"torch", "onnxruntime", "tensorrt", "trtc"} <= set(report["versions"])
+    assert report["settings"]["iterations"] == 3 and report["settings"]["backends"][0] == "torch"
+    feed = report["inputs"]["buckets"]["4"]
+    assert feed["tensors"] == {"images": {"shape": [4, 1, 8, 8], "dtype": "float32"}} and len(feed["sha256"]) == 64
+    r = report["results"][0]
+    assert {"backend", "precision", "name", "bucket", "runner", "device", "clock", "iterations", "seconds",
+            "latency_ms", "e2e_ms", "throughput", "e2e_throughput", "spread", "cv", "spread_wide",
+            "peak_memory_bytes", "memory_method", "accuracy", "speedup", "e2e_speedup"} <= set(r)
+    assert set(r["latency_ms"]) == {"p50", "p90", "p99", "mean", "std", "min", "max"}
+    assert r["peak_memory_bytes"] is None  # not measured on the CPU
+    assert set(report["skipped"][0]) == {"backend", "precision", "bucket", "reason", "failed"}
+
+
+def test_csv_has_a_row_per_result_and_per_skipped_backend(bench: BenchReport) -> None:
+    report = bench.data
+    table = list(csv.DictReader(bench.csv_path.open()))
+    ok = [r for r in table if r["status"] == "ok"]
+    assert len(ok) == len(report["results"]) and len(table) == len(report["results"]) + len(report["skipped"])
+    first = ok[0]
+    assert first["backend"] == "torch" and float(first["p50_ms"]) > 0 and float(first["cosine"]) > 0.9999
+    assert all(r["reason"] for r in table if r["status"] != "ok")
+
+
+def test_png_is_written_when_matplotlib_is_present(bench: BenchReport) -> None:
+    pytest.importorskip("matplotlib")
+    assert bench.png_path is not None and bench.data["plot"]["file"] == str(bench.png_path)
+    assert bench.png_path.name == "bench.png" and bench.png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_png_is_skipped_with_a_note_without_matplotlib(build: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # type: ignore[arg-type]
+    result = bench_directory(build, BenchSettings(**FAST, backends=("onnxruntime",), buckets=(1,),  # type: ignore[arg-type]
+                                                  report_dir=tmp_path))
+    assert result.png_path is None and not (tmp_path / "bench.png").exists()
+    assert "trtc[plot]" in result.data["plot"]["note"] and (tmp_path / "bench.json").is_file()
+
+
+def _run_cli(args: list[str]) -> Any:
+    return CliRunner().invoke(cli, ["bench", *args, *FAST_ARGS])
+
+
+def test_baseline_regression_exit_codes(build: Path, tmp_path: Path) -> None:
+    first = _run_cli([str(build), "--backends", "onnxruntime,tensorrt", "--buckets", "1", "--no-plot",
+                      "--report-dir", str(tmp_path / "first")])
+    assert first.exit_code == 0, first.output
+    assert "onnxruntime/fp32" in first.output and "CPU EP" in first.output and "│ torch/fp32" not in first.output
+    if importlib.util.find_spec("tensorrt") is None:
+        assert "skipped: tensorrt: TensorRT is not installed" in first.output
+    data = json.loads((tmp_path / "first" / "bench.json").read_text())
+
+    def scaled(factor: float, name: str) -> Path:
+        crafted = json.loads(json.dumps(data))
+        for r in crafted["results"]:
+            r["latency_ms"]["p50"] *= factor
+            r["throughput"] /= factor
+        (tmp_path / name).write_text(json.dumps(crafted))
+        return tmp_path / name
+
+    faster = _run_cli([str(build), "--backends", "onnxruntime", "--buckets", "1", "--no-plot", "--report-dir",
+                       str(tmp_path / "second"), "--baseline", str(scaled(0.01, "faster.json")),
+                       "--max-regression", "5%"])
+    assert faster.exit_code == 1, faster.output
+    assert "regressed: onnxruntime/fp32 bucket 1: P50" in faster.output
+    assert "error: performance regression beyond 5%" in faster.output
+    slower = _run_cli([str(build), "--backends", "onnxruntime", "--buckets", "1", "--no-plot", "--report-dir",
+                       str(tmp_path / "third"), "--baseline", str(scaled(100.0, "slower.json"))])
+    assert slower.exit_code == 0, slower.output
+    assert "no regression beyond 5%" in slower.output
+    assert json.loads((tmp_path / "third" / "bench.json").read_text())["baseline"]["compared"] == 2
+    # the same run as its own baseline: nothing regressed
+    assert find_regressions(data, data, 0.05) == ([], 2, [])
+
+
+def test_baseline_of_another_model_is_refused(build: Path, tmp_path: Path, report: dict[str, Any]) -> None:
+    other = json.loads(json.dumps(report))
+    other["build"]["source"]["sha256"] = "0" * 64
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    result = _run_cli([str(build), "--backends", "onnxruntime", "--baseline", str(tmp_path / "other.json")])
+    assert result.exit_code == 2 and "measured another model" in result.output
+
+
+def test_model_file_benches_eager_pytorch_and_onnxruntime_alone(tmp_path: Path) -> None:
+    model = tmp_path / "mlp.ts"
+    torch.jit.save(torch.jit.trace(models.mlp(), torch.randn(2, 64)), model)
+    result = _run_cli([str(model), "--input", "x:Bx64", "--buckets", "1,2", "--report-dir", str(tmp_path / "r"),
+                       "--no-plot"])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "r" / "bench.json").read_text())
+    assert set(rows(data)) == {(n, b) for n in ("torch/fp32", "onnxruntime/fp32") for b in (1, 2)}
+    assert data["build"]["directory"] is None
+    skipped = {s["backend"]: s["reason"] for s in data["skipped"]}
+    assert "eager PyTorch and ONNX Runtime only" in skipped["tensorrt"]
+    assert "eager PyTorch and ONNX Runtime only" in skipped["torch-cudagraph"]
+
+
+def test_a_build_directory_with_input_options_is_a_user_error(build: Path) -> None:
+    result = _run_cli([str(build), "--input", "x:Bx64"])
+    assert result.exit_code == 2 and "records its model and inputs" in result.output
+
+
+def test_feeds_are_seeded_or_read_from_npz(tmp_path: Path) -> None:
+    spec = ModelSpec((parse_input_spec("ids:BxS:int64"), parse_input_spec("mask:BxS:int64")), {"S": DimRange(1, 8, 16)})
+    a, b = input_feeds(spec, (1, 4), seed=3), input_feeds(spec, (1, 4), seed=3)
+    assert all(np.array_equal(a[k][n], b[k][n]) for k in a for n in a[k])
+    assert a[4]["ids"].shape == (4, 8) and a[4]["mask"].min() == 1  # masks are all ones
+    np.savez(tmp_path / "d.npz", ids=np.arange(12).reshape(3, 4), mask=np.ones((3, 4), dtype=np.int32))
+    fed = input_feeds(spec, (2, 5), data=tmp_path / "d.npz")
+    assert fed[5]["ids"].shape == (5, 4) and fed[5]["ids"].dtype == np.int64 and fed[5]["mask"].dtype == np.int64
+    assert np.array_equal(fed[5]["ids"][3], fed[5]["ids"][0])  # 3 samples repeated to fill 5
+    np.savez(tmp_path / "partial.npz", ids=np.zeros((2, 4)))
+    with pytest.raises(InputError, match="no array for input"):
+        input_feeds(spec, (1,), data=tmp_path / "partial.npz")
+
+
+def test_the_eager_model_loads_from_a_factory_source(tmp_path: Path) -> None:
+    module, note = eager_model({"source": {"format": "factory", "path": "examples.models:mlp"}})
+    assert isinstance(module, torch.nn.Module) and "examples.models:mlp" in note
+    weights = tmp_path / "w.pt"
+    state = {k: torch.zeros_like(v) for k, v in models.mlp().state_dict().items()}
+    torch.save(state, weights)
+    module, _ = eager_model({"source": {"format": "factory", "path": f"examples.models:mlp + {weights}"}})
+    assert float(module(torch.ones(1, 64)).abs().sum()) == 0.0  # the recorded weights were loaded
+    assert eager_model({"source": {"format": "onnx", "path": "m.onnx"}})[0] is None
+    none, why = eager_model({"source": {"format": "pickle", "path": "m.pt"}})
+    assert none is None and "--trust-pickle" in why
+
+
+class CountingRunner:
+    """A runner that sleeps a fixed time per launch and counts its calls (for the timing loop alone)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.name, self.device, self.input_names, self.output_names = "counting", "cpu", ["x"], ["y"]
+        self.seconds, self.launches = seconds, 0
+
+    def upload(self, feed: dict[str, np.ndarray]) -> None:
+        self.feed = feed
+
+    def launch(self) -> None:
+        self.launches += 1
+        time.sleep(self.seconds)
+
+    def download(self) -> dict[str, np.ndarray]:
+        return {"y": self.feed["x"] * 2}
+
+    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.upload(feed)
+        self.launch()
+        return self.download()
+
+    def close(self) -> None:
+        pass
+
+
+def test_timing_honours_counts_seconds_and_the_cap() -> None:
+    feed = {"x": np.ones((2, 2), dtype=np.float32)}
+    runner = CountingRunner(0.001)
+    timing = time_runner(runner, feed, BenchSettings(iterations=5, min_seconds=0.05, warmup=4, warmup_seconds=0))
+    assert timing.warmup_runs == 4 and len(timing.device_ms) == len(timing.e2e_ms) >= 5
+    assert timing.seconds >= 0.05 and runner.launches == 4 + len(timing.e2e_ms)
+    assert min(timing.device_ms) >= 1.0 and all(e >= d for e, d in zip(timing.e2e_ms, timing.device_ms))
+    assert np.array_equal(timing.outputs["y"], feed["x"] * 2) and not timing.stopped_early
+    capped = time_runner(CountingRunner(0.01), feed, BenchSettings(iterations=1000, min_seconds=0, warmup=0,
+                                                                   warmup_seconds=0, max_seconds=0.1))
+    assert capped.stopped_early and len(capped.e2e_ms) < 1000
+
+
+def test_accuracy_of_compares_outputs_in_order() -> None:
+    ref = {"logits": np.array([[1.0, 2.0, 0.0], [3.0, 0.0, 1.0]], dtype=np.float32)}
+    same = accuracy_of({"other_name": ref["logits"].copy()}, ref, 2)
+    assert same.max_abs == 0 and same.cosine == pytest.approx(1.0) and same.top1_agreement == 1.0
+    flipped = accuracy_of({"y": ref["logits"][:, ::-1].copy()}, ref, 2)
+    assert flipped.top1_agreement == 0.5 and flipped.cosine < 1
+    assert accuracy_of({"y": np.ones((2, 3, 4))}, {"y": np.ones((2, 3, 4))}, 2).top1_agreement is None
+
+
+def test_settings_are_validated() -> None:
+    assert parse_percent("5%") == pytest.approx(0.05) and parse_percent("12.5") == pytest.approx(0.125)
+    with pytest.raises(InputError, match="not a percentage"):
+        parse_percent("five")
+    with pytest.raises(InputError, match="choose from"):
+        BenchSettings(backends=("tensorrt", "tvm"))
+    with pytest.raises(InputError, match="at least 1"):
+        dataclasses.replace(BenchSettings(), iterations=0)
+    assert _short_runner("onnxruntime[CUDAExecutionProvider]") == "CUDA EP" and _short_runner("torch") == "eager"
+
+
+def test_an_engine_is_labelled_with_the_precision_of_its_onnx(build: Path) -> None:
+    manifest = read_manifest(build)
+    entry = {"bucket": 4, "file": "engines/b4.engine", "onnx": "model.fp16.onnx"}
+    assert _engine_precision(entry, manifest) == "fp16"
+    assert _engine_precision({"bucket": 1, "onnx": "elsewhere.onnx"}, {"build": {"precision": "int8"}}) == "int8"
+
+
+@pytest.mark.gpu
+def test_cuda_backends_time_with_events_and_measure_memory(build: Path, tmp_path: Path) -> None:
+    settings = BenchSettings(iterations=3, min_seconds=0.0, warmup=1, warmup_seconds=0.0,
+                             backends=("torch", "torch-cudagraph"), report_dir=tmp_path)
+    data = bench_directory(build, settings).data
+    by = rows(data)
+    assert set(by) == {(n, b) for n in ("torch/fp32", "torch/fp16", "torch-cudagraph/fp32", "torch-cudagraph/fp16")
+                       for b in (1, 4)}
+    assert data["device"] == "cuda" and data["machine"]["gpu"]
+    for r in data["results"]:
+        assert r["device"] == "cuda" and r["clock"] == "cuda_event"
+        assert 0 < r["latency_ms"]["p50"] <= r["e2e_ms"]["p50"] * 1.05  # end to end holds the device time
+        assert r["peak_memory_bytes"] > 0 and r["memory_method"].startswith("torch.cuda.max_memory_allocated")
+        assert r["accuracy"]["cosine"] > 0.999
+        if r["precision"] == "fp32":
+            assert r["accuracy"]["top1_agreement"] == 1.0 and r["accuracy"]["max_abs"] < 1e-4
