@@ -558,3 +558,30 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@cli.command("export-triton")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--repo", required=True, type=click.Path(path_type=Path), help="Triton model repository to write into.")
+@click.option("--name", help="Model name in the repository (default: the directory's name).")
+@click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True,
+              help="tensorrt: the engine as model.plan; onnxruntime: the ONNX; auto: the plan when Triton can use it.")
+@click.option("--instances", type=int, default=1, show_default=True, help="Model instances (per GPU).")
+@click.option("--max-wait-ms", type=float, default=10.0, show_default=True,
+              help="How long Triton's dynamic batcher holds a request for company.")
+@click.option("--force", is_flag=True, help="Replace the model's folder when it exists.")
+@common_options
+def export_triton_cmd(directory: Path, repo: Path, name: str | None, backend: str, instances: int,
+                      max_wait_ms: float, force: bool) -> None:
+    """Write a Triton Inference Server model repository entry for a build directory.
+
+    \b
+    Examples:
+      trtc export-triton build/m --repo models/
+      trtc export-triton build/m --repo models/ --name resnet --backend onnxruntime --instances 2
+    """
+    from compiler.triton import triton_repository
+
+    target = triton_repository(directory, repo, name=name, backend=backend, instances=instances,
+                               max_wait_ms=max_wait_ms, force=force)
+    click.echo(f"wrote {target}/config.pbtxt and {', '.join(sorted(p.name for p in (target / '1').iterdir()))}")

@@ -1,0 +1,188 @@
+"""The dynamic batcher on ONNX Runtime (CPU): packing, one answer per request, timeouts, the priority lane."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from compiler.batcher import BatcherClosed, DynamicBatcher, RequestTimeout
+from compiler.errors import InputError
+from compiler.runtime import Engines, FeedError, load
+from tests.test_runtime import build_directory
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    directory = build_directory(tmp_path_factory.mktemp("batcher") / "mlp", "mlp")
+    with load(directory, backend="onnxruntime", device="cpu") as engines:
+        yield engines
+
+
+class Recording:
+    """The engines, with every batch recorded and (optionally) held at a gate until released."""
+
+    def __init__(self, engines: Engines, gate: threading.Event | None = None) -> None:
+        self.engines = engines
+        self.gate = gate
+        self.batches: list[np.ndarray] = []  # the first input of every batch
+        self.feeds: list[dict[str, Any]] = []
+        self.entered = threading.Event()
+        self.buckets = engines.buckets
+        self.input_names = engines.input_names
+        self.output_names = engines.output_names
+        self.spec = engines.spec
+
+    def check(self, x: Any) -> Any:
+        return self.engines.check(x)
+
+    def __call__(self, x: Any) -> Any:
+        self.feeds.append(x)
+        self.batches.append(x[self.input_names[0]])
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(timeout=10), "the test never opened the gate"
+        return self.engines(x)
+
+
+def rows(i: int, n: int = 1) -> np.ndarray:
+    """n rows that identify request i: value i everywhere."""
+    return np.full((n, 64), float(i), np.float32)
+
+
+def join_all(threads: list[threading.Thread], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "requests still waiting: the batcher deadlocked"
+
+
+def test_200_concurrent_requests_each_get_their_own_rows(engines: Engines) -> None:
+    recording = Recording(engines)
+    rng = np.random.default_rng(0)
+    requests = [rng.standard_normal((int(rng.integers(1, 4)), 64)).astype(np.float32) for _ in range(200)]
+    want = [engines(x) for x in requests]
+    answers: dict[int, list[Any]] = {i: [] for i in range(200)}
+    errors: list[BaseException] = []
+
+    def client(first: int) -> None:
+        for i in range(first, 200, 20):
+            try:
+                answers[i].append(batcher.submit(requests[i], timeout=20))
+            except BaseException as err:
+                errors.append(err)
+
+    with DynamicBatcher(recording, max_wait_ms=5) as batcher:
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(20)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        join_all(threads, timeout=30)
+        elapsed = time.monotonic() - start
+    assert not errors
+    for i in range(200):
+        assert len(answers[i]) == 1, f"request {i} answered {len(answers[i])} times"
+        np.testing.assert_allclose(answers[i][0], want[i], rtol=1e-5, atol=1e-6)
+    assert sum(len(b) for b in recording.batches) == sum(len(x) for x in requests)
+    assert len(recording.batches) < 200, "no request was packed with another"
+    assert max(len(b) for b in recording.batches) <= max(engines.buckets)
+    assert elapsed < 30
+
+
+def test_future_api_and_dict_requests(engines: Engines) -> None:
+    with DynamicBatcher(engines, max_wait_ms=1) as batcher:
+        futures = [batcher.submit_async(rows(i, 2)) for i in range(5)]
+        named = batcher.submit_async({"x": rows(9)})
+        for i, future in enumerate(futures):
+            np.testing.assert_allclose(future.result(timeout=10), engines(rows(i, 2)), rtol=1e-5, atol=1e-6)
+        assert list(named.result(timeout=10)) == ["out"]
+        with pytest.raises(FeedError, match="dtype float64"):
+            batcher.submit(np.zeros((1, 64)))
+    with pytest.raises(BatcherClosed):
+        batcher.submit(rows(0))
+
+
+def test_a_request_queued_past_its_timeout_fails_clearly(engines: Engines) -> None:
+    gate = threading.Event()
+    recording = Recording(engines, gate)
+    batcher = DynamicBatcher(recording, max_wait_ms=0, max_batch=1)
+    try:
+        first = batcher.submit_async(rows(0))
+        assert recording.entered.wait(timeout=10)  # the worker is now busy with request 0
+        start = time.monotonic()
+        with pytest.raises(RequestTimeout, match="no answer within 50 ms"):
+            batcher.submit(rows(1), timeout=0.05)
+        assert time.monotonic() - start < 2
+        waiting = batcher.submit_async(rows(2), timeout=0.05)
+        time.sleep(0.1)
+        gate.set()
+        with pytest.raises(RequestTimeout, match=r"waited \d+ ms in the queue, over its timeout of 50 ms"):
+            waiting.result(timeout=10)
+        np.testing.assert_allclose(first.result(timeout=10), engines(rows(0)), rtol=1e-5, atol=1e-6)
+        assert [float(b[0, 0]) for b in recording.batches] == [0.0], "timed-out requests must not run"
+    finally:
+        gate.set()
+        batcher.close()
+
+
+def test_high_priority_requests_go_first(engines: Engines) -> None:
+    gate = threading.Event()
+    recording = Recording(engines, gate)
+    batcher = DynamicBatcher(recording, max_wait_ms=0, max_batch=4)
+    try:
+        futures = [batcher.submit_async(rows(0))]
+        assert recording.entered.wait(timeout=10)
+        futures += [batcher.submit_async(rows(i)) for i in range(1, 7)]
+        futures.append(batcher.submit_async(rows(100), priority=True))
+        gate.set()
+        for future in futures:
+            future.result(timeout=10)
+    finally:
+        gate.set()
+        batcher.close()
+    order = [[int(v) for v in b[:, 0]] for b in recording.batches]
+    assert order == [[0], [100, 1, 2, 3], [4, 5, 6]]
+
+
+def test_requests_of_other_shapes_are_not_packed_together(tmp_path: Path) -> None:
+    directory = build_directory(tmp_path / "tr", "transformer_encoder")
+    with load(directory, backend="onnxruntime") as engines:
+        recording = Recording(engines)
+        feeds = [{"input_ids": np.full((1, n), i, np.int64), "attention_mask": np.ones((1, n), np.int64)}
+                 for i, n in enumerate((4, 4, 9, 4, 9))]
+        with DynamicBatcher(recording, max_wait_ms=50) as batcher:
+            futures = [batcher.submit_async(f) for f in feeds]
+            results = [f.result(timeout=10) for f in futures]
+        for feed, result in zip(feeds, results):
+            np.testing.assert_allclose(result["out"], engines(feed)["out"], rtol=1e-5, atol=1e-5)
+        assert sorted(tuple(b[:, 0]) for b in recording.batches) == [(0, 1, 3), (2, 4)]
+
+
+def test_close_without_draining_fails_queued_requests(engines: Engines) -> None:
+    gate = threading.Event()
+    recording = Recording(engines, gate)
+    batcher = DynamicBatcher(recording, max_wait_ms=0, max_batch=1)
+    running = batcher.submit_async(rows(0))
+    assert recording.entered.wait(timeout=10)
+    queued = batcher.submit_async(rows(1))
+    closer = threading.Thread(target=batcher.close, kwargs={"drain": False})
+    closer.start()
+    time.sleep(0.05)
+    gate.set()
+    join_all([closer], timeout=10)
+    running.result(timeout=10)
+    with pytest.raises(BatcherClosed):
+        queued.result(timeout=10)
+
+
+def test_bad_settings() -> None:
+    class Fake:
+        buckets = (1, 4)
+
+    with pytest.raises(InputError, match="max_batch=0"):
+        DynamicBatcher(Fake(), max_batch=0)  # type: ignore[arg-type]

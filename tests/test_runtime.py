@@ -1,0 +1,421 @@
+"""The serving runtime on the CPU (ONNX Runtime and eager PyTorch backends); GPU and TensorRT paths marked.
+
+Build directories are made here directly (TorchScript export + manifest) so that the file stays
+fast; ``trtc export`` itself is tested in test_export.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import compiler
+from compiler import runtime
+from compiler.errors import InputError, TensorRTNotInstalled
+from compiler.manifest import onnx_entry, write_manifest
+from compiler.onnx_io import load_onnx, ort_session, save_onnx
+from compiler.runtime import EnginesNotRunnable, FeedError, engines_from_module, load
+from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+from examples import models
+
+BUCKETS = [1, 4, 8, 16]
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], list[str], dict[str, str]]] = {
+    "mlp": (models.mlp, ["x:Bx64"], {}),
+    "two_input": (models.two_input, ["image:Bx3x32x32", "features:Bx16"], {}),
+    "transformer_encoder": (models.transformer_encoder, ["input_ids:BxS:int64", "attention_mask:BxS:int64"],
+                            {"S": "1:16:32"}),
+}
+
+
+def build_directory(out: Path, name: str, buckets: list[int] = BUCKETS, **extra: Any) -> Path:
+    """A build directory as `trtc export` leaves it (TorchScript-exported ONNX, manifest), in a second."""
+    factory, inputs, dims = MODELS[name]
+    spec = ModelSpec(tuple(parse_input_spec(i) for i in inputs),
+                     dict(parse_dim_range(f"{k}={v}") for k, v in dims.items()))
+    feed = spec.example_feed(2, values={**spec.opt_values(2), **{k: 8 for k in spec.dims}})
+    dynamic = {i.name: {axis: d for axis, d in enumerate(i.dims) if isinstance(d, str)} for i in spec.inputs}
+    out.mkdir(parents=True, exist_ok=True)
+    raw = out / "raw.onnx"
+    torch.onnx.export(factory(), tuple(torch.from_numpy(feed[n]) for n in spec.input_names), str(raw), dynamo=False,
+                      input_names=spec.input_names, output_names=["out"], dynamic_axes={**dynamic, "out": {0: "B"}},
+                      opset_version=17)
+    save_onnx(load_onnx(raw), out / "model.onnx")
+    raw.unlink()
+    manifest = {"inputs": inputs, "dims": dims, "output_names": ["out"], "buckets": buckets,
+                "source": {"path": f"examples.models:{name}", "format": "factory"},
+                "onnx": {"fp32": onnx_entry(out, out / "model.onnx")}, "precision": "fp32", **extra}
+    write_manifest(out / "manifest.json", manifest)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runtime")
+    return {name: build_directory(root / name, name) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def mlp_engines(dirs: dict[str, Path]) -> Iterator[runtime.Engines]:
+    with load(dirs["mlp"], backend="onnxruntime", device="cpu") as engines:
+        yield engines
+
+
+def eager(name: str, feed: dict[str, np.ndarray]) -> np.ndarray:
+    with torch.no_grad():
+        return MODELS[name][0]()(*[torch.from_numpy(v) for v in feed.values()]).numpy()
+
+
+@pytest.fixture
+def buckets_run(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(bucket, rows) of every chunk the CPU contexts run."""
+    seen: list[tuple[int, int]] = []
+    original = runtime._OrtCpuContext.run
+
+    def spy(self: Any, bucket: int, call: Any, start: int, stop: int, host: bool) -> None:
+        seen.append((bucket, stop - start))
+        original(self, bucket, call, start, stop, host)
+
+    monkeypatch.setattr(runtime._OrtCpuContext, "run", spy)
+    return seen
+
+
+# --- routing and results ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("batch", "chunks"), [(1, [(1, 1)]), (3, [(4, 3)]), (4, [(4, 4)]),
+                                               (17, [(16, 16), (1, 1)]), (40, [(16, 16), (16, 16), (8, 8)])])
+def test_batches_route_to_the_smallest_bucket_and_match_the_exact_batch(
+        mlp_engines: runtime.Engines, dirs: dict[str, Path], buckets_run: list[tuple[int, int]], batch: int,
+        chunks: list[tuple[int, int]]) -> None:
+    x = np.random.default_rng(batch).standard_normal((batch, 64)).astype(np.float32)
+    got = mlp_engines(x)
+    assert buckets_run == chunks
+    want = ort_session(dirs["mlp"] / "model.onnx").run(None, {"x": x})[0]  # the ONNX at the exact batch
+    assert got.shape == (batch, 10) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, eager("mlp", {"x": x}), rtol=1e-4, atol=1e-5)
+
+
+def test_numpy_in_numpy_out_torch_in_torch_out(mlp_engines: runtime.Engines) -> None:
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    out = mlp_engines(x)
+    assert type(out) is np.ndarray
+    as_torch = mlp_engines(torch.from_numpy(x))
+    assert isinstance(as_torch, torch.Tensor) and as_torch.dtype == torch.float32 and as_torch.device.type == "cpu"
+    np.testing.assert_array_equal(as_torch.numpy(), out)
+    named = mlp_engines({"x": x})
+    assert list(named) == ["out"] and type(named["out"]) is np.ndarray
+    # results are the caller's: the next call does not overwrite them
+    before = out.copy()
+    mlp_engines(x * 2)
+    np.testing.assert_array_equal(out, before)
+
+
+def test_engines_are_a_runner(mlp_engines: runtime.Engines) -> None:
+    from compiler.runners import OrtRunner, Runner
+    from compiler.verify import compare_outputs
+
+    runner: Runner = mlp_engines
+    feed = {"x": np.random.default_rng(8).standard_normal((5, 64)).astype(np.float32)}
+    reference = OrtRunner(mlp_engines._backend.path, ["CPUExecutionProvider"])  # type: ignore[attr-defined]
+    assert runner.name == "trtc-runtime[onnxruntime]" and runner.input_names == ["x"]
+    assert compare_outputs(runner.infer(feed), reference.infer(feed), 5).max_abs < 1e-5
+
+
+def test_two_inputs_match_eager(dirs: dict[str, Path]) -> None:
+    rng = np.random.default_rng(1)
+    feed = {"image": rng.standard_normal((5, 3, 32, 32)).astype(np.float32),
+            "features": rng.standard_normal((5, 16)).astype(np.float32)}
+    with load(dirs["two_input"], backend="onnxruntime") as engines:
+        got = engines(feed)
+    assert list(got) == ["out"]
+    np.testing.assert_allclose(got["out"], eager("two_input", feed), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("batch", "length"), [(3, 7), (17, 16), (2, 32)])
+def test_dynamic_sequence_length(dirs: dict[str, Path], batch: int, length: int) -> None:
+    rng = np.random.default_rng(length)
+    feed = {"input_ids": rng.integers(0, 100, (batch, length)).astype(np.int64),
+            "attention_mask": np.ones((batch, length), np.int64)}
+    feed["attention_mask"][0, length // 2:] = 0
+    with load(dirs["transformer_encoder"], backend="onnxruntime") as engines:
+        got = engines(feed)["out"]
+    assert got.shape == (batch, length, 64)
+    np.testing.assert_allclose(got, eager("transformer_encoder", feed), rtol=1e-4, atol=2e-4)
+
+
+def test_torch_backend_runs_the_source_model(dirs: dict[str, Path], mlp_engines: runtime.Engines) -> None:
+    x = np.random.default_rng(2).standard_normal((6, 64)).astype(np.float32)
+    with load(dirs["mlp"], backend="torch", device="cpu") as engines:
+        assert engines.backend == "torch" and engines.output_names == ["out"]
+        np.testing.assert_allclose(engines(x), mlp_engines(x), rtol=1e-4, atol=1e-5)
+
+
+def test_engines_from_module_with_a_dynamic_dimension() -> None:
+    engines = engines_from_module(models.transformer_encoder(), ["input_ids:BxS:int64", "attention_mask:BxS:int64"],
+                                  buckets=[2, 4], dims={"S": "1:8:16"}, device="cpu")
+    feed = {"input_ids": np.arange(5 * 9, dtype=np.int64).reshape(5, 9) % 100, "attention_mask": np.ones((5, 9),
+                                                                                                        np.int64)}
+    got = engines(feed)
+    np.testing.assert_allclose(got["output_0"], eager("transformer_encoder", feed), rtol=1e-4, atol=1e-4)
+    engines.close()
+
+
+# --- checks of the feed -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("feed", "needles"), [
+    (lambda: np.zeros((2, 64), np.float64), ("dtype float64", "float32", "astype")),
+    (lambda: torch.zeros(2, 64, dtype=torch.float16), ("torch.float16", "torch.float32")),
+    (lambda: np.zeros((2, 63), np.float32), ("(2, 63)", "Bx64", "dimension 1 must be 64")),
+    (lambda: np.zeros((2, 8, 8), np.float32), ("rank 2",)),
+    (lambda: np.zeros((0, 64), np.float32), ("empty",)),
+    (lambda: {"y": np.zeros((2, 64), np.float32)}, ("missing ['x']", "unknown ['y']")),
+    (lambda: [[0.0] * 64], ("list", "numpy array or a torch tensor")),
+])
+def test_bad_feeds_raise_a_clear_value_error(mlp_engines: runtime.Engines, feed: Callable[[], Any],
+                                             needles: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError) as err:
+        mlp_engines(feed())
+    assert isinstance(err.value, FeedError)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_feed_checks_across_inputs(dirs: dict[str, Path]) -> None:
+    rng = np.random.default_rng(3)
+    image = rng.standard_normal((4, 3, 32, 32)).astype(np.float32)
+    with load(dirs["two_input"], backend="onnxruntime") as engines:
+        with pytest.raises(FeedError, match=r"missing \['features'\]"):
+            engines({"image": image})
+        with pytest.raises(FeedError, match="pass a dict"):
+            engines(image)
+        with pytest.raises(FeedError, match="batch 3, another input batch 4"):
+            engines({"image": image, "features": np.zeros((3, 16), np.float32)})
+        with pytest.raises(FeedError, match="all inputs as numpy arrays"):
+            engines({"image": image, "features": torch.zeros(4, 16)})
+    ids = np.zeros((2, 40), np.int64)
+    with load(dirs["transformer_encoder"], backend="onnxruntime") as engines:
+        with pytest.raises(FeedError, match=r"S = 40 is outside the range 1\.\.32"):
+            engines({"input_ids": ids, "attention_mask": ids})
+        with pytest.raises(FeedError, match="S = 7, another input S = 20"):
+            engines({"input_ids": ids[:, :20], "attention_mask": np.zeros((2, 7), np.int64)})
+
+
+# --- concurrency and pipelining -----------------------------------------------------------------------------------
+
+def test_threads_share_engines_through_the_context_pool(mlp_engines: runtime.Engines) -> None:
+    rng = np.random.default_rng(4)
+    inputs = [rng.standard_normal((int(rng.integers(1, 20)), 64)).astype(np.float32) for _ in range(64)]
+    want = [mlp_engines(x) for x in inputs]
+    got: list[Any] = [None] * len(inputs)
+
+    def work(start: int) -> None:
+        for i in range(start, len(inputs), 8):
+            got[i] = mlp_engines(inputs[i])
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert len(mlp_engines._contexts) <= 2
+
+
+def test_map_yields_postprocessed_results_in_order(mlp_engines: runtime.Engines) -> None:
+    rng = np.random.default_rng(5)
+    batches = [rng.standard_normal((n, 64)).astype(np.float32) for n in (1, 3, 16, 5, 40, 2)]
+    want = [mlp_engines(x) for x in batches]
+    tops = list(mlp_engines.map(iter(batches), postprocess=lambda out: out.argmax(axis=1)))
+    assert [t.tolist() for t in tops] == [w.argmax(axis=1).tolist() for w in want]
+    # a postprocess that returns the buffer itself gets a copy: results stay distinct
+    same = list(mlp_engines.map(batches, postprocess=lambda out: out))
+    plain = list(mlp_engines.map(batches))
+    for a, b, w in zip(same, plain, want):
+        np.testing.assert_array_equal(a, w)
+        np.testing.assert_array_equal(b, w)
+    as_torch = list(mlp_engines.map([torch.from_numpy(b) for b in batches[:2]], postprocess=lambda o: o * 1))
+    assert all(isinstance(t, torch.Tensor) for t in as_torch)
+
+
+def test_map_overlaps_compute_with_postprocess(mlp_engines: runtime.Engines) -> None:
+    """The next batch is submitted while the previous one is post-processed (CPU: in a second thread)."""
+    started: list[int] = []
+    release = threading.Event()
+    batches = [np.full((2, 64), i, np.float32) for i in range(3)]
+
+    def feed() -> Iterator[np.ndarray]:
+        for i, b in enumerate(batches):
+            started.append(i)
+            yield b
+
+    def post(out: np.ndarray) -> float:
+        if len(started) < 2:  # batch 1 must get submitted while batch 0 is still being post-processed
+            release.wait(timeout=5)
+        return float(out.sum())
+
+    def watch() -> None:
+        while len(started) < 2:
+            threading.Event().wait(0.001)
+        release.set()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    results = list(mlp_engines.map(feed(), postprocess=post))
+    watcher.join(timeout=5)
+    assert release.is_set() and len(results) == 3
+
+
+def test_map_stops_cleanly_and_reports_errors_in_order(mlp_engines: runtime.Engines) -> None:
+    good = np.zeros((2, 64), np.float32)
+    for _ in mlp_engines.map([good] * 10):
+        break  # leaving early gives every context back
+    results = []
+    with pytest.raises(FeedError, match="dtype float64"):
+        for out in mlp_engines.map([good, good, good.astype(np.float64), good]):
+            results.append(out)
+    assert len(results) == 2
+    threads = [threading.Thread(target=mlp_engines, args=(good,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads), "a context leaked: callers block"
+
+
+# --- backends and loading -----------------------------------------------------------------------------------------
+
+def test_auto_backend_falls_back_to_onnx_runtime_and_says_so_once(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    if runtime.tensorrt_available():
+        pytest.skip("TensorRT is installed here: auto picks it")
+    directory = build_directory(tmp_path / "m", "mlp")
+    with caplog.at_level(logging.INFO, logger="compiler.runtime"):
+        for _ in range(2):
+            with load(directory) as engines:
+                assert engines.backend == "onnxruntime"
+                engines(np.zeros((1, 64), np.float32))
+    notes = [r for r in caplog.records if "TensorRT is not installed" in r.getMessage()]
+    assert len(notes) == 1 and "ONNX Runtime" in notes[0].getMessage()
+
+
+def _with_engines(tmp_path: Path) -> Path:
+    directory = build_directory(tmp_path / "m", "mlp", buckets=[1, 4])
+    (directory / "engines").mkdir()
+    (directory / "engines" / "b1.engine").write_bytes(b"not an engine")
+    engines = [{"bucket": b, "file": f"engines/b{b}.engine", "sha256": "0" * 64,
+                "shapes": {"x": {"min": [b, 64], "opt": [b, 64], "max": [b, 64]}}} for b in (1, 4)]
+    data = json.loads((directory / "manifest.json").read_text())
+    data.update(engines=engines, environment={"tensorrt": "10.13.0.35", "compute_capability": "9.0"})
+    write_manifest(directory / "manifest.json", data)
+    return directory
+
+
+def test_tensorrt_backend_without_tensorrt_names_the_fix(tmp_path: Path) -> None:
+    if runtime.tensorrt_available():
+        pytest.skip("TensorRT is installed here")
+    directory = _with_engines(tmp_path)
+    with pytest.raises(TensorRTNotInstalled, match="TensorRT is not installed") as err:
+        load(directory, backend="tensorrt")
+    assert f"trtc rebuild {directory}" in str(err.value)
+
+
+def test_stale_or_missing_engines_name_trtc_rebuild(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the installation check passed, the `trtc check` rules decide: here the files do not match."""
+    import compiler.engines
+
+    directory = _with_engines(tmp_path)
+    monkeypatch.setattr(compiler.engines, "require_tensorrt", lambda directory=None: "10.13.0.35")
+    with pytest.raises(EnginesNotRunnable) as err:
+        load(directory, backend="tensorrt")
+    message = str(err.value)
+    assert f"trtc rebuild {directory}" in message
+    assert "bucket 4 (engines/b4.engine): engine file missing" in message
+    assert "bucket 1 (engines/b1.engine): engine file differs" in message
+    bare = build_directory(tmp_path / "bare", "mlp", engines=[], engines_note="not built: TensorRT is not installed")
+    with pytest.raises(EnginesNotRunnable, match=r"no TensorRT engines .*`trtc rebuild"):
+        load(bare, backend="tensorrt")
+
+
+def test_bad_arguments(dirs: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="backend='tensorflow'"):
+        load(dirs["mlp"], backend="tensorflow")
+    with pytest.raises(InputError, match=r"no manifest\.json"):
+        load(tmp_path)
+    with pytest.raises(InputError, match="contexts=0"):
+        load(dirs["mlp"], backend="onnxruntime", contexts=0)
+
+
+def test_compiler_load_is_reexported_lazily() -> None:
+    assert compiler.load is runtime.load
+    code = ("import sys, compiler; assert 'compiler.runtime' not in sys.modules; "
+            "assert 'torch' not in sys.modules and 'onnxruntime' not in sys.modules; print(compiler.__all__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert "load" in done.stdout
+
+
+# --- GPU and TensorRT (skipped where absent) ----------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_torch_backend_on_cuda(graphs: bool) -> None:
+    module = models.mlp()
+    engines = engines_from_module(module, ["x:Bx64"], buckets=BUCKETS, device="cuda", cuda_graphs=graphs)
+    ctx = engines._contexts[0]
+    assert bool(getattr(ctx, "_graphs", None)) == graphs
+    x = np.random.default_rng(6).standard_normal((23, 64)).astype(np.float32)
+    want = eager("mlp", {"x": x})
+    np.testing.assert_allclose(engines(x), want, rtol=1e-3, atol=1e-4)  # numpy through pinned buffers
+    on_gpu = engines(torch.from_numpy(x).cuda())
+    assert on_gpu.device.type == "cuda"
+    np.testing.assert_allclose(on_gpu.cpu().numpy(), want, rtol=1e-3, atol=1e-4)
+    batches = [x[:3], x[3:19], x[19:]]
+    tops = list(engines.map(batches, postprocess=lambda out: out.argmax(axis=1)))
+    assert np.concatenate(tops).tolist() == want.argmax(axis=1).tolist()
+    on_device = list(engines.map([torch.from_numpy(b).cuda() for b in batches], postprocess=lambda o: o))
+    np.testing.assert_allclose(torch.cat(on_device).cpu().numpy(), want, rtol=1e-3, atol=1e-4)
+    engines.close()
+
+
+@pytest.mark.gpu
+def test_torch_backend_on_cuda_with_a_dynamic_dimension() -> None:
+    engines = engines_from_module(models.transformer_encoder(), ["input_ids:BxS:int64", "attention_mask:BxS:int64"],
+                                  buckets=[1, 4], dims={"S": "1:8:16"}, device="cuda")
+    for length in (5, 16):
+        feed = {"input_ids": np.arange(6 * length, dtype=np.int64).reshape(6, length) % 100,
+                "attention_mask": np.ones((6, length), np.int64)}
+        np.testing.assert_allclose(engines(feed)["output_0"], eager("transformer_encoder", feed), rtol=1e-3,
+                                   atol=1e-3)
+    engines.close()
+
+
+@pytest.mark.tensorrt
+def test_tensorrt_engines_match_onnx_runtime(tmp_path: Path) -> None:
+    from compiler.build import build_directory as trtc_build
+    from compiler.settings import BuildSettings, ExportSettings, ModelSource
+
+    spec = ModelSpec((parse_input_spec("x:Bx64"),))
+    out = tmp_path / "trt"
+    trtc_build(ExportSettings(ModelSource(factory="examples.models:mlp"), out, spec, (1, 4, 8)), None,
+               BuildSettings(buckets=(1, 4, 8)))
+    x = np.random.default_rng(7).standard_normal((11, 64)).astype(np.float32)
+    with load(out, backend="tensorrt") as engines, load(out, backend="onnxruntime", device="cpu") as reference:
+        assert engines.backend == "tensorrt" and engines.device.startswith("cuda")
+        np.testing.assert_allclose(engines(x), reference(x), rtol=1e-3, atol=1e-4)
+        on_gpu = engines(torch.from_numpy(x).cuda())
+        np.testing.assert_allclose(on_gpu.cpu().numpy(), reference(x), rtol=1e-3, atol=1e-4)
+        results = list(engines.map([x[:4], x[4:]], postprocess=lambda o: o.sum(axis=1)))
+        np.testing.assert_allclose(np.concatenate(results), reference(x).sum(axis=1), rtol=1e-3, atol=1e-3)
