@@ -552,13 +552,6 @@ def bench_cmd(**kw: Any) -> None:
     report.raise_for_regressions()
 
 
-def main() -> None:
-    cli.main(prog_name="trtc")
-
-
-if __name__ == "__main__":
-    main()
-
 
 @cli.command("export-triton")
 @click.argument("directory", type=click.Path(path_type=Path))
@@ -585,3 +578,11 @@ def export_triton_cmd(directory: Path, repo: Path, name: str | None, backend: st
     target = triton_repository(directory, repo, name=name, backend=backend, instances=instances,
                                max_wait_ms=max_wait_ms, force=force)
     click.echo(f"wrote {target}/config.pbtxt and {', '.join(sorted(p.name for p in (target / '1').iterdir()))}")
+
+
+def main() -> None:
+    cli.main(prog_name="trtc")
+
+
+if __name__ == "__main__":
+    main()
