@@ -130,25 +130,30 @@ def strongly_typed_flag() -> bool:
 
 # --- shapes and loaders ---------------------------------------------------------------------------------------
 
-def profile_shapes(spec: ModelSpec, bucket: int) -> Shapes:
+def profile_shapes(spec: ModelSpec, bucket: int, batch_min: int | None = None) -> Shapes:
     """Min/opt/max shape of every input for the engine of one batch bucket.
 
-    The batch ``B`` is fixed at the bucket (min = opt = max); every other dynamic dimension spans its
-    declared range (``--dim S=1:128:512``). Inputs without dynamic dimensions get their one shape thrice.
+    The batch ``B`` is fixed at the bucket (min = opt = max) unless ``batch_min`` lowers its min;
+    every other dynamic dimension spans its declared range (``--dim S=1:128:512``). Inputs without
+    dynamic dimensions get their one shape thrice.
     """
     if bucket < 1:
         raise InputError(f"bucket {bucket} is not a positive integer: write --buckets like 1,4,8,16")
     low = {name: r.min for name, r in spec.dims.items()}
     opt = {name: r.opt for name, r in spec.dims.items()}
     high = {name: r.max for name, r in spec.dims.items()}
-    for values in (low, opt, high):
+    for values in (opt, high):
         values[BATCH_DIM] = bucket
+    low[BATCH_DIM] = bucket if batch_min is None else batch_min
     return {i.name: (i.shape(low), i.shape(opt), i.shape(high)) for i in spec.inputs}
 
 
 def multi_profile_shapes(spec: ModelSpec, buckets: Sequence[int]) -> list[Shapes]:
-    """One ``profile_shapes`` per bucket, in bucket order: the profiles of a multi-profile engine."""
-    return [profile_shapes(spec, b) for b in buckets]
+    """The profiles of a multi-profile engine, in bucket order: profile k takes batches from bucket k-1 + 1 up
+    to bucket k (opt = bucket k), so together they cover every batch from 1 to the largest bucket and a
+    server that does not pad (Triton's dynamic batcher) can pick a profile for any batch."""
+    ordered = sorted(buckets)
+    return [profile_shapes(spec, b, batch_min=(ordered[k - 1] + 1) if k else 1) for k, b in enumerate(ordered)]
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,9 @@ def engine_loader(onnx_path: Path, spec: ModelSpec, buckets_for_this_engine: Seq
     from polygraphy.logger import G_LOGGER
 
     profiles = []
-    for shapes in multi_profile_shapes(spec, buckets_for_this_engine):
+    per_profile = (multi_profile_shapes(spec, buckets_for_this_engine) if settings.multi_profile
+                   else [profile_shapes(spec, b) for b in buckets_for_this_engine])
+    for shapes in per_profile:
         profile = Profile()
         for name, (low, opt, high) in shapes.items():
             profile.add(name, min=low, opt=opt, max=high)
