@@ -11,7 +11,7 @@ passes or ``max_fallback`` is reached.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,9 +65,14 @@ def row_cosines(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 class Evaluator:
-    """Holds the evaluation batches and the FP32 reference outputs, computed once."""
+    """Holds the FP32 reference outputs, computed once, and the evaluation data they came from.
 
-    def __init__(self, batches: list[dict[str, np.ndarray]], fp32_outputs: list[list[np.ndarray]],
+    ``batches`` is iterated once per evaluation, so it must be re-iterable: a list, or a
+    ``CalibrationData``, which reads its files again on each pass so that memory does not grow with
+    the evaluation set (only the outputs are kept).
+    """
+
+    def __init__(self, batches: Iterable[dict[str, np.ndarray]], fp32_outputs: list[list[np.ndarray]],
                  labels: np.ndarray | None, settings: GateSettings) -> None:
         self.batches = batches
         self.reference = fp32_outputs
@@ -76,7 +81,7 @@ class Evaluator:
         self.fp32_top1 = self._top1([out[0] for out in fp32_outputs]) if labels is not None else None
 
     @classmethod
-    def from_model(cls, fp32: onnx.ModelProto | str, batches: list[dict[str, np.ndarray]],
+    def from_model(cls, fp32: onnx.ModelProto | str, batches: Iterable[dict[str, np.ndarray]],
                    labels: np.ndarray | None, settings: GateSettings) -> Evaluator:
         runner = OrtRunner(fp32, ["CPUExecutionProvider"])
         outputs = [list(runner.infer(b).values()) for b in batches]

@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 
 from calibration.accuracy import Evaluator, GateOutcome, GateSettings, gate_with_fallback
-from calibration.data import CalibrationData, ImagePreprocessing, calibration_data
+from calibration.data import RANDOM, CalibrationData, ImagePreprocessing, calibration_data
 from calibration.fp16 import Fp16Policy, fp16_model_from
 from calibration.qdq import QdqPolicy, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.statistics import AMAX_METHODS, collect_histograms, collect_max_abs
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 ONNX_NAMES = {"int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 CALIBRATION_JSON = "calibration.json"
 ACCURACY_JSON = "report/accuracy.json"
+ALL_SAMPLES = 1 << 62  # the gate evaluates every sample of --eval-data; --calib-samples bounds calibration only
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,9 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
 
 def _open_data(source: str | None, settings: CalibrationSettings, spec: ModelSpec,
                for_eval: bool = False) -> CalibrationData:
+    samples = ALL_SAMPLES if for_eval and source != RANDOM else settings.samples
     return calibration_data(source, spec, loader=None if for_eval else settings.loader,
-                            batch_size=settings.batch_size, max_samples=settings.samples, image=settings.image,
+                            batch_size=settings.batch_size, max_samples=samples, image=settings.image,
                             labels=settings.labels)
 
 
@@ -168,8 +170,10 @@ def _evaluator(model: onnx.ModelProto, eval_data: CalibrationData | None, settin
                ) -> Evaluator | None:
     if eval_data is None:
         return None
-    labels = eval_data.labels
-    return Evaluator.from_model(model, list(eval_data.batches()), labels, settings.gate)
+    # files are read again on each evaluation, so memory does not grow with the evaluation set; a loader
+    # function may shuffle or augment, so its batches are held to keep them paired with the FP32 outputs
+    batches = eval_data if eval_data.repeatable else list(eval_data.batches())
+    return Evaluator.from_model(model, batches, eval_data.labels, settings.gate)
 
 
 def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: CalibrationData | None,
@@ -179,7 +183,7 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
                        exclude_nodes=frozenset(settings.keep_fp32) & set(quantizable_nodes(model)),
                        exclude_op_types=frozenset(settings.keep_fp32) - set(quantizable_nodes(model)))
     tensors = tensors_to_calibrate(model, QdqPolicy(quantize_attention_matmuls=settings.quantize_attention))
-    cache = _usable_cache(stage / CALIBRATION_JSON, model_sha, data, settings)
+    cache = _usable_cache(stage / CALIBRATION_JSON, model_sha, data, settings, tensors)
     if cache is not None:
         amax = {k: float(v) for k, v in cache["amax"].items()}
         log.info("reusing %s: %d tensors, calibrated on %s", CALIBRATION_JSON, len(amax), cache["data"]["source"])
@@ -221,7 +225,7 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
 
 
 def _usable_cache(path: Path, model_sha: str, data: CalibrationData | None, settings: CalibrationSettings,
-                  ) -> dict[str, Any] | None:
+                  tensors: list[str]) -> dict[str, Any] | None:
     source = settings.calib_cache if settings.calib_cache else (path if path.is_file() else None)
     if source is None or not Path(source).is_file():
         if settings.calib_cache:
@@ -231,6 +235,10 @@ def _usable_cache(path: Path, model_sha: str, data: CalibrationData | None, sett
         cache = read_json(source)
     except ValueError as err:
         raise CalibrationError(f"{source}: not a calibration.json ({err})") from err
+    if not isinstance(cache, dict) or not isinstance(cache.get("amax"), dict) \
+            or not isinstance(cache.get("data"), dict):
+        raise CalibrationError(f"{source}: not a calibration.json (no amax and data records); pass one that "
+                               "trtc calibrate wrote, or delete it to calibrate again")
     reasons = []
     if cache.get("model_sha256") != model_sha:
         reasons.append("the FP32 model changed")
@@ -238,6 +246,9 @@ def _usable_cache(path: Path, model_sha: str, data: CalibrationData | None, sett
         reasons.append("the method or percentile changed")
     if data is not None and cache.get("data", {}).get("sha256") != data.fingerprint:
         reasons.append("the calibration data changed")
+    missing = [t for t in tensors if t not in cache["amax"]]
+    if missing:  # e.g. calibrated without --quantize-attention, now with it
+        reasons.append(f"it has no amax for {len(missing)} tensor(s) to quantize now ({missing[0]}, ...)")
     if reasons:
         if settings.calib_cache:
             log.warning("not reusing %s: %s", source, "; ".join(reasons))

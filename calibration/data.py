@@ -17,6 +17,7 @@ import hashlib
 import importlib
 import logging
 import sys
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 RANDOM = "random"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".webp")
 LABEL_KEYS = ("labels", "label", "targets")
+_READ_ERRORS = (ValueError, OSError, EOFError, zipfile.BadZipFile)  # what np.load raises on a damaged file
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class CalibrationData:
     read: Callable[[], Iterator[tuple[str, dict[str, np.ndarray]]]] = field(repr=False)  # (where, sample) pairs
     is_random: bool = False
     labels: np.ndarray | None = None
+    repeatable: bool = True  # every pass yields the same batches (not promised by a --calib-loader function)
     samples: int = 0
     fingerprint: str = ""
 
@@ -97,6 +100,10 @@ class CalibrationData:
         if self.labels is not None and len(self.labels) < count:
             raise CalibrationError(f"{self.description}: {len(self.labels)} labels for {count} samples")
         return self
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """A new pass of ``batches()``: the data are read again, never held in memory."""
+        return self.batches()
 
     def batches(self) -> Iterator[dict[str, np.ndarray]]:
         """Batches of up to ``batch_size`` samples; a change of shape (sequence length) starts a new batch."""
@@ -134,7 +141,7 @@ def calibration_data(source: str | Path | None, spec: ModelSpec, *, loader: str 
         if source:
             raise CalibrationError("give either --calib-data or --calib-loader, not both")
         return _scan(CalibrationData(f"--calib-loader {loader}", spec, batch_size, max_samples,
-                                     lambda: _from_loader(loader, spec)))
+                                     lambda: _from_loader(loader, spec), repeatable=False))
     if source is None:
         raise CalibrationError("no calibration data: pass --calib-data PATH (.npz/.npy file or folder, image folder) "
                                "or --calib-loader pkg.module:fn; `--calib-data random` exists for smoke tests only")
@@ -179,7 +186,7 @@ def _arrays(path: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
             return {spec.input_names[0]: np.load(path, allow_pickle=False)}
         with np.load(path, allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
-    except (ValueError, OSError) as err:
+    except _READ_ERRORS as err:
         raise CalibrationError(f"{path}: not a readable numpy file ({err})") from err
 
 
@@ -200,18 +207,27 @@ def _from_arrays(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, dict
 
 def _labels(files: list[Path], labels: str | Path | None, max_samples: int) -> np.ndarray | None:
     if labels is not None and Path(labels).suffix == ".npy":
-        return np.load(labels, allow_pickle=False)[:max_samples]
+        if not Path(labels).is_file():
+            raise CalibrationError(f"{labels}: no such labels file; check --labels")
+        try:
+            return np.load(labels, allow_pickle=False)[:max_samples]
+        except _READ_ERRORS as err:
+            raise CalibrationError(f"{labels}: not a readable numpy file ({err})") from err
     key = str(labels) if labels else None
     parts = []
     for path in files:
         if path.suffix != ".npz":
             continue
-        with np.load(path, allow_pickle=False) as npz:
-            names = [key] if key else [k for k in LABEL_KEYS if k in npz.files]
-            if key and key not in npz.files:
-                raise CalibrationError(f"{path}: no {key!r} array for the labels")
-            if names:
-                parts.append(np.atleast_1d(npz[names[0]]))
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                names = [key] if key else [k for k in LABEL_KEYS if k in npz.files]
+                found = np.atleast_1d(npz[names[0]]) if names and names[0] in npz.files else None
+        except _READ_ERRORS as err:
+            raise CalibrationError(f"{path}: not a readable numpy file ({err})") from err
+        if key and found is None:
+            raise CalibrationError(f"{path}: no {key!r} array for the labels")
+        if found is not None:
+            parts.append(found)
     return np.concatenate(parts)[:max_samples] if parts else None
 
 

@@ -61,6 +61,9 @@ INT8_LEVELS = 127  # positive levels of symmetric signed INT8
 ENTROPY_LEVELS = 128  # TensorRT's entropy calibration quantizes the reference distribution to 128 bins
 ENTROPY_START_BIN = 128  # and tries thresholds from bin 128 upward
 _MSE_CHUNK = 128  # thresholds evaluated at once: a chunk x bins matrix of floats
+# Values binned at once by AbsHistogram.update: 128 KiB of float64, reused from malloc's heap batch after batch.
+# With 4x larger chunks the peak RSS of a 224x224 CNN's calibration crept up 10% over its first 20 batches.
+_UPDATE_CHUNK = 1 << 14
 
 _PROTO_LIMIT = 2**31 - 2**24  # protobuf cannot serialize 2 GiB; bigger models go through a scratch file
 _MAX_SEED_CONSTANT = 1 << 22  # constants up to 4M elements (a 2048 x 2048 causal mask) are scanned for biases
@@ -117,22 +120,28 @@ class AbsHistogram:
 
     def update(self, values: np.ndarray) -> None:
         """Count |x| for every element of ``values`` (any shape); raises ValueError on NaN or Inf."""
-        magnitudes = np.abs(np.asarray(values, dtype=np.float64)).ravel()
-        if magnitudes.size == 0:
+        flat = np.asarray(values).ravel()
+        if flat.size == 0:
             return
-        batch_max = float(magnitudes.max())
+        batch_max = float(np.max(np.abs(flat)))  # NaN propagates; exact in the input's own float type
         if not math.isfinite(batch_max):
             raise ValueError("AbsHistogram.update got NaN or Inf values; drop or report them before counting")
         if batch_max > self.upper:
             self._grow_to(batch_max)
         if self.upper > 0.0:
-            index = (magnitudes * (self.num_bins / self.upper)).astype(np.int64)
-            np.minimum(index, self.num_bins - 1, out=index)  # |x| == upper belongs to the last bin
-            self.counts += np.bincount(index, minlength=self.num_bins)
+            scale = self.num_bins / self.upper
+            # in float64 as before, but a cache-sized chunk at a time: a whole batch converted at once took
+            # four temporaries of 8 bytes a value (200 MB for one 224x224 activation batch) and twice the time
+            for start in range(0, flat.size, _UPDATE_CHUNK):
+                scaled = np.abs(flat[start:start + _UPDATE_CHUNK], dtype=np.float64)
+                scaled *= scale
+                index = scaled.astype(np.int64)
+                np.minimum(index, self.num_bins - 1, out=index)  # |x| == upper belongs to the last bin
+                self.counts += np.bincount(index, minlength=self.num_bins)
         else:
-            self.counts[0] += magnitudes.size  # only zeros so far: bin 0 of whatever range comes later
+            self.counts[0] += flat.size  # only zeros so far: bin 0 of whatever range comes later
         self.amax = max(self.amax, batch_max)
-        self.count += magnitudes.size
+        self.count += flat.size
 
     def _grow_to(self, new_max: float) -> None:
         if self.upper == 0.0:

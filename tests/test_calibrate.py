@@ -1,0 +1,398 @@
+"""`trtc calibrate` end to end on real data: the digits CNN trained in a fixture, INT8 and FP16 checked in ORT.
+
+Accuracy is measured here independently of the gate: each test loads the written ONNX into its own ONNX
+Runtime session (Q/DQ executed exactly, as TensorRT does) and scores it on the held-out digits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+import calibration.calibrate as calibrate_module
+from calibration.data import calibration_data
+from calibration.qdq import tensors_to_calibrate
+from compiler.cli import cli
+from compiler.files import sha256_file, sha256_files
+from compiler.onnx_io import load_onnx, ort_session
+from compiler.pipeline import export_directory
+from compiler.settings import ExportSettings, ModelSource
+from compiler.specs import ModelSpec, parse_input_spec
+from examples.digits import DigitsSplits, digits_splits, train_digits
+from examples.models import MLP
+
+MAX_DROP_POINTS = 0.5
+
+
+@dataclass(frozen=True)
+class Exported:
+    directory: Path  # FP32 export, never modified: tests calibrate copies of it
+    calib: Path
+    eval: Path
+    test_x: np.ndarray
+    test_y: np.ndarray
+    input_name: str
+    fp32_top1: float
+
+
+def _export(tmp: Path, module: torch.nn.Module, factory: str, spec: str, splits: DigitsSplits,
+            flatten: bool = False) -> Exported:
+    torch.save(module.state_dict(), tmp / "weights.pt")
+    name = spec.split(":")[0]
+    calib_x, test_x = (splits.calib_x, splits.test_x) if not flatten else (splits.calib_x.reshape(-1, 64),
+                                                                            splits.test_x.reshape(-1, 64))
+    np.savez(tmp / "calib.npz", **{name: calib_x})
+    np.savez(tmp / "eval.npz", **{name: test_x, "labels": splits.test_y})
+    export_directory(ExportSettings(ModelSource(factory=factory, weights=tmp / "weights.pt"), tmp / "fp32",
+                                    spec=ModelSpec((parse_input_spec(spec),)), buckets=(1, 16)))
+    exported = Exported(tmp / "fp32", tmp / "calib.npz", tmp / "eval.npz", test_x, splits.test_y, name, 0.0)
+    return Exported(**{**exported.__dict__, "fp32_top1": top1(exported, tmp / "fp32" / "model.onnx")})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Train and export on one thread: on a busy 2-core machine two threads spin and take 5x the CPU time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    """The bundled Conv-BN-ReLU ResNet trained on scikit-learn digits (5 epochs, ~99% test accuracy)."""
+    model, splits = train_digits(epochs=5)
+    return _export(tmp_path_factory.mktemp("cnn"), model, "examples.models:resnet_digits", "images:Bx1x8x8", splits)
+
+
+@pytest.fixture(scope="module")
+def outlier_mlp(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    """An MLP trained on digits whose second Linear sees one hidden channel 1000x larger than the rest.
+
+    The function is unchanged (the channel's weights are scaled up, its outgoing weights down by the same
+    factor, and ReLU commutes with that), but a per-tensor INT8 scale for that Linear's input is set by the
+    outlier channel, so every other channel rounds to zero: only that layer must stay in FP32.
+    """
+    splits = digits_splits()
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = torch.from_numpy(splits.train_x.reshape(-1, 64)), torch.from_numpy(splits.train_y)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(20):
+        perm = torch.randperm(len(x))
+        for i in range(0, len(x), 64):
+            loss = torch.nn.functional.cross_entropy(model(x[perm[i:i + 64]]), y[perm[i:i + 64]])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.eval()
+    first, second = model.net[0], model.net[2]
+    assert isinstance(first, torch.nn.Linear) and isinstance(second, torch.nn.Linear)
+    with torch.no_grad():
+        channel = int(torch.relu(first(torch.from_numpy(splits.calib_x.reshape(-1, 64)))).mean(0).argmax())
+        first.weight[channel] *= 1000
+        first.bias[channel] *= 1000
+        second.weight[:, channel] /= 1000
+    return _export(tmp_path_factory.mktemp("mlp"), model, "examples.models:mlp", "x:Bx64", splits, flatten=True)
+
+
+@pytest.fixture
+def workdir(cnn: Exported, tmp_path: Path) -> Path:
+    shutil.copytree(cnn.directory, tmp_path / "m")
+    return tmp_path / "m"
+
+
+def calibrate(directory: Path, *args: str | Path) -> Result:
+    return CliRunner().invoke(cli, ["calibrate", str(directory), "-q", *map(str, args)])
+
+
+def top1(exported: Exported, onnx_path: Path) -> float:
+    """Top-1 on the held-out digits in a fresh ORT session, Q/DQ run exactly as written."""
+    session = ort_session(onnx_path, exact_qdq=True)
+    logits = session.run(None, {exported.input_name: exported.test_x})[0]
+    return float((logits.argmax(axis=1) == exported.test_y).mean())
+
+
+def read(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def fingerprints(directory: Path) -> dict[str, str]:
+    """sha256 of every file but the lock (which records the last command's pid)."""
+    return {p.relative_to(directory).as_posix(): sha256_file(p) for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != ".trtc.lock"}
+
+
+def check_onnx_file(path: Path) -> onnx.ModelProto:
+    """Loads with its weights beside it, passes the full checker and strict shape inference."""
+    assert path.is_file() and Path(f"{path}.data").is_file()
+    onnx.checker.check_model(str(path), full_check=True)
+    model = load_onnx(path)
+    onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    return model
+
+
+# --- INT8 and FP16 on the digits CNN ---------------------------------------------------------------------------
+
+@dataclass
+class Calibrated:
+    directory: Path
+    int8: Result
+    fp16: Result
+    manifest_after_int8: dict[str, Any]
+    fp32_files: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def calibrated(cnn: Exported, tmp_path_factory: pytest.TempPathFactory) -> Calibrated:
+    directory = tmp_path_factory.mktemp("calibrated") / "m"
+    shutil.copytree(cnn.directory, directory)
+    before = fingerprints(directory)
+    int8 = calibrate(directory, "--int8", "--calib-data", cnn.calib, "--eval-data", cnn.eval)
+    manifest = read(directory / "manifest.json")
+    fp16 = calibrate(directory, "--fp16", "--calib-data", cnn.calib, "--eval-data", cnn.eval)
+    return Calibrated(directory, int8, fp16, manifest, before)
+
+
+def test_int8_top1_within_half_a_point_of_fp32(cnn: Exported, calibrated: Calibrated) -> None:
+    assert calibrated.int8.exit_code == 0, calibrated.int8.output
+    assert cnn.fp32_top1 > 0.95  # the fixture trained a real classifier
+    int8_top1 = top1(cnn, calibrated.directory / "model.int8.onnx")
+    assert 100 * (cnn.fp32_top1 - int8_top1) <= MAX_DROP_POINTS, (cnn.fp32_top1, int8_top1)
+
+
+def test_fp16_top1_within_half_a_point_of_fp32(cnn: Exported, calibrated: Calibrated) -> None:
+    assert calibrated.fp16.exit_code == 0, calibrated.fp16.output
+    fp16_top1 = top1(cnn, calibrated.directory / "model.fp16.onnx")
+    assert 100 * (cnn.fp32_top1 - fp16_top1) <= MAX_DROP_POINTS, (cnn.fp32_top1, fp16_top1)
+
+
+def test_int8_onnx_is_valid_quantized_and_runs_on_cpu(cnn: Exported, calibrated: Calibrated) -> None:
+    model = check_onnx_file(calibrated.directory / "model.int8.onnx")
+    ops = Counter(n.op_type for n in model.graph.node)
+    fp32 = Counter(n.op_type for n in load_onnx(cnn.directory / "model.onnx").graph.node)
+    weighted = fp32["Conv"] + fp32["Gemm"]  # 9 + 1
+    # activations: the 8 distinct Conv/Gemm inputs and the 2 conv shortcuts of the residual adds (the third
+    # shortcut is a block input, already quantized for its conv); weights: INT8 initializers behind a DQ only
+    assert ops["QuantizeLinear"] == 10 and ops["DequantizeLinear"] == 10 + weighted
+    int8 = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8 and t.dims}
+    assert sum(n.op_type == "DequantizeLinear" and n.input[0] in int8 for n in model.graph.node) == weighted
+    assert ops["Conv"] == fp32["Conv"] and ops["Gemm"] == fp32["Gemm"]
+    out = ort_session(calibrated.directory / "model.int8.onnx").run(None, {"images": cnn.test_x[:5]})[0]
+    assert out.shape == (5, 10) and np.isfinite(out).all()
+
+
+def test_fp16_onnx_is_valid_with_fp16_weights(calibrated: Calibrated) -> None:
+    model = check_onnx_file(calibrated.directory / "model.fp16.onnx")
+    types = Counter(t.data_type for t in model.graph.initializer)
+    assert types[onnx.TensorProto.FLOAT16] >= 10
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # the interface stays FP32
+
+
+def test_calibration_json_records_amax_method_and_data(cnn: Exported, calibrated: Calibrated) -> None:
+    record = read(calibrated.directory / "calibration.json")
+    expected = tensors_to_calibrate(load_onnx(cnn.directory / "model.onnx"))
+    assert sorted(record["amax"]) == sorted(expected) and len(expected) >= 10
+    assert all(np.isfinite(v) and v > 0 for v in record["amax"].values())
+    assert record["method"] == "percentile" and record["percentile"] == 99.99
+    assert record["model_sha256"] == sha256_file(cnn.directory / "model.onnx")
+    spec = ModelSpec((parse_input_spec("images:Bx1x8x8"),))
+    fingerprint = calibration_data(cnn.calib, spec).fingerprint
+    assert record["data"] == {"source": str(cnn.calib), "samples": 300, "batch_size": 16, "sha256": fingerprint,
+                              "random": False}
+
+
+def test_accuracy_report_has_both_precisions(cnn: Exported, calibrated: Calibrated) -> None:
+    report = read(calibrated.directory / "report" / "accuracy.json")
+    assert set(report) == {"int8", "fp16"}
+    for precision, entry in report.items():
+        acc = entry["accuracy"]
+        assert entry["precision"] == precision and acc["metric"] == "top1" and acc["passed"]
+        assert acc["fp32_top1"] == pytest.approx(cnn.fp32_top1)
+        assert acc["drop_points"] <= MAX_DROP_POINTS and acc["cosine_mean"] > 0.999
+        assert entry["kept_in_fp32"] == {} and len(entry["gate_history"]) == 1
+        assert entry["eval_data"]["source"] == str(cnn.eval) and entry["eval_data"]["samples"] == 300
+    assert report["int8"]["calibration"]["reused_cache"] is False
+    assert report["int8"]["qdq"]["qdq_pairs"] == len(read(calibrated.directory / "calibration.json")["amax"])
+
+
+def test_manifest_records_the_int8_onnx_and_its_calibration(calibrated: Calibrated) -> None:
+    directory = calibrated.directory
+    after_int8 = calibrated.manifest_after_int8
+    entry = after_int8["onnx"]["int8"]
+    assert entry["files"] == ["model.int8.onnx", "model.int8.onnx.data"]
+    assert entry["sha256"] == sha256_files([directory / f for f in entry["files"]])
+    assert after_int8["precision"] == "int8"
+    calib = after_int8["calibration"]
+    assert calib["data_sha256"] == read(directory / "calibration.json")["data"]["sha256"]
+    assert calib["method"] == "percentile" and calib["samples"] == 300 and calib["random_data"] is False
+    assert after_int8["accuracy"]["int8"]["kept_in_fp32"] == []
+    # FP16 added its own entry without touching the FP32 and INT8 ones
+    final = read(directory / "manifest.json")
+    assert final["onnx"]["int8"] == entry and final["onnx"]["fp32"] == after_int8["onnx"]["fp32"]
+    assert final["onnx"]["fp16"]["sha256"] == sha256_files([directory / f for f in final["onnx"]["fp16"]["files"]])
+    assert {k: v for k, v in calibrated.fp32_files.items() if k.startswith("model.onnx")} == \
+        {k: v for k, v in fingerprints(directory).items() if k.startswith("model.onnx")}
+
+
+@pytest.mark.parametrize("method", ["max", "entropy", "mse"])
+def test_each_calibration_method_passes(cnn: Exported, workdir: Path, method: str) -> None:
+    result = calibrate(workdir, "--int8", "--calib-method", method, "--calib-data", cnn.calib, "--eval-data", cnn.eval)
+    assert result.exit_code == 0, result.output
+    assert read(workdir / "calibration.json")["method"] == method
+    assert read(workdir / "manifest.json")["calibration"]["method"] == method
+    assert 100 * (cnn.fp32_top1 - top1(cnn, workdir / "model.int8.onnx")) <= MAX_DROP_POINTS
+
+
+def test_calib_samples_caps_calibration_not_the_gates_evaluation(cnn: Exported, workdir: Path) -> None:
+    result = calibrate(workdir, "--int8", "--calib-samples", "100", "--calib-data", cnn.calib, "--eval-data", cnn.eval)
+    assert result.exit_code == 0, result.output
+    report = read(workdir / "report" / "accuracy.json")["int8"]
+    assert report["calibration_data"]["samples"] == 100 and read(workdir / "calibration.json")["data"]["samples"] == 100
+    assert report["eval_data"]["samples"] == 300  # every held-out sample is scored
+
+
+# --- reusing calibration.json ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def histogram_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts calls of collect_histograms, the expensive pass over the calibration data."""
+    calls: list[int] = []
+    real = calibrate_module.collect_histograms
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "collect_histograms", spy)
+    yield calls
+
+
+def test_same_data_reuses_calibration_json_and_changed_data_recalibrates(
+        cnn: Exported, workdir: Path, histogram_calls: list[int], tmp_path: Path) -> None:
+    args: list[str | Path] = ["--int8", "--calib-data", cnn.calib, "--eval-data", cnn.eval]
+    assert calibrate(workdir, *args).exit_code == 0 and len(histogram_calls) == 1
+    first = read(workdir / "calibration.json")
+
+    result = calibrate(workdir, *args)
+    assert result.exit_code == 0, result.output
+    assert len(histogram_calls) == 1, "the same model, data and method must not collect histograms again"
+    assert read(workdir / "calibration.json") == first
+    assert read(workdir / "report" / "accuracy.json")["int8"]["calibration"]["reused_cache"] is True
+    assert read(workdir / "manifest.json")["calibration"]["reused_cache"] is True
+
+    fewer = tmp_path / "fewer.npz"
+    np.savez(fewer, images=np.load(cnn.calib)["images"][:200])
+    result = calibrate(workdir, "--int8", "--calib-data", fewer, "--eval-data", cnn.eval)
+    assert result.exit_code == 0, result.output
+    assert len(histogram_calls) == 2
+    second = read(workdir / "calibration.json")
+    assert second["data"]["samples"] == 200 and second["data"]["sha256"] != first["data"]["sha256"]
+    assert read(workdir / "manifest.json")["calibration"]["reused_cache"] is False
+
+    result = calibrate(workdir, "--int8", "--calib-method", "max", "--calib-data", fewer, "--eval-data", cnn.eval)
+    assert result.exit_code == 0 and len(histogram_calls) == 3  # another method: recalibrated
+
+
+def test_calib_cache_from_another_directory_needs_no_data(
+        cnn: Exported, workdir: Path, histogram_calls: list[int], tmp_path: Path) -> None:
+    assert calibrate(workdir, "--int8", "--calib-data", cnn.calib).exit_code == 0
+    cache = tmp_path / "saved-calibration.json"
+    shutil.copy(workdir / "calibration.json", cache)
+    fresh = tmp_path / "fresh"
+    shutil.copytree(cnn.directory, fresh)
+    result = calibrate(fresh, "--int8", "--calib-cache", cache, "--eval-data", cnn.eval)
+    assert result.exit_code == 0, result.output
+    assert len(histogram_calls) == 1
+    assert read(fresh / "calibration.json")["amax"] == read(cache)["amax"]
+    assert read(fresh / "manifest.json")["calibration"]["reused_cache"] is True
+    result = calibrate(fresh, "--int8", "--calib-cache", tmp_path / "missing.json")
+    assert result.exit_code == 2 and "--calib-cache" in result.output and "no such file" in result.output
+    (tmp_path / "list.json").write_text("[1, 2]")
+    result = calibrate(fresh, "--int8", "--calib-cache", tmp_path / "list.json")
+    assert result.exit_code == 2 and "not a calibration.json" in result.output and "Traceback" not in result.output
+
+
+# --- the accuracy gate ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("gate", "metric", "labelled"), [
+    (["--max-accuracy-drop", "-1"], "top1", True),  # INT8 would have to beat FP32 by a point
+    (["--min-cosine", "0.999999"], "cosine", False),  # without labels the gate is on cosine
+])
+def test_gate_failure_exits_3_keeps_fp32_and_reports_the_fallback(
+        cnn: Exported, workdir: Path, gate: list[str], metric: str, labelled: bool) -> None:
+    before = fingerprints(workdir)
+    eval_data = cnn.eval if labelled else cnn.calib
+    result = calibrate(workdir, "--int8", "--calib-data", cnn.calib, "--eval-data", eval_data, "--max-fallback", "2",
+                       *gate)
+    assert result.exit_code == 3, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output
+    assert "misses the accuracy gate" in errors[0] and "2 layer(s) kept in FP32" in errors[0]
+    assert "--max-fallback" in errors[0] and "report/accuracy.json" in errors[0]
+
+    entry = read(workdir / "report" / "accuracy.json")["int8"]
+    assert entry["accuracy"]["metric"] == metric and entry["accuracy"]["passed"] is False
+    kept = entry["kept_in_fp32"]
+    assert len(kept) == 2 and all("kept in FP32 by the accuracy gate: sensitivity rank" in why for why in kept.values())
+    history = entry["gate_history"]
+    assert [row["excluded"] for row in history] == [[], list(kept)[:1], list(kept)]
+    assert not any(row["passed"] for row in history)
+
+    after = fingerprints(workdir)
+    assert not (workdir / "model.int8.onnx").exists() and not (workdir / "model.int8.onnx.data").exists()
+    assert {k: after[k] for k in before} == before, "manifest and FP32 files must not change"
+    assert set(after) - set(before) == {"calibration.json", "report/accuracy.json"}
+    assert not list(workdir.glob(".staging-*"))
+
+
+def test_gate_fallback_keeps_exactly_the_layer_with_the_outlier_channel(outlier_mlp: Exported,
+                                                                        tmp_path: Path) -> None:
+    directory = tmp_path / "mlp"
+    shutil.copytree(outlier_mlp.directory, directory)
+    result = calibrate(directory, "--int8", "--calib-data", outlier_mlp.calib, "--eval-data", outlier_mlp.eval)
+    assert result.exit_code == 0, result.output
+
+    fp32 = load_onnx(directory / "model.onnx")
+    linears = [n for n in fp32.graph.node if n.op_type in ("Gemm", "MatMul")]
+    assert len(linears) == 3
+    outlier_layer = linears[1].name  # net[2], the Linear after the scaled channel
+    entry = read(directory / "report" / "accuracy.json")["int8"]
+    assert list(entry["kept_in_fp32"]) == [outlier_layer]
+    assert [row["passed"] for row in entry["gate_history"]] == [False, True]
+    assert entry["gate_history"][0]["drop_points"] > 50  # fully quantized, the model is ruined
+    assert read(directory / "manifest.json")["accuracy"]["int8"]["kept_in_fp32"] == [outlier_layer]
+
+    # in the written graph that layer alone reads FP32 values; the other two read dequantized INT8
+    int8 = load_onnx(directory / "model.int8.onnx")
+    producers = {o: n.op_type for n in int8.graph.node for o in n.output}
+    dequantized = {n.name: all(producers.get(i) == "DequantizeLinear" for i in n.input[:2])
+                   for n in int8.graph.node if n.op_type in ("Gemm", "MatMul")}
+    assert dequantized == {linears[0].name: True, outlier_layer: False, linears[2].name: True}
+    int8_top1 = top1(outlier_mlp, directory / "model.int8.onnx")
+    assert 100 * (outlier_mlp.fp32_top1 - int8_top1) <= MAX_DROP_POINTS, (outlier_mlp.fp32_top1, int8_top1)
+
+
+# --- random data ------------------------------------------------------------------------------------------------
+
+def test_random_calibration_data_is_flagged_everywhere(cnn: Exported, workdir: Path) -> None:
+    result = calibrate(workdir, "--int8", "--calib-data", "random", "--calib-samples", "64", "--eval-data", cnn.eval)
+    assert result.exit_code == 0, result.output
+    assert "RANDOM data" in result.output and "smoke tests only" in result.output
+    manifest = read(workdir / "manifest.json")
+    assert manifest["calibration"]["calibration_data"]["random"] is True
+    assert manifest["calibration"]["random_data"] is True
+    report = read(workdir / "report" / "accuracy.json")["int8"]
+    assert report["calibration_data"]["random"] is True and report["calibration_data"]["samples"] == 64
+    assert read(workdir / "calibration.json")["data"]["random"] is True
