@@ -10,6 +10,7 @@ reduced-precision ONNX.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -90,6 +91,10 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
             merged = merge_update(manifest, outcome.manifest_update)
             write_manifest(stage / MANIFEST, merged)
             manifest = merged
+        elif "int8" in manifest.get("onnx", {}) and (stage / CALIBRATION_JSON).is_file():
+            # calibration.json must keep describing the model.int8.onnx that is there; the failed attempt's
+            # ranges go beside its report
+            os.replace(stage / CALIBRATION_JSON, stage / "report" / "calibration.failed.json")
         commit_staged(stage, directory)
     if not outcome.passed:
         raise AccuracyGateError(outcome.message)
@@ -220,7 +225,9 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
     evaluator = _evaluator(model, eval_data, settings)
     if evaluator is None:
         return None, details
-    candidates = quantizable_nodes(model, policy)
+    # a residual Add alone in INT8 changes nothing (its Q/DQ follows its convolution), so it is not ranked
+    op_types = {n.name: n.op_type for n in model.graph.node}
+    candidates = [n for n in quantizable_nodes(model, policy) if op_types.get(n) != "Add"]
     return gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel), details
 
 

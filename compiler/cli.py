@@ -267,7 +267,7 @@ def calibration_settings_from(kw: dict[str, Any], precision: str, profile: dict[
 
     gate = GateSettings(max_accuracy_drop=float(pick("max_accuracy_drop", "max_accuracy_drop", 0.5)),
                         min_cosine=float(pick("min_cosine", "min_cosine", 0.99)),
-                        max_fallback=int(kw.get("max_fallback") or 8))
+                        max_fallback=int(pick("max_fallback", "max_fallback", 8)))
     image = profile.get("calibration", {}).get("image")
     return CalibrationSettings(
         precision=precision, data=pick("calib_data", "data"), loader=pick("calib_loader", "loader"),

@@ -41,6 +41,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
         "eval_data": ((str,), "held-out data for the accuracy gate (default: the calibration data)"),
         "max_accuracy_drop": ((float, int), "top-1 points (with labels; default 0.5) the gate allows"),
         "min_cosine": ((float, int), "cosine floor against FP32 without labels (default 0.99)"),
+        "max_fallback": ((int,), "layers the gate may keep in FP32 (default 8)"),
         "keep_fp32": ((list,), "node names or op types kept in FP32"),
         "image": ((dict,), "image preprocessing: size, crop, mean, std, layout (NCHW/NHWC), input"),
     },
