@@ -9,10 +9,12 @@ reduced-precision ONNX.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,6 +183,22 @@ def _evaluator(model: onnx.ModelProto, eval_data: CalibrationData | None, settin
     return Evaluator.from_model(model, batches, eval_data.labels, settings.gate)
 
 
+@contextlib.contextmanager
+def _progress(what: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr while samples go through the model (shown only on a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal or not log.isEnabledFor(logging.INFO):
+        yield lambda n: None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
 def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: CalibrationData | None,
           eval_data: CalibrationData | None, settings: CalibrationSettings,
           ) -> tuple[GateOutcome | None, dict[str, Any]]:
@@ -198,7 +216,8 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
             raise CalibrationError("INT8 needs calibration data: pass --calib-data PATH or --calib-loader, or "
                                    "--calib-cache with a calibration.json from an earlier build")
         start = time.perf_counter()
-        stats = collect_histograms(model, tensors, data.batches())
+        with _progress(f"calibrating {len(tensors)} tensors", data.samples) as advance:
+            stats = collect_histograms(model, tensors, data.batches(), progress=advance)
         amax = stats.amax(settings.method, settings.percentile)
         record = {"model_sha256": model_sha, "method": settings.method, "percentile": settings.percentile,
                   "data": data.to_dict(), "seconds": round(time.perf_counter() - start, 2),
