@@ -1,0 +1,229 @@
+"""The ``onnxruntime`` serving backend: the build's ONNX for the manifest's precision
+(``model.int8.onnx`` for ``precision: int8``), CUDA or CPU, through an IOBinding on the
+preallocated buffers of each context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from compiler.errors import InputError
+from compiler.runtime_contexts import (
+    _NUMPY_DTYPES,
+    CheckedFeed,
+    _call_values,
+    _ComputeOrder,
+    _Context,
+    _GpuContext,
+    _HostContext,
+    _max_values,
+    _remember,
+)
+from compiler.specs import BATCH_DIM, ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+class _OrtBackend:
+    name = "onnxruntime"
+
+    def __init__(self, path: Path, spec: ModelSpec, buckets: Sequence[int], device: str | None, threads: int) -> None:
+        from compiler.onnx_io import ort_session, usable_providers
+
+        self.spec = spec
+        self.buckets = tuple(buckets)
+        self.path = path
+        if device is None:
+            providers = usable_providers(["CUDAExecutionProvider", "CPUExecutionProvider"])
+        elif device == "cpu":
+            providers = ["CPUExecutionProvider"]
+        else:
+            providers = usable_providers(["CUDAExecutionProvider", "CPUExecutionProvider"])
+            if providers[0] != "CUDAExecutionProvider":
+                raise InputError(f"device={device!r}: ONNX Runtime has no usable CUDA provider here (install "
+                                 "onnxruntime-gpu on a machine with a GPU), or pass device='cpu'")
+            if device not in ("cuda", "cuda:0"):
+                raise InputError(f"device={device!r}: ONNX Runtime serving runs on cuda:0; select the GPU with "
+                                 "CUDA_VISIBLE_DEVICES")
+        self.session = ort_session(path, providers, threads=threads)
+        self.provider = self.session.get_providers()[0]
+        self.device = "cuda:0" if self.provider == "CUDAExecutionProvider" else "cpu"
+        self.order = _ComputeOrder() if self.device != "cpu" else None
+        names = [i.name for i in self.session.get_inputs()]
+        if sorted(names) != sorted(spec.input_names):
+            raise InputError(f"{path} takes inputs {names}, the manifest declares {spec.input_names}; rebuild the "
+                             "directory")
+        import onnx
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        graph = onnx.load(str(path), load_external_data=False).graph
+        self.output_names = [o.name for o in graph.output]
+        self.output_dtypes = {o.name: tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type) for o in graph.output}
+        self._output_dims: dict[str, list[int | str | None]] = {
+            o.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                     for d in o.type.tensor_type.shape.dim] for o in graph.output}
+        known = {BATCH_DIM, *spec.dims}
+        self.outputs_resolvable = all(
+            isinstance(d, int) or d in known for dims in self._output_dims.values() for d in dims) and all(
+            dims and dims[0] == BATCH_DIM for dims in self._output_dims.values())
+
+    def output_shape(self, name: str, values: dict[str, int]) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else values[str(d)] for d in self._output_dims[name])
+
+    def new_context(self) -> _Context:
+        if self.device == "cpu":
+            return _OrtCpuContext(self)
+        return _OrtCudaContext(self)
+
+    def close(self) -> None:
+        del self.session
+
+
+@dataclass
+class _OrtBinding:
+    binding: Any  # onnxruntime.IOBinding
+    inputs: list[tuple[str, np.ndarray, bool]]  # as ``input_views`` gives them
+    outputs: dict[str, np.ndarray] | None  # preallocated outputs; None: ONNX Runtime allocates them
+    keep: list[Any] = field(default_factory=list)  # OrtValues bound by pointer
+
+
+class _OrtCpuContext(_HostContext):
+    """ONNX Runtime on the CPU: one IOBinding per bucket (and dynamic sizes) over preallocated arrays."""
+
+    def __init__(self, backend: _OrtBackend) -> None:
+        super().__init__(backend.spec, backend.buckets)
+        self._backend = backend
+        self._out_flat: dict[tuple[int, str], np.ndarray] = {}
+        if backend.outputs_resolvable:
+            for b in backend.buckets:
+                values = _max_values(backend.spec, b)
+                for name in backend.output_names:
+                    shape = backend.output_shape(name, values)
+                    self._out_flat[b, name] = np.zeros(math.prod(shape), backend.output_dtypes[name])
+        self._bindings: dict[tuple[int, tuple[int, ...]], _OrtBinding] = {}
+        self._run_bound = backend.session.run_with_iobinding
+
+    def run(self, bucket: int, call: CheckedFeed, start: int, stop: int, host: bool) -> None:
+        """``_HostContext.run`` with the binding's views: one lookup per call (this is the CPU hot path)."""
+        entry = self._bindings.get((bucket, call.key)) or self._binding(bucket, call)
+        rows = stop - start
+        whole = rows == call.rows
+        arrays = call.arrays
+        for name, view, batched in entry.inputs:
+            if batched:
+                view[:rows] = arrays[name] if whole else arrays[name][start:stop]
+            else:
+                view[...] = arrays[name]
+        self._run_bound(entry.binding)
+        self._last = entry.outputs if entry.outputs is not None else self._allocated(entry)
+        self._rows = rows
+
+    def _allocated(self, entry: _OrtBinding) -> dict[str, np.ndarray]:
+        return dict(zip(self._backend.output_names, entry.binding.copy_outputs_to_cpu()))
+
+    def _binding(self, bucket: int, call: CheckedFeed) -> _OrtBinding:
+        entry = self._bindings.get((bucket, call.key))
+        if entry is not None:
+            return entry
+        import onnxruntime as ort
+
+        session = self._backend.session
+        binding = session.io_binding()
+        keep: list[Any] = []
+        inputs = self.input_views(bucket, call)
+        for name, view, _ in inputs:
+            value = ort.OrtValue.ortvalue_from_numpy(view)
+            binding.bind_ortvalue_input(name, value)
+            keep.append(value)
+        outputs: dict[str, np.ndarray] | None = None
+        if self._backend.outputs_resolvable:
+            values = _call_values(call, bucket)
+            outputs = {}
+            for name in self._backend.output_names:
+                shape = self._backend.output_shape(name, values)
+                outputs[name] = self._out_flat[bucket, name][:math.prod(shape)].reshape(shape)
+                value = ort.OrtValue.ortvalue_from_numpy(outputs[name])
+                binding.bind_ortvalue_output(name, value)
+                keep.append(value)
+        else:
+            for name in self._backend.output_names:
+                binding.bind_output(name, "cpu")
+        entry = _OrtBinding(binding, inputs, outputs, keep)
+        _remember(self._bindings, (bucket, call.key), entry)
+        return entry
+
+    def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
+        entry = self._binding(bucket, call)
+        self._run_bound(entry.binding)
+        return entry.outputs if entry.outputs is not None else self._allocated(entry)
+
+    def close(self) -> None:
+        super().close()
+        self._bindings.clear()
+        self._out_flat.clear()
+
+
+class _OrtCudaContext(_GpuContext):
+    """ONNX Runtime's CUDA provider on device buffers bound by pointer (it runs on its own stream)."""
+
+    def __init__(self, backend: _OrtBackend) -> None:
+        import torch
+
+        dtypes = {i.name: getattr(torch, i.dtype) for i in backend.spec.inputs}
+        assert backend.order is not None
+        super().__init__(backend.spec, backend.buckets, backend.device, dtypes, backend.order)
+        self._backend = backend
+        self._out_flat: dict[tuple[int, str], torch.Tensor] = {}
+        if backend.outputs_resolvable:
+            for b in backend.buckets:
+                values = _max_values(backend.spec, b)
+                for name in backend.output_names:
+                    numel = math.prod(backend.output_shape(name, values))
+                    dtype = torch.from_numpy(np.empty(0, backend.output_dtypes[name])).dtype
+                    self._out_flat[b, name] = torch.empty(numel, dtype=dtype, device=self.device)
+        self._bindings: dict[tuple[int, tuple[int, ...]], tuple[Any, dict[str, Any] | None]] = {}
+
+    def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
+        import torch
+
+        backend = self._backend
+        entry = self._bindings.get((bucket, call.key))
+        if entry is None:
+            binding = backend.session.io_binding()
+            index = self.device.index or 0
+            for i in backend.spec.inputs:
+                view = self.device_inputs(bucket, call)[i.name]
+                binding.bind_input(i.name, "cuda", index, _NUMPY_DTYPES[i.dtype], tuple(view.shape), view.data_ptr())
+            outputs: dict[str, Any] | None = None
+            if backend.outputs_resolvable:
+                values = _call_values(call, bucket)
+                outputs = {}
+                for name in backend.output_names:
+                    shape = backend.output_shape(name, values)
+                    outputs[name] = self._out_flat[bucket, name][:math.prod(shape)].view(shape)
+                    binding.bind_output(name, "cuda", index, backend.output_dtypes[name], shape,
+                                        outputs[name].data_ptr())
+            else:
+                for name in backend.output_names:
+                    binding.bind_output(name, "cuda", index)
+            entry = (binding, outputs)
+            _remember(self._bindings, (bucket, call.key), entry)
+        binding, outputs = entry
+        self.stream.synchronize()  # the inputs were copied on our stream; ONNX Runtime reads them on its own
+        backend.session.run_with_iobinding(binding)  # returns when its stream is done
+        if outputs is not None:
+            return outputs
+        return {name: torch.from_numpy(a).to(self.device)
+                for name, a in zip(backend.output_names, binding.copy_outputs_to_cpu())}
+
+    def close(self) -> None:
+        super().close()
+        self._bindings.clear()
+        self._out_flat.clear()

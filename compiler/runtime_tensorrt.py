@@ -1,0 +1,211 @@
+"""The ``tensorrt`` serving backend: the build directory's engines.
+
+``execute_async_v3`` on the context's CUDA stream, tensor addresses bound once per buffer (torch
+tensors are the device buffers), pinned host buffers for the copies, and one CUDA graph per
+bucket, captured after warm-up, when no input has a dynamic non-batch dimension (a graph is only
+valid for the shapes it was captured with). ``_tensorrt_backend`` makes the checks ``trtc check``
+makes before it loads anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from compiler.errors import InputError, TrtcError
+from compiler.runtime_contexts import CheckedFeed, _call_values, _capture, _ComputeOrder, _GpuContext, _max_values
+from compiler.specs import ModelSpec
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+
+class EnginesNotRunnable(TrtcError):
+    """The directory's TensorRT engines cannot run here (none built, stale, unreadable)."""
+
+    exit_code = 1
+
+
+_TRT_LOGGER: Any = None
+
+
+def _trt_logger() -> trt.ILogger:
+    global _TRT_LOGGER
+    import tensorrt as trt
+
+    if _TRT_LOGGER is None:  # TensorRT wants one logger per process
+        _TRT_LOGGER = trt.Logger(trt.Logger.WARNING)
+    return _TRT_LOGGER
+
+
+def _torch_dtype_of(dtype: trt.DataType) -> Any:
+    import tensorrt as trt
+    import torch
+
+    table = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16, trt.DataType.BF16: torch.bfloat16,
+             trt.DataType.INT8: torch.int8, trt.DataType.INT32: torch.int32, trt.DataType.INT64: torch.int64,
+             trt.DataType.BOOL: torch.bool, trt.DataType.UINT8: torch.uint8}
+    if dtype not in table:
+        raise EnginesNotRunnable(f"the engine has an input or output of type {dtype}, which the runtime cannot "
+                                 "hold in a torch tensor")
+    return table[dtype]
+
+
+def _shape_of(dims: trt.Dims) -> tuple[int, ...]:
+    return tuple(dims[axis] for axis in range(len(dims)))
+
+
+class _TensorRTBackend:
+    name = "tensorrt"
+
+    def __init__(self, directory: Path, manifest: dict[str, Any], spec: ModelSpec, device: str,
+                 cuda_graphs: bool) -> None:
+        import tensorrt as trt
+        import torch
+
+        self.spec = spec
+        self.device = device
+        self.cuda_graphs = cuda_graphs
+        self.runtime = trt.Runtime(_trt_logger())
+        self.runtime.engine_host_code_allowed = True  # version-compatible engines carry the lean runtime
+        engines: dict[str, trt.ICudaEngine] = {}
+        self.profiles: dict[int, tuple[trt.ICudaEngine, int]] = {}
+        with torch.cuda.device(torch.device(device)):
+            for entry in manifest["engines"]:
+                file = str(entry["file"])
+                if file not in engines:
+                    engine = self.runtime.deserialize_cuda_engine((directory / file).read_bytes())
+                    if engine is None:
+                        raise EnginesNotRunnable(f"{directory / file}: TensorRT cannot load this engine (see its log "
+                                                 f"above); run `trtc rebuild {directory}`")
+                    engines[file] = engine
+                self.profiles[int(entry["bucket"])] = (engines[file], int(entry.get("profile", 0)))
+        self.buckets = tuple(sorted(self.profiles))
+        first = next(iter(engines.values()))
+        names = [first.get_tensor_name(i) for i in range(first.num_io_tensors)]
+        inputs = [n for n in names if first.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        outputs = [n for n in names if first.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        if sorted(inputs) != sorted(spec.input_names):
+            raise EnginesNotRunnable(f"the engines take inputs {inputs}, the manifest declares {spec.input_names}; "
+                                     f"run `trtc rebuild {directory}`")
+        declared = list(manifest.get("output_names") or [])
+        self.output_names = declared if sorted(declared) == sorted(outputs) else outputs
+        self.dtypes = {n: _torch_dtype_of(first.get_tensor_dtype(n)) for n in names}
+        with torch.cuda.device(torch.device(device)):
+            self.order = _ComputeOrder()
+
+    def new_context(self) -> _TensorRTContext:
+        return _TensorRTContext(self)
+
+    def close(self) -> None:
+        self.profiles.clear()
+
+
+@dataclass
+class _TrtBucket:
+    context: Any  # trt.IExecutionContext
+    outputs_flat: dict[str, Any]
+    shape_key: tuple[int, ...] | None = None
+    outputs: dict[str, Any] = field(default_factory=dict)  # views of outputs_flat at the current shapes
+    graph: Any = None
+
+
+class _TensorRTContext(_GpuContext):
+    """One IExecutionContext per bucket with its optimization profile; addresses bound once, at creation."""
+
+    def __init__(self, backend: _TensorRTBackend) -> None:
+        import torch
+
+        super().__init__(backend.spec, backend.buckets, backend.device, backend.dtypes, backend.order)
+        self._backend = backend
+        self._buckets: dict[int, _TrtBucket] = {}
+        handle = self.stream.cuda_stream
+        with torch.cuda.device(self.device):
+            for b in backend.buckets:
+                engine, profile = backend.profiles[b]
+                context = engine.create_execution_context()
+                if context is None:
+                    raise EnginesNotRunnable(f"TensorRT could not create an execution context for bucket {b} (out of "
+                                             "GPU memory?); use fewer contexts or buckets")
+                if engine.num_optimization_profiles > 1:
+                    context.set_optimization_profile_async(profile, handle)
+                values = _max_values(backend.spec, b)
+                for i in backend.spec.inputs:
+                    if not context.set_input_shape(i.name, i.shape(values)):
+                        raise EnginesNotRunnable(f"bucket {b}: the engine's profile does not take {i.name} shaped "
+                                                 f"{i.shape(values)} (the manifest's largest); rebuild with `trtc "
+                                                 "rebuild`")
+                    context.set_tensor_address(i.name, self._device_flat[b, i.name].data_ptr())
+                flat = {}
+                for name in backend.output_names:
+                    shape = _shape_of(context.get_tensor_shape(name))
+                    if any(d < 0 for d in shape):
+                        raise EnginesNotRunnable(f"output {name!r} has a data-dependent shape {shape}; the runtime "
+                                                 "needs output shapes that follow from the input shapes")
+                    flat[name] = torch.empty(math.prod(shape), dtype=backend.dtypes[name], device=self.device)
+                    context.set_tensor_address(name, flat[name].data_ptr())
+                state = _TrtBucket(context, flat)
+                self._buckets[b] = state
+                if not backend.spec.dims:
+                    self._set_shapes(b, state, CheckedFeed("numpy", {}, b, {}, ()))
+                    if backend.cuda_graphs:
+                        launch = functools.partial(context.execute_async_v3, handle)
+                        captured = _capture(self.stream, launch, f"bucket {b}")
+                        state.graph = captured[0] if captured is not None else None
+
+    def _set_shapes(self, bucket: int, state: _TrtBucket, call: CheckedFeed) -> None:
+        values = _call_values(call, bucket)
+        for i in self._spec.inputs:
+            state.context.set_input_shape(i.name, i.shape(values))
+        state.outputs = {}
+        for name, flat in state.outputs_flat.items():
+            shape = _shape_of(state.context.get_tensor_shape(name))
+            state.outputs[name] = flat[:math.prod(shape)].view(shape)
+        state.shape_key = call.key
+
+    def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
+        state = self._buckets[bucket]
+        if state.graph is not None:
+            state.graph.replay()  # on the current stream: run() has made it the context's
+            return state.outputs
+        if state.shape_key != call.key:
+            self._set_shapes(bucket, state, call)
+        if not state.context.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError(f"TensorRT failed to enqueue bucket {bucket}; see its log above")
+        return state.outputs
+
+    def close(self) -> None:
+        super().close()
+        self._buckets.clear()
+
+
+def _tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec, device: str | None,
+                      cuda_graphs: bool) -> _TensorRTBackend:
+    """The TensorRT backend after the checks ``trtc check`` makes: installed, engines built, none stale."""
+    from compiler.engines import require_tensorrt
+
+    require_tensorrt(directory)  # TensorRTNotInstalled, naming `trtc rebuild DIR`
+    if not manifest.get("engines"):
+        note = manifest.get("engines_note") or "none were built"
+        raise EnginesNotRunnable(f"{directory} has no TensorRT engines ({note}); run `trtc rebuild {directory}` "
+                                 "on a machine with TensorRT and a GPU, or load it with backend='onnxruntime'")
+    from compiler.check import stale_engines
+
+    stale = stale_engines(directory)
+    if stale:
+        reasons = "; ".join(str(s) for s in stale)
+        raise EnginesNotRunnable(f"stale engines in {directory}: {reasons}; run `trtc rebuild {directory}`")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EnginesNotRunnable("TensorRT engines run on a CUDA GPU and torch sees none here; load with "
+                                 "backend='onnxruntime' on this machine")
+    target = torch.device(device or "cuda")
+    if target.type != "cuda":
+        raise InputError(f"device={device!r}: TensorRT engines run on a CUDA device")
+    if target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    return _TensorRTBackend(directory, manifest, spec, str(target), cuda_graphs)

@@ -1,0 +1,97 @@
+"""The ``torch`` serving backend: the source model in eager PyTorch, with a CUDA graph per bucket on
+a GPU. For nodes with neither TensorRT nor a usable ONNX, and to measure the runtime itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from compiler.runtime_contexts import CheckedFeed, _capture, _ComputeOrder, _Context, _GpuContext, _HostContext
+from compiler.specs import ModelSpec
+
+
+class _TorchBackend:
+    name = "torch"
+
+    def __init__(self, module: Any, spec: ModelSpec, buckets: Sequence[int], output_names: Sequence[str] | None,
+                 device: str | None, cuda_graphs: bool) -> None:
+        import torch
+
+        self.spec = spec
+        self.buckets = tuple(sorted(buckets))
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        target = torch.device(device)
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        self.device = str(target)
+        self.cuda_graphs = cuda_graphs
+        self.order = _ComputeOrder() if target.type == "cuda" else None
+        self.module = module.eval().to(target)
+        probe = spec.example_feed(self.buckets[0])
+        count = len(self.forward([torch.from_numpy(probe[n]).to(target) for n in spec.input_names]))
+        names = list(output_names or [])
+        self.output_names = names if len(names) == count else [f"output_{i}" for i in range(count)]
+
+    def forward(self, args: list[Any]) -> list[Any]:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        with torch.inference_mode():
+            flat, _ = tree_flatten(self.module(*args))
+        return flat
+
+    def new_context(self) -> _Context:
+        if self.device == "cpu":
+            return _TorchCpuContext(self)
+        return _TorchCudaContext(self)
+
+    def close(self) -> None:
+        pass
+
+
+class _TorchCpuContext(_HostContext):
+    """Eager PyTorch on the CPU, reading the preallocated input arrays in place."""
+
+    def __init__(self, backend: _TorchBackend) -> None:
+        super().__init__(backend.spec, backend.buckets)
+        self._backend = backend
+
+    def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
+        import torch
+
+        args = [torch.from_numpy(view) for _, view, _ in self.input_views(bucket, call)]
+        return {name: t.numpy() for name, t in zip(self._backend.output_names, self._backend.forward(args))}
+
+
+class _TorchCudaContext(_GpuContext):
+    """Eager PyTorch on the context's stream; one CUDA graph per bucket for fixed-shape models."""
+
+    def __init__(self, backend: _TorchBackend) -> None:
+        import torch
+
+        dtypes = {i.name: getattr(torch, i.dtype) for i in backend.spec.inputs}
+        assert backend.order is not None
+        super().__init__(backend.spec, backend.buckets, backend.device, dtypes, backend.order)
+        self._backend = backend
+        self._graphs: dict[int, tuple[Any, dict[str, Any]]] = {}
+        if backend.cuda_graphs and not backend.spec.dims:
+            for b in backend.buckets:
+                args = self._args(b, CheckedFeed("numpy", {}, b, {}, ()))
+                captured = _capture(self.stream, functools.partial(backend.forward, args), f"bucket {b}")
+                if captured is not None:
+                    graph, outputs = captured
+                    self._graphs[b] = (graph, dict(zip(backend.output_names, outputs)))
+
+    def _args(self, bucket: int, call: CheckedFeed) -> list[Any]:
+        inputs = self.device_inputs(bucket, call)
+        return [inputs[name] for name in self._spec.input_names]
+
+    def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
+        captured = self._graphs.get(bucket)
+        if captured is not None:
+            captured[0].replay()  # on the current stream: run() has made it the context's
+            return captured[1]
+        return dict(zip(self._backend.output_names, self._backend.forward(self._args(bucket, call))))
