@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from examples.models import ResNetCNN, resnet_digits  # noqa: E402
+from examples.models import ResNetCNN, resnet_digits
 
 
 @dataclass
@@ -78,7 +78,8 @@ def main() -> None:
     torch.export.save(program, args.out / "model.pt")
     np.savez(args.out / "calib.npz", images=splits.calib_x)
     np.savez(args.out / "eval.npz", images=splits.test_x, labels=splits.test_y)
-    print(f"trained on {len(splits.train_x)} digits: test accuracy {accuracy(model, splits.test_x, splits.test_y):.3f}; "
+    test_accuracy = accuracy(model, splits.test_x, splits.test_y)
+    print(f"trained on {len(splits.train_x)} digits: test accuracy {test_accuracy:.3f}; "
           f"wrote {args.out}/model.pt, calib.npz ({len(splits.calib_x)} samples), eval.npz ({len(splits.test_x)})")
 
 
