@@ -6,9 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 # Type stubs for TensorRT live outside the venv: they would make `import tensorrt` succeed without TensorRT.
 STUBS := .typing
-DEMO_DIR := build/demo  # where profiles/resnet_digits.toml looks
+# where profiles/resnet_digits.toml looks for the demo's model and data
+DEMO_DIR := build/demo
 
-.PHONY: install test lint demo engines bench clean
+.PHONY: install test lint demo engines clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +40,7 @@ demo: install
 	if [ $$rc -eq 4 ]; then echo "demo: TensorRT is not installed here, so no engines were built;" \
 		"the ONNX models, calibration and accuracy report are in $(DEMO_DIR)/engines"; \
 	elif [ $$rc -ne 0 ]; then exit $$rc; fi
+	$(VENV)/bin/trtc bench $(DEMO_DIR)/engines -n 50 --min-seconds 0.5 --warmup-seconds 0.2
 
 # Rebuild the engines of every profile: the CI job to run on a TensorRT upgrade.
 engines: install

@@ -840,6 +840,12 @@ def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
                          f"(CV {100 * r.cv:.0f}%): another load on the machine? raise --min-seconds")
         if r.stopped_early:
             notes.append(f"{r.name} bucket {r.bucket}: stopped by --max-seconds after {r.iterations} runs")
+    int8_cpu = [r for r in results if r.backend == "onnxruntime" and r.precision == "int8" and "CPU" in r.runner
+                and r.accuracy is not None and r.accuracy.cosine < 0.99]
+    if int8_cpu:
+        notes.append("onnxruntime/int8 on the CPU differs from FP32 more than the accuracy gate measured: ONNX "
+                     "Runtime's fused integer kernels saturate on x86 CPUs without VNNI; the gate runs the Q/DQ "
+                     "exactly as TensorRT does (report/accuracy.json)")
     for note in notes:
         log.debug("%s", note)  # shown with the table, from the report
     return notes

@@ -82,4 +82,4 @@ def print_build_summary(out: Path, manifest: dict[str, Any] | None = None) -> No
         table.add_row(f"engine b{engine.get('bucket')}", engine["file"], f"{engine['bytes'] / 2**20:.2f} MiB")
     console.print(table)
     if manifest.get("engines_note"):
-        console.print(f"engines {manifest['engines_note'].removeprefix('not built: ')}: not built")
+        console.print(f"engines: not built ({manifest['engines_note'].removeprefix('not built: ')})")

@@ -11,6 +11,7 @@ Usage: python examples/digits.py --out build/demo
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--epochs", type=int, default=8)
     args = parser.parse_args()
+    logging.getLogger("torch.export").setLevel(logging.ERROR)  # it warns that model.pt does not end in .pt2
     model, splits = train_digits(args.epochs)
     args.out.mkdir(parents=True, exist_ok=True)
     batch = torch.export.Dim("batch", min=1, max=1024)
