@@ -87,7 +87,8 @@ def _checks_for(spec: ModelSpec) -> list[_InputCheck]:
                              "re-export with the batch first")
         fixed = tuple((axis, d) for axis, d in enumerate(i.dims) if isinstance(d, int))
         dynamic = tuple((axis, d) for axis, d in enumerate(i.dims) if isinstance(d, str) and d != BATCH_DIM)
-        checks.append(_InputCheck(i.name, i.dims, i.dtype, _NUMPY_DTYPES[i.dtype],
+        np_dtype = _NUMPY_DTYPES[i.dtype]
+        checks.append(_InputCheck(i.name, i.dims, i.dtype, np.dtype(np_dtype) if np_dtype is not None else None,
                                   bool(i.dims) and i.dims[0] == BATCH_DIM, fixed, dynamic))
     if not any(c.batched for c in checks):
         raise InputError(f"no input has the batch dimension B first ({', '.join(map(str, spec.inputs))}); the "
@@ -103,6 +104,16 @@ def _array_of(value: Any, check: _InputCheck) -> tuple[str, Any]:
             raise FeedError(f"input {check.name!r} has dtype {value.dtype}, the model takes {check.dtype}: pass {how}")
         return "numpy", value
     torch = sys.modules.get("torch")
+    if torch is not None and type(value) is torch.Tensor:
+        # The common case with a single call into torch: after a model run every call into torch starts cold and
+        # costs microseconds, so the dtype is checked on the numpy view, and numpy() itself refuses the tensors that
+        # need more (grad, a GPU, no numpy dtype such as bfloat16); those and a wrong dtype take the checks below.
+        try:
+            array = value.numpy()
+        except (RuntimeError, TypeError):
+            array = None
+        if array is not None and array.dtype == check.np_dtype:
+            return "torch", array
     if torch is not None and isinstance(value, torch.Tensor):
         want = getattr(torch, check.dtype)
         if value.dtype != want:
@@ -194,7 +205,7 @@ class Engines:
     # -- calls --
 
     def __call__(self, x: Any) -> Any:
-        single = type(x) is np.ndarray or (type(x) is not dict and not isinstance(x, Mapping))
+        single = type(x) is np.ndarray or (type(x) is not dict and not _is_mapping_type(type(x)))
         call = self._check(x, single)
         if call.rows <= self._largest and not call.on_device:  # the common case, inlined: one bucket, host memory
             context = self._acquire()
@@ -205,6 +216,8 @@ class Engines:
             finally:
                 self._idle.put(context)
             if call.kind != "numpy":
+                if call.kind == "torch" and single and self._sole_output is not None:  # one tensor, no dicts
+                    return sys.modules["torch"].from_numpy(outputs[self._sole_output])  # imported: x is a tensor
                 outputs = _as_kind(outputs, call)
         else:
             outputs = self._run(call)
@@ -426,6 +439,19 @@ class Engines:
                     self._release(item[1])
             if worker.is_alive():
                 log.debug("map: the batch iterator is still producing; its thread ends with it")
+
+
+_MAPPING_TYPES: dict[type, bool] = {}  # the types of feeds seen, and whether each is a dict of inputs
+
+
+def _is_mapping_type(cls: type) -> bool:
+    """``issubclass(cls, Mapping)``, remembered per type: the ABC check costs microseconds per call on a tensor."""
+    known = _MAPPING_TYPES.get(cls)
+    if known is None:
+        known = issubclass(cls, Mapping)
+        if len(_MAPPING_TYPES) < 64:
+            _MAPPING_TYPES[cls] = known
+    return known
 
 
 def _dims_text(dims: tuple[int | str, ...]) -> str:

@@ -120,6 +120,20 @@ def test_numpy_in_numpy_out_torch_in_torch_out(mlp_engines: runtime.Engines) -> 
     np.testing.assert_array_equal(out, before)
 
 
+def test_cpu_tensors_that_need_grad_or_are_views_or_subclasses_run_like_plain_ones(
+        mlp_engines: runtime.Engines) -> None:
+    """The one-call fast path for plain tensors hands these to the full checks; the results must not differ."""
+    x = np.random.default_rng(4).standard_normal((3, 128)).astype(np.float32)
+    expected = mlp_engines(np.ascontiguousarray(x[:, ::2]))
+    for tensor in (torch.from_numpy(x[:, ::2].copy()).requires_grad_(), torch.from_numpy(x)[:, ::2],
+                   torch.nn.Parameter(torch.from_numpy(x[:, ::2].copy()))):
+        got = mlp_engines(tensor)
+        assert type(got) is torch.Tensor and not got.requires_grad
+        np.testing.assert_array_equal(got.numpy(), expected)
+    with pytest.raises(FeedError, match=r"shape \(3, 128\)"):
+        mlp_engines(torch.from_numpy(x))
+
+
 def test_engines_are_a_runner(mlp_engines: runtime.Engines) -> None:
     from compiler.runners import OrtRunner, Runner
     from compiler.verify import compare_outputs
