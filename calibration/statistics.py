@@ -38,6 +38,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,15 +328,23 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     histograms = {name: AbsHistogram(num_bins) for name in dict.fromkeys(tensor_names)}
     excluded = dict.fromkeys(histograms, 0)
     count = samples = 0
-    for observed in _observed_batches(model, list(histograms), batches, providers, exclude_masked,
-                                      mask_bias_threshold):
-        for name, values in observed.values.items():
-            histograms[name].update(values)
-            excluded[name] += observed.excluded[name]
-        count += 1
-        samples += observed.samples
-        if progress is not None:
-            progress(observed.samples)
+    # Binning batch n runs on worker threads (numpy releases the GIL) while ONNX Runtime computes batch
+    # n+1; each histogram gets its batches in order, and at most two batches are held at once.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(histograms), os.cpu_count() or 1))) as pool:
+        pending: list[Future[None]] = []
+        for observed in _observed_batches(model, list(histograms), batches, providers, exclude_masked,
+                                          mask_bias_threshold):
+            for future in pending:
+                future.result()
+            pending = [pool.submit(histograms[name].update, values) for name, values in observed.values.items()]
+            for name in observed.values:
+                excluded[name] += observed.excluded[name]
+            count += 1
+            samples += observed.samples
+            if progress is not None:
+                progress(observed.samples)
+        for future in pending:
+            future.result()
     _log_exclusions(excluded, mask_bias_threshold)
     log.info("collected |x| histograms of %d tensors from %d batches (%d samples)", len(histograms), count,
              samples)
