@@ -433,3 +433,32 @@ def test_tensorrt_engines_match_onnx_runtime(tmp_path: Path) -> None:
         np.testing.assert_allclose(on_gpu.cpu().numpy(), reference(x), rtol=1e-3, atol=1e-4)
         results = list(engines.map([x[:4], x[4:]], postprocess=lambda o: o.sum(axis=1)))
         np.testing.assert_allclose(np.concatenate(results), reference(x).sum(axis=1), rtol=1e-3, atol=1e-3)
+
+
+def _ort_cuda_available() -> bool:
+    import onnxruntime as ort
+
+    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mlp", "transformer_encoder"])
+def test_onnxruntime_cuda_backend(name: str, tmp_path: Path) -> None:
+    if not _ort_cuda_available():
+        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
+    directory = build_directory(tmp_path / name, name)
+    engines = load(directory, backend="onnxruntime", device="cuda")
+    assert str(engines.device).startswith("cuda")
+    _, inputs, dims = MODELS[name]
+    spec = ModelSpec(tuple(parse_input_spec(i) for i in inputs), dict(parse_dim_range(f"{k}={v}") for k, v in
+                                                                      dims.items()))
+    for batch in (3, 17):  # padded into bucket 4; chunked past 16
+        feed = spec.example_feed(batch, seed=batch)
+        want = eager(name, feed)
+        got = engines(feed if len(feed) > 1 else feed[spec.input_names[0]])
+        got = got["out"] if isinstance(got, dict) else got
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+        on_gpu = engines({k: torch.from_numpy(v).cuda() for k, v in feed.items()})
+        assert on_gpu["out"].device.type == "cuda"
+        np.testing.assert_allclose(on_gpu["out"].cpu().numpy(), want, rtol=1e-3, atol=1e-3)
+    engines.close()
