@@ -195,10 +195,13 @@ class _GpuContext:
 
     on_gpu = True
 
-    def __init__(self, spec: ModelSpec, buckets: Sequence[int], device: str, dtypes: dict[str, Any],
+    def __init__(self, spec: ModelSpec, buckets: Sequence[int], device: str, dtypes: dict[str, Any] | None,
                  order: _ComputeOrder) -> None:
+        """``dtypes``: torch dtype per input; None takes the spec's (TensorRT passes the engine's)."""
         import torch
 
+        if dtypes is None:
+            dtypes = {i.name: getattr(torch, i.dtype) for i in spec.inputs}
         self._torch = torch
         self._order = order
         self._spec = spec

@@ -77,6 +77,12 @@ class _OrtBackend:
     def output_shape(self, name: str, values: dict[str, int]) -> tuple[int, ...]:
         return tuple(d if isinstance(d, int) else values[str(d)] for d in self._output_dims[name])
 
+    def largest_outputs(self, bucket: int) -> dict[str, tuple[int, Any]]:
+        """(element count, numpy dtype) of every output at the bucket's largest shapes: the buffers to allocate."""
+        values = _max_values(self.spec, bucket)
+        return {name: (math.prod(self.output_shape(name, values)), self.output_dtypes[name])
+                for name in self.output_names}
+
     def new_context(self) -> _Context:
         if self.device == "cpu":
             return _OrtCpuContext(self)
@@ -103,10 +109,8 @@ class _OrtCpuContext(_HostContext):
         self._out_flat: dict[tuple[int, str], np.ndarray] = {}
         if backend.outputs_resolvable:
             for b in backend.buckets:
-                values = _max_values(backend.spec, b)
-                for name in backend.output_names:
-                    shape = backend.output_shape(name, values)
-                    self._out_flat[b, name] = np.zeros(math.prod(shape), backend.output_dtypes[name])
+                for name, (numel, dtype) in backend.largest_outputs(b).items():
+                    self._out_flat[b, name] = np.zeros(numel, dtype)
         self._bindings: dict[tuple[int, tuple[int, ...]], _OrtBinding] = {}
         self._run_bound = backend.session.run_with_iobinding
 
@@ -176,17 +180,14 @@ class _OrtCudaContext(_GpuContext):
     def __init__(self, backend: _OrtBackend) -> None:
         import torch
 
-        dtypes = {i.name: getattr(torch, i.dtype) for i in backend.spec.inputs}
         assert backend.order is not None
-        super().__init__(backend.spec, backend.buckets, backend.device, dtypes, backend.order)
+        super().__init__(backend.spec, backend.buckets, backend.device, None, backend.order)
         self._backend = backend
         self._out_flat: dict[tuple[int, str], torch.Tensor] = {}
         if backend.outputs_resolvable:
             for b in backend.buckets:
-                values = _max_values(backend.spec, b)
-                for name in backend.output_names:
-                    numel = math.prod(backend.output_shape(name, values))
-                    dtype = torch.from_numpy(np.empty(0, backend.output_dtypes[name])).dtype
+                for name, (numel, np_dtype) in backend.largest_outputs(b).items():
+                    dtype = torch.from_numpy(np.empty(0, np_dtype)).dtype
                     self._out_flat[b, name] = torch.empty(numel, dtype=dtype, device=self.device)
         self._bindings: dict[tuple[int, tuple[int, ...]], tuple[Any, dict[str, Any] | None]] = {}
 

@@ -70,11 +70,8 @@ class _TorchCudaContext(_GpuContext):
     """Eager PyTorch on the context's stream; one CUDA graph per bucket for fixed-shape models."""
 
     def __init__(self, backend: _TorchBackend) -> None:
-        import torch
-
-        dtypes = {i.name: getattr(torch, i.dtype) for i in backend.spec.inputs}
         assert backend.order is not None
-        super().__init__(backend.spec, backend.buckets, backend.device, dtypes, backend.order)
+        super().__init__(backend.spec, backend.buckets, backend.device, None, backend.order)
         self._backend = backend
         self._graphs: dict[int, tuple[Any, dict[str, Any]]] = {}
         if backend.cuda_graphs and not backend.spec.dims:
