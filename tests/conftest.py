@@ -44,6 +44,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # --- engine builds without TensorRT ---------------------------------------------------------------------------
 
+# The environment of a machine with TensorRT and an H200, as compiler.engines.environment() reports one; tests of
+# the build step's test double and of staleness pass it explicitly.
+H200_ENV = {"tensorrt": "10.13.0.35", "cuda_runtime": "12.9", "cuda_driver": "12.9", "driver": "575.57.08",
+            "gpu": "NVIDIA H200", "compute_capability": "9.0", "platform": "linux-x86_64"}
+
 FAKE_ENGINE_HEADER = b"FAKE ENGINE WRITTEN BY A TEST DOUBLE - NOT A TENSORRT ENGINE\n"
 
 

@@ -27,10 +27,9 @@ from compiler.errors import BuildError, InputError, TensorRTNotInstalled, TrtcEr
 from compiler.files import read_json
 from compiler.manifest import read_manifest
 from compiler.settings import BuildSettings
-from tests.conftest import fake_engine_build_step_for_tests
+from tests.conftest import H200_ENV, fake_engine_build_step_for_tests
 
-H200 = {"tensorrt": "10.13.0.35", "cuda_runtime": "12.9", "cuda_driver": "12.9", "driver": "575.57.08",
-        "gpu": "NVIDIA H200", "compute_capability": "9.0", "platform": "linux-x86_64"}
+H200 = H200_ENV
 A100 = {**H200, "gpu": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}
 T4 = {**H200, "gpu": "Tesla T4", "compute_capability": "7.5"}
 

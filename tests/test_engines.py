@@ -36,10 +36,9 @@ from compiler.files import sha256_file, staging_dir
 from compiler.manifest import read_manifest
 from compiler.settings import BuildSettings
 from compiler.specs import DimRange, ModelSpec, parse_input_spec
-from tests.conftest import FAKE_ENGINE_HEADER, fake_engine_build_step_for_tests
+from tests.conftest import FAKE_ENGINE_HEADER, H200_ENV, fake_engine_build_step_for_tests
 
-ENV = {"tensorrt": "10.13.0.35", "cuda_runtime": "12.9", "cuda_driver": "12.9", "driver": "575.57.08",
-       "gpu": "NVIDIA H200", "compute_capability": "9.0", "platform": "linux-x86_64"}
+ENV = H200_ENV
 
 TRANSFORMER = ModelSpec((parse_input_spec("input_ids:BxS:int64"), parse_input_spec("attention_mask:BxS:int64")),
                         {"S": DimRange(1, 16, 64)})
