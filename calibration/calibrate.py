@@ -28,11 +28,11 @@ from calibration.qdq import QdqPolicy, qdq_model_from, quantizable_nodes, tensor
 from calibration.statistics import AMAX_METHODS, collect_histograms, collect_max_abs
 from compiler.errors import AccuracyGateError, CalibrationError
 from compiler.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
-from compiler.manifest import MANIFEST, now, onnx_entry, read_manifest, write_manifest
+from compiler.manifest import MANIFEST, now, onnx_entry, read_manifest, spec_from_manifest, write_manifest
 from compiler.onnx_io import load_onnx, save_onnx
-from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.specs import ModelSpec
 
-__all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "calibrate_directory", "spec_of"]
+__all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "calibrate_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,6 @@ class CalibrationOutcome:
     message: str
 
 
-def spec_of(manifest: dict[str, Any]) -> ModelSpec:
-    dims = dict(parse_dim_range(f"{k}={v}") for k, v in manifest.get("dims", {}).items())
-    return ModelSpec(tuple(parse_input_spec(s) for s in manifest["inputs"]), dims)
-
-
 def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[str, Any]:
     """``trtc calibrate DIR``: add model.int8.onnx or model.fp16.onnx to an export directory."""
     manifest = read_manifest(directory)
@@ -88,7 +83,8 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
             if (directory / name).is_file():
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(directory / name, stage / name)
-        outcome = calibrated_into(stage, directory / manifest["onnx"]["fp32"]["file"], spec_of(manifest), settings)
+        fp32 = directory / manifest["onnx"]["fp32"]["file"]
+        outcome = calibrated_into(stage, fp32, spec_from_manifest(manifest), settings)
         if outcome.passed:
             merged = merge_update(manifest, outcome.manifest_update)
             write_manifest(stage / MANIFEST, merged)

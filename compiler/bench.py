@@ -57,10 +57,10 @@ import numpy as np
 
 from compiler.errors import InputError, TrtcError
 from compiler.files import atomic_write_bytes, atomic_write_json, atomic_write_text, directory_lock, read_json
-from compiler.manifest import now, read_manifest, tool_versions
+from compiler.manifest import now, read_manifest, spec_from_manifest, tool_versions
 from compiler.runners import CudaGraphRunner, OrtRunner, StagedRunner, TorchRunner, TrtRunner
 from compiler.settings import ExportSettings
-from compiler.specs import BATCH_DIM, ModelSpec, parse_dim_range, parse_input_spec
+from compiler.specs import BATCH_DIM, ModelSpec
 from compiler.verify import compare_outputs
 
 __all__ = ["BACKENDS", "BenchSettings", "Latency", "Accuracy", "BenchResult", "Skipped", "Regression",
@@ -557,15 +557,6 @@ def _engine_opener(directory: Path, entries: list[dict[str, Any]]) -> Callable[[
 
 # --- the source model and the reference ---------------------------------------------------------------------
 
-def _spec(manifest: dict[str, Any]) -> ModelSpec:
-    try:
-        inputs = tuple(parse_input_spec(text) for text in manifest["inputs"])
-        dims = dict(parse_dim_range(f"{k}={v}") for k, v in (manifest.get("dims") or {}).items())
-    except (KeyError, TypeError) as err:
-        raise InputError(f"the manifest has no usable input spec ({err}); re-export with `trtc export`") from err
-    return ModelSpec(inputs, dims)
-
-
 def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: bool = False) -> tuple[Any, str]:
     """The source model from the manifest's ``source`` (``{path, format}``), or None and the reason.
 
@@ -801,7 +792,7 @@ def bench_model(export: ExportSettings, settings: BenchSettings) -> BenchReport:
 
 def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, model_mode: bool,
            report_dir: Path) -> BenchReport:
-    spec = _spec(manifest)
+    spec = spec_from_manifest(manifest)
     buckets = tuple(sorted(set(settings.buckets or manifest.get("buckets") or (1,))))
     device = settings.device or ("cuda" if _cuda_available() else "cpu")
     if device == "cuda" and not _cuda_available():

@@ -29,11 +29,10 @@ from compiler.engines import (
     manifest_engine_keys,
     parse_compute_capability,
     settings_from_dict,
-    spec_from_manifest,
 )
 from compiler.errors import InputError
 from compiler.files import commit_staged, directory_lock, sha256_file, sha256_files, staging_dir
-from compiler.manifest import MANIFEST, now, read_manifest, write_manifest
+from compiler.manifest import MANIFEST, now, read_manifest, spec_from_manifest, write_manifest
 from compiler.settings import BuildSettings
 
 __all__ = ["Staleness", "CheckResult", "RebuildResult", "stale_engines", "check_directory", "rebuild_directory",

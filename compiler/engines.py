@@ -44,7 +44,7 @@ from compiler.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.files import atomic_write_bytes, atomic_write_text, read_json, sha256_file, sha256_files
 from compiler.onnx_io import onnx_files
 from compiler.settings import BuildSettings
-from compiler.specs import BATCH_DIM, ModelSpec, parse_dim_range, parse_input_spec
+from compiler.specs import BATCH_DIM, ModelSpec
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -53,7 +53,7 @@ __all__ = ["SUPPORTED_MAJORS", "ENGINES_DIR", "TIMING_CACHE", "NOT_INSTALLED", "
            "tensorrt_version", "require_tensorrt", "strongly_typed_flag", "profile_shapes", "multi_profile_shapes",
            "TensorRTEnumOptions", "engine_loader", "build_engine_files", "tensorrt_build_step",
            "describe_parser_errors", "layer_summary", "environment", "visible_gpus", "settings_to_dict",
-           "settings_from_dict", "spec_from_manifest", "merge_timing_cache", "manifest_engine_keys",
+           "settings_from_dict", "merge_timing_cache", "manifest_engine_keys",
            "parse_compute_capability"]
 
 log = logging.getLogger(__name__)
@@ -665,16 +665,6 @@ def settings_from_dict(data: dict[str, Any]) -> BuildSettings:
         return BuildSettings(**values)
     except TypeError as err:
         raise InputError(f"manifest build settings do not parse ({err}); rebuild with `trtc build --force`") from err
-
-
-def spec_from_manifest(manifest: dict[str, Any]) -> ModelSpec:
-    """The input spec recorded by ``trtc export`` (``inputs`` and ``dims``)."""
-    try:
-        inputs = tuple(parse_input_spec(text) for text in manifest["inputs"])
-        dims = dict(parse_dim_range(f"{name}={text}") for name, text in (manifest.get("dims") or {}).items())
-    except (KeyError, TypeError) as err:
-        raise InputError(f"the manifest has no usable input spec ({err}); re-export with `trtc export`") from err
-    return ModelSpec(inputs, dims)
 
 
 def manifest_engine_keys(settings: BuildSettings, env: dict[str, Any], entries: list[dict[str, Any]],

@@ -16,9 +16,10 @@ from compiler import __version__
 from compiler.errors import InputError
 from compiler.files import atomic_write_json, read_json, sha256_files
 from compiler.onnx_io import onnx_files
+from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "read_manifest", "write_manifest", "tool_versions", "onnx_entry",
-           "refuse_other_model", "now"]
+           "refuse_other_model", "now", "spec_from_manifest"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -48,6 +49,16 @@ def onnx_entry(directory: Path, path: Path) -> dict[str, Any]:
             "files": [f.relative_to(directory).as_posix() for f in files],
             "sha256": sha256_files(files),
             "bytes": sum(f.stat().st_size for f in files)}
+
+
+def spec_from_manifest(manifest: dict[str, Any]) -> ModelSpec:
+    """The input spec recorded by ``trtc export`` (``inputs`` and ``dims``)."""
+    try:
+        inputs = tuple(parse_input_spec(text) for text in manifest["inputs"])
+        dims = dict(parse_dim_range(f"{name}={text}") for name, text in (manifest.get("dims") or {}).items())
+    except (KeyError, TypeError) as err:
+        raise InputError(f"the manifest has no usable input spec ({err}); re-export with `trtc export`") from err
+    return ModelSpec(inputs, dims)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

@@ -541,8 +541,7 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
     per bucket on a GPU (fixed-shape models only). ``threads``: ONNX Runtime's intra-op threads
     (0: its default). ``trust_pickle``: let the torch backend load a pickled model file.
     """
-    from compiler.engines import spec_from_manifest
-    from compiler.manifest import read_manifest
+    from compiler.manifest import read_manifest, spec_from_manifest
 
     directory = Path(directory)
     if backend not in BACKENDS:

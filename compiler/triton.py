@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from compiler.errors import InputError
+from compiler.manifest import spec_from_manifest
 from compiler.specs import BATCH_DIM, ModelSpec
 
 __all__ = ["TritonModel", "triton_repository", "model_config_text", "TRITON_BACKENDS"]
@@ -138,7 +139,7 @@ def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, t
         raise InputError(f"Triton serves one plan per model and {directory} has one engine per bucket ({len(files)} "
                          "files); build with --multi-profile for one engine with a profile per bucket, or export "
                          "with --backend onnxruntime")
-    batched = [i.name for i in _spec(manifest).inputs if i.dims and i.dims[0] == BATCH_DIM]
+    batched = [i.name for i in spec_from_manifest(manifest).inputs if i.dims and i.dims[0] == BATCH_DIM]
     ranges = []
     for entry in entries:
         shapes = (entry.get("shapes") or {}).get(batched[0]) if batched else None
@@ -155,12 +156,6 @@ def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, t
                          "whose batch ranges cover 1 to the largest bucket, or export with --backend onnxruntime")
     profiles = tuple(sorted({int(e.get("profile", 0)) for e in entries}))
     return directory / files[0], profiles, largest
-
-
-def _spec(manifest: dict[str, Any]) -> ModelSpec:
-    from compiler.engines import spec_from_manifest
-
-    return spec_from_manifest(manifest)
 
 
 def triton_repository(directory: str | Path, repo: str | Path, *, name: str | None = None, backend: str = "auto",
@@ -183,7 +178,7 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     if instances < 1:
         raise InputError(f"--instances {instances}: Triton needs at least one instance")
     manifest = read_manifest(directory)
-    spec = _spec(manifest)
+    spec = spec_from_manifest(manifest)
     name = name or directory.resolve().name
     if not name or name.startswith(".") or "/" in name or "\\" in name:
         raise InputError(f"model name {name!r}: Triton takes the folder name as the model name; pass --name NAME "

@@ -28,12 +28,11 @@ from compiler.engines import (
     require_tensorrt,
     settings_from_dict,
     settings_to_dict,
-    spec_from_manifest,
     tensorrt_version,
 )
 from compiler.errors import BuildError, TensorRTNotInstalled
 from compiler.files import sha256_file, staging_dir
-from compiler.manifest import read_manifest
+from compiler.manifest import read_manifest, spec_from_manifest
 from compiler.settings import BuildSettings
 from compiler.specs import DimRange, ModelSpec, parse_input_spec
 from tests.conftest import FAKE_ENGINE_HEADER, H200_ENV, fake_engine_build_step_for_tests
