@@ -867,14 +867,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def _versions() -> dict[str, Any]:
-    versions: dict[str, Any] = dict(tool_versions())
-    try:
-        import tensorrt
+    from compiler.engines import tensorrt_version
 
-        versions["tensorrt"] = getattr(tensorrt, "__version__", None)
-    except (ImportError, OSError):
-        versions["tensorrt"] = None
-    return versions
+    return {**tool_versions(), "tensorrt": tensorrt_version()}
 
 
 def report_dict(directory: Path | None, manifest: dict[str, Any], settings: BenchSettings, device: str,

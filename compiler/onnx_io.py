@@ -114,9 +114,9 @@ def _cuda_present() -> bool:
 
 
 def _tensorrt_present() -> bool:
-    import importlib.util
+    from compiler.engines import tensorrt_version  # a real TensorRT, not a stub package that happens to import
 
-    return importlib.util.find_spec("tensorrt") is not None
+    return tensorrt_version() is not None
 
 
 def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,
