@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -99,8 +100,6 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         OrtRunner(onnx_path, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, settings.rtol,
         "pass check (folded ONNX vs reference)")]
     verification["reference"] = reference.name
-    import shutil
-
     shutil.rmtree(work)
     return {
         "trtc_version": tool_versions()["trtc"],
