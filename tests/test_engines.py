@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from compiler.engines import (
     NOT_INSTALLED,
@@ -426,3 +427,36 @@ def test_gpu_facts_from_nvidia_smi_as_an_h200_prints_them(monkeypatch: pytest.Mo
     assert engines._gpu_from_nvidia_smi() == {"gpu": "NVIDIA H200", "driver": "580.159.04",
                                               "compute_capability": "9.0", "cuda_driver": "13.0"}
     assert engines.visible_gpus() == ["0"]
+
+
+def _build_settings_from_command_line(*args: str) -> BuildSettings:
+    from compiler.cli import build_settings_from, cli
+
+    command = cli.commands["build"]
+    context = command.make_context("build", ["model.onnx", *args])
+    return build_settings_from(context.params, {}, (1,), "fp32")
+
+
+def test_build_options_for_tf32_and_hardware_compat_levels() -> None:
+    assert _build_settings_from_command_line().tf32 is True
+    assert _build_settings_from_command_line("--no-tf32").tf32 is False
+    assert _build_settings_from_command_line("--hardware-compat").hardware_compat == "ampere-plus"
+    assert _build_settings_from_command_line("--hardware-compat", "same-compute-capability").hardware_compat == (
+        "same-compute-capability")
+    assert _build_settings_from_command_line().hardware_compat == "none"
+    from compiler.cli import cli
+
+    result = CliRunner().invoke(cli, ["build", "--help"], terminal_width=200)
+    assert "--tf32 / --no-tf32" in result.output and "same-compute-" in result.output
+
+
+def test_a_graph_is_kept_only_when_tensorrt_accepted_every_enqueue() -> None:
+    from compiler.runtime_tensorrt import _CheckedLaunch
+
+    answers = iter([True, True, False, True])  # warm-up x3, then the capture: the third was refused
+    launch = _CheckedLaunch(lambda stream: next(answers), stream_handle=7)
+    assert [launch() for _ in range(4)] == [True, True, False, True]
+    assert launch.calls == 4 and launch.all_accepted is False
+    accepted = _CheckedLaunch(lambda stream: stream == 7, stream_handle=7)
+    accepted()
+    assert accepted.all_accepted is True
