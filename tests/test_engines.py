@@ -72,7 +72,7 @@ def test_engine_loader_carries_profiles_settings_and_timing_cache(tmp_path: Path
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, PostprocessConfig
 
     cache = tmp_path / "timing.cache"
-    settings = BuildSettings(buckets=(1, 4), workspace_mib=512, opt_level=5, hardware_compat=True,
+    settings = BuildSettings(buckets=(1, 4), workspace_mib=512, opt_level=5, hardware_compat="ampere-plus",
                              version_compatible=True)
     loader = engine_loader(tmp_path / "model.onnx", TRANSFORMER, [4], settings, cache)
     assert isinstance(loader, EngineBytesFromNetwork) and isinstance(loader._config, PostprocessConfig)
@@ -241,7 +241,7 @@ def test_timing_cache_comes_from_the_directory_else_the_shared_one(exported_dir:
 
 def test_hardware_compat_needs_an_ampere_or_newer_gpu_to_build_on(exported_dir: Path) -> None:
     with pytest.raises(BuildError, match=r"Ampere or newer GPU.*7\.5"):
-        _build(exported_dir, BuildSettings(buckets=(1,), hardware_compat=True),
+        _build(exported_dir, BuildSettings(buckets=(1,), hardware_compat="ampere-plus"),
                env={**ENV, "gpu": "Tesla T4", "compute_capability": "7.5"})
 
 
@@ -321,7 +321,7 @@ def test_parser_errors_name_the_node_and_operator() -> None:
 
 
 def test_environment_answers_without_failing_and_records_the_compat_settings() -> None:
-    env = environment(BuildSettings(hardware_compat=True))
+    env = environment(BuildSettings(hardware_compat="ampere-plus"))
     assert set(env) >= {"tensorrt", "cuda_runtime", "cuda_driver", "driver", "gpu", "compute_capability",
                         "platform", "hardware_compat", "version_compatible"}
     assert env["tensorrt"] == tensorrt_version()

@@ -1,4 +1,4 @@
-"""ONNX Runtime's execution providers for trtc's onnxruntime rows and runners: CUDA by default, TensorRT's only when asked.
+"""ONNX Runtime providers for trtc's onnxruntime rows and runners: CUDA by default, TensorRT's only when asked.
 
 ONNX Runtime's TensorRT provider builds TensorRT engines inside ONNX Runtime, so a row that used it by default
 would measure TensorRT under the onnxruntime label. The machine here has neither CUDA nor TensorRT: what
