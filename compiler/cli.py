@@ -402,8 +402,15 @@ def check_cmd(directory: Path) -> None:
     """Exit 0 when every engine of DIR can run here, 1 when some are stale (printed, with why), 2 on error.
 
     \b
-    An engine is stale when its file is missing or changed, or when this machine's TensorRT version or
-    GPU differs from the build's and the compatibility flags do not cover it.
+    An engine is stale when
+      - its file is missing, changed, or built from another version of the ONNX;
+      - another TensorRT runs here (for a --version-compatible engine: an older one or another major);
+      - another GPU model is here, even of the same compute capability (H100 vs H200), unless built
+        with --hardware-compat same-compute-capability (same capability) or --hardware-compat
+        (ampere-plus: capability 8.0+);
+      - another platform (OS, CPU architecture) is here.
+    \b
+    Example:
       trtc check build/m || trtc rebuild build/m --if-stale
     """
     from compiler.check import check_directory
