@@ -307,8 +307,7 @@ def layer_information(engine_bytes: bytes, profiles: Sequence[Shapes]) -> list[s
     An engine with a dynamic dimension shows "N/A due to dynamic shapes" for every layer's format and type
     unless the inspector has an execution context whose input shapes are all set (``NvInferRuntime.h``,
     ``IEngineInspector::setExecutionContext``), and every trtc engine has a dynamic batch. So profile k gets a
-    context with k selected and its opt shapes set. The contexts are USER_MANAGED: inspecting needs no
-    activation memory.
+    context with k selected and its opt shapes set, as trtexec does; one context at a time, released after.
     """
     import tensorrt as trt
     from polygraphy import cuda
@@ -316,15 +315,13 @@ def layer_information(engine_bytes: bytes, profiles: Sequence[Shapes]) -> list[s
     engine = _deserialize(engine_bytes)
     inspector = engine.create_engine_inspector()
     stream = cuda.Stream()
-    contexts = []  # alive until the inspector is done with them
     infos = []
     try:
         for index, shapes in enumerate(profiles):
-            context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            context = engine.create_execution_context()
             if context is None:
-                raise BuildError("TensorRT could not create an execution context to inspect the engine; run with "
-                                 "--debug and see TensorRT's log")
-            contexts.append(context)
+                raise BuildError("TensorRT could not create an execution context to inspect the engine (out of GPU "
+                                 "memory?); run with --debug and see TensorRT's log")
             if engine.num_optimization_profiles > 1:  # profile 0 is the one selected at creation
                 context.set_optimization_profile_async(index, stream.ptr)
                 stream.synchronize()
@@ -334,6 +331,7 @@ def layer_information(engine_bytes: bytes, profiles: Sequence[Shapes]) -> list[s
                                      "was built for; run with --debug and see TensorRT's log")
             inspector.execution_context = context
             infos.append(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+            del context  # its activation memory goes before the next profile's context takes its own
     finally:
         stream.free()
     return infos
