@@ -52,7 +52,7 @@ H200_ENV = {"tensorrt": "10.13.0.35", "cuda_runtime": "12.9", "cuda_driver": "12
 FAKE_ENGINE_HEADER = b"FAKE ENGINE WRITTEN BY A TEST DOUBLE - NOT A TENSORRT ENGINE\n"
 
 
-def fake_engine_build_step_for_tests(loader: Any, profiles: list[Any]) -> tuple[bytes, list[str]]:
+def fake_engine_build_step_for_tests(loader: Any, profiles: list[Any] | None = None) -> tuple[bytes, list[str]]:
     """TEST DOUBLE OF THE BUILD STEP ONLY: no TensorRT is involved and the bytes are not an engine.
 
     Stands in for ``compiler.engines.tensorrt_build_step`` so that everything around a build (engine
@@ -60,7 +60,7 @@ def fake_engine_build_step_for_tests(loader: Any, profiles: list[Any]) -> tuple[
     cannot be installed. The "engine" is derived from the ONNX file's sha256, the loader's optimization
     profiles and the GPU the worker was pinned to; the timing cache is appended to under Polygraphy's own
     file lock, as Polygraphy's ``save_timing_cache`` does after a real build (leaving ``timing.cache.lock``).
-    One layer-information JSON per profile in ``profiles``, as the real step returns.
+    One layer-information JSON per profile (``profiles``, else the loader's), as the real step returns.
     """
     from polygraphy import util
 
@@ -74,7 +74,7 @@ def fake_engine_build_step_for_tests(loader: Any, profiles: list[Any]) -> tuple[
     with util.LockFile(loader.timing_cache_path), open(loader.timing_cache_path, "ab") as cache:
         cache.write(json.dumps(built).encode() + b"\n")
     layers = {"Layers": [{"Name": "fc + relu", "Outputs": [{"Name": "y", "DataType": "Float"}]}]}
-    return FAKE_ENGINE_HEADER + json.dumps(record).encode(), [json.dumps(layers)] * len(profiles)
+    return FAKE_ENGINE_HEADER + json.dumps(record).encode(), [json.dumps(layers)] * len(profiles or built)
 
 
 @pytest.fixture
