@@ -460,3 +460,25 @@ def test_a_graph_is_kept_only_when_tensorrt_accepted_every_enqueue() -> None:
     accepted = _CheckedLaunch(lambda stream: stream == 7, stream_handle=7)
     accepted()
     assert accepted.all_accepted is True
+
+
+def test_the_build_step_inspects_each_profile_at_the_shapes_the_engine_was_built_for(exported_dir: Path) -> None:
+    given: list[Any] = []
+
+    def recording_step(loader: Any, profiles: list[Any]) -> tuple[bytes, list[str]]:
+        given.append(profiles)
+        return fake_engine_build_step_for_tests(loader, profiles)
+
+    spec = spec_from_manifest(read_manifest(exported_dir))
+    _build(exported_dir, BuildSettings(buckets=(1, 4, 8), multi_profile=True), step=recording_step)
+    assert given == [engine_profile_shapes(spec, (1, 4, 8), multi_profile=True)]  # opt shapes per profile from here
+
+
+def test_the_declared_tensorrt_and_polygraphy_floors_are_the_checked_ones() -> None:
+    import tomllib
+
+    from compiler.engines import MIN_TENSORRT
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["tensorrt"] == [f"tensorrt>={MIN_TENSORRT[0]}.{MIN_TENSORRT[1]},<12"]
+    assert "polygraphy>=0.53" in project["dependencies"]  # 0.49.0-0.49.5 set EXPLICIT_BATCH, gone in TensorRT 11
