@@ -475,9 +475,9 @@ def test_the_build_step_inspects_each_profile_at_the_shapes_the_engine_was_built
 
 
 def test_the_declared_tensorrt_and_polygraphy_floors_are_the_checked_ones() -> None:
-    import tomllib
-
     from compiler.engines import MIN_TENSORRT
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
     assert project["optional-dependencies"]["tensorrt"] == [f"tensorrt>={MIN_TENSORRT[0]}.{MIN_TENSORRT[1]},<12"]
