@@ -160,7 +160,7 @@ class _TensorRTContext(_GpuContext):
         self._buckets: dict[int, _TrtBucket] = {}
         handle = self.stream.cuda_stream
         with torch.cuda.device(self.device):
-            self._scratch = torch.empty(max(backend.scratch_bytes, 1), dtype=torch.uint8, device=self.device)
+            self._scratch: Any = torch.empty(max(backend.scratch_bytes, 1), dtype=torch.uint8, device=self.device)
             for b in backend.buckets:
                 engine, profile = backend.profiles[b]
                 context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
@@ -232,7 +232,8 @@ class _TensorRTContext(_GpuContext):
 
     def close(self) -> None:
         super().close()
-        self._buckets.clear()
+        self._buckets.clear()  # the TensorRT contexts first: they use the scratch buffer until they go
+        self._scratch = None
 
 
 def _tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec, device: str | None,
