@@ -430,8 +430,9 @@ def _build_engine(job: _EngineJob) -> list[dict[str, Any]]:
     engine_bytes, layers_per_profile = step(loader, per_profile)
     seconds = time.perf_counter() - start
     if len(layers_per_profile) != len(per_profile):
-        raise BuildError(f"the build step returned layer information for {len(layers_per_profile)} profile(s), the "
-                         f"engine has {len(per_profile)}")  # an internal error: a build step that breaks its contract
+        # an internal error (a build step that breaks its contract), not the user's: it keeps its traceback
+        raise RuntimeError(f"the build step returned layer information for {len(layers_per_profile)} profile(s), "
+                           f"the engine has {len(per_profile)}")
     engine_rel = f"{ENGINES_DIR}/{job.name}.engine"
     atomic_write_bytes(job.stage / engine_rel, engine_bytes)
     digest = sha256_file(job.stage / engine_rel)
