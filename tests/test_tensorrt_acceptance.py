@@ -5,6 +5,13 @@ with a real TensorRT: every test builds real engines through ``trtc build`` / ``
 them against ONNX Runtime. Each test's docstring says, in one line, what it proves. Everything is
 skipped with the reason elsewhere (tests/conftest.py). Buckets and models are small: the suite is about
 behaviour, not speed.
+
+Unproven until this suite has run on a TensorRT machine (the code was checked against TensorRT's headers,
+its Python stubs and Polygraphy's source, and the parts without TensorRT are unit-tested): that the inspector
+reports precisions with a context attached; that USER_MANAGED contexts sharing one buffer run correctly;
+that a refused enqueue is seen during capture; that a version-compatible engine needs
+``engine_host_code_allowed``; that TensorRT's timing-cache combine and an unreadable cache behave as
+handled; that INT8/FP16 engines pass the accuracy gate that ONNX Runtime passed.
 """
 
 from __future__ import annotations
