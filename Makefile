@@ -9,7 +9,7 @@ STUBS := .typing
 # where profiles/resnet_digits.toml looks for the demo's model and data
 DEMO_DIR := build/demo
 
-.PHONY: install test lint demo engines clean
+.PHONY: install test test-tensorrt lint demo engines clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,16 @@ $(VENV)/.installed: pyproject.toml
 
 test: install
 	$(PY) -m pytest -q
+
+# The real-TensorRT acceptance suite, on a machine with TensorRT (10.12+ or 11.x) and an NVIDIA GPU:
+# `make install`, then `.venv/bin/pip install '.[tensorrt]'`, then this. Elsewhere every test skips with the reason;
+# the target fails when none ran, so a CI job on a machine without TensorRT cannot pass it by skipping.
+test-tensorrt: install
+	$(PY) -m pytest -q -m tensorrt -rs tests/test_tensorrt_acceptance.py tests/test_engines.py tests/test_runtime.py \
+		--junitxml=build/test-tensorrt.xml
+	@$(PY) -c "import sys, xml.etree.ElementTree as E; s = E.parse('build/test-tensorrt.xml').getroot().find('testsuite'); \
+		ran = int(s.get('tests')) - int(s.get('skipped')); print(f'test-tensorrt: {ran} real-TensorRT tests ran'); \
+		sys.exit(0 if ran else 'test-tensorrt: no test ran: TensorRT and a GPU are needed (see the skip reasons above)')"
 
 lint: install
 	$(VENV)/bin/ruff check compiler calibration tests examples benchmarks

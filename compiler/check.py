@@ -5,8 +5,10 @@ An engine runs only where three things hold (TensorRT's "Engine Compatibility" d
 * the same TensorRT version built it (major, minor, patch and build), unless it was built
   version-compatible: then any later runtime of the same major runs it, and a TensorRT 11 runtime
   runs a version-compatible TensorRT 10 engine (the one cross-major pair the support matrix lists);
-* a GPU of the same compute capability, unless built with hardware compatibility AMPERE_PLUS: then
-  any GPU of compute capability 8.0 or later;
+* the GPU model that built it (an engine built for an H100 is not run on an H200 or GH200, though all
+  three are compute capability 9.0: TensorRT tunes it to the device), unless built hardware-compatible:
+  ``--hardware-compat same-compute-capability`` runs on any GPU of the same compute capability,
+  ``--hardware-compat`` (``ampere-plus``) on any GPU of compute capability 8.0 or later;
 * the file is the one the manifest records (its sha256), on the platform that built it.
 
 A rebuild uses only what the directory holds: the ONNX files (checked against their recorded
@@ -33,7 +35,7 @@ from compiler.engines import (
 from compiler.errors import InputError
 from compiler.files import commit_staged, directory_lock, sha256_file, sha256_files, staging_dir
 from compiler.manifest import MANIFEST, now, read_manifest, spec_from_manifest, write_manifest
-from compiler.settings import BuildSettings
+from compiler.settings import BuildSettings, hardware_compat_level
 
 __all__ = ["Staleness", "CheckResult", "RebuildResult", "stale_engines", "check_directory", "rebuild_directory",
            "merge_manifests", "tensorrt_can_run", "gpu_can_run", "NEVER_BUILT"]
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 NEVER_BUILT = "engines never built (TensorRT was not available at build time)"
 # build settings that change what an engine is; engines merged into one directory must agree on them
 _ENGINE_SETTINGS = ("precision", "multi_profile", "workspace_mib", "opt_level", "hardware_compat",
-                    "version_compatible")
+                    "version_compatible", "tf32")
 
 
 @dataclass(frozen=True)
@@ -108,19 +110,31 @@ def tensorrt_can_run(built: str, running: str, version_compatible: bool) -> bool
     return new[0] == old[0] or (old[0], new[0]) == (10, 11)
 
 
-def gpu_can_run(built: str, running: str, hardware_compat: bool) -> bool:
-    """Whether a GPU of compute capability ``running`` can run an engine built on ``built`` ("8.6")."""
-    if built == running:
+def gpu_can_run(built: dict[str, Any], running: dict[str, Any], hardware_compat: str | bool) -> bool:
+    """Whether the GPU of ``running`` can run an engine built on the GPU of ``built`` at a hardware-compatibility
+    level (``settings.HARDWARE_COMPAT_LEVELS``; a bool from an older manifest: True was ampere-plus).
+
+    Both are environment records (``gpu`` name, ``compute_capability`` "9.0"). ``none``: the same compute
+    capability and the same GPU model (when both names are known); ``same-compute-capability``: the same
+    compute capability; ``ampere-plus``: any compute capability 8.0 or later.
+    """
+    level = hardware_compat_level(hardware_compat)
+    made, here = built.get("compute_capability"), running.get("compute_capability")
+    if level == "ampere-plus":
+        capability = parse_compute_capability(here)
+        return capability is not None and capability >= (8, 0)
+    if made != here:
+        return False
+    if level == "same-compute-capability":
         return True
-    capability = parse_compute_capability(running)
-    return hardware_compat and capability is not None and capability >= (8, 0)
+    return not (built.get("gpu") and running.get("gpu")) or built["gpu"] == running["gpu"]
 
 
 def _environment_reasons(built: dict[str, Any], here: dict[str, Any], build: dict[str, Any]) -> list[str]:
     """Reasons, shared by every engine of the directory, why they cannot run in ``here``."""
     reasons = []
     version_compatible = bool(build.get("version_compatible", built.get("version_compatible")))
-    hardware_compat = bool(build.get("hardware_compat", built.get("hardware_compat")))
+    hardware_compat = hardware_compat_level(build.get("hardware_compat", built.get("hardware_compat")))
     made, running = built.get("tensorrt"), here.get("tensorrt")
     if running is None:
         reasons.append(f"TensorRT is not installed here (built with TensorRT {made})")
@@ -135,9 +149,11 @@ def _environment_reasons(built: dict[str, Any], here: dict[str, Any], build: dic
         reasons.append("no CUDA GPU visible here")
     elif made_cc is None:
         reasons.append("the manifest does not record the GPU the engines were built on")
-    elif not gpu_can_run(made_cc, running_cc, hardware_compat):
-        how = ("hardware-compatible engines run on compute capability 8.0 and later" if hardware_compat
-               else "engines run only on GPUs of the compute capability that built them")
+    elif not gpu_can_run(built, here, hardware_compat):
+        how = {"ampere-plus": "ampere-plus engines run on compute capability 8.0 and later",
+               "same-compute-capability": "these engines run on GPUs of the compute capability that built them",
+               "none": "an engine runs on the GPU model that built it unless built with --hardware-compat "
+                       "same-compute-capability or ampere-plus"}[hardware_compat]
         reasons.append(f"built on {built.get('gpu')} (compute capability {made_cc}), this is {here.get('gpu')} "
                        f"(compute capability {running_cc}; {how})")
     if built.get("platform") and here.get("platform") and built["platform"] != here["platform"]:
@@ -335,10 +351,15 @@ def merge_manifests(directory: Path, others: list[Path]) -> dict[str, Any]:
                 raise InputError(f"{source_dir} was built with other settings than {ref_dir} ({', '.join(differ)}); "
                                  "merge only engines built with the same settings")
             env, ref_env = manifest.get("environment") or {}, ref.get("environment") or {}
-            if any(env.get(k) != ref_env.get(k) for k in ("tensorrt", "compute_capability", "platform")):
-                raise InputError(f"{source_dir} was built with TensorRT {env.get('tensorrt')} on compute capability "
-                                 f"{env.get('compute_capability')}, {ref_dir} with {ref_env.get('tensorrt')} on "
-                                 f"{ref_env.get('compute_capability')}: one directory holds engines of one environment")
+            keys = ["tensorrt", "compute_capability", "platform"]
+            if hardware_compat_level(build.get("hardware_compat")) == "none":
+                keys.append("gpu")  # such engines run on the GPU model that built them
+            if any(env.get(k) != ref_env.get(k) for k in keys):
+                raise InputError(f"{source_dir} was built with TensorRT {env.get('tensorrt')} on {env.get('gpu')} "
+                                 f"(compute capability {env.get('compute_capability')}), {ref_dir} with "
+                                 f"{ref_env.get('tensorrt')} on {ref_env.get('gpu')} (compute capability "
+                                 f"{ref_env.get('compute_capability')}): one directory holds engines of one "
+                                 "environment")
             for entry in entries:
                 if entry["bucket"] in merged:
                     log.info("bucket %s: keeping the engine met first, skipping the one of %s", entry["bucket"],

@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from compiler.errors import EXIT_CODES, InputError, TrtcError
+from compiler.settings import HARDWARE_COMPAT_LEVELS
 from compiler.specs import DimRange, InputSpec, ModelSpec, parse_buckets, parse_dim_range, parse_input_spec
 
 __all__ = ["cli", "main"]
@@ -315,10 +316,11 @@ def build_settings_from(kw: dict[str, Any], profile: dict[str, dict[str, Any]], 
                                                                                        False)),
                          workspace_mib=int(workspace) if workspace is not None else None,
                          opt_level=int(pick("opt_level", "opt_level", 3)),
-                         hardware_compat=bool(pick("hardware_compat", "hardware_compat", False)),
+                         hardware_compat=pick("hardware_compat", "hardware_compat", "none"),
                          version_compatible=bool(pick("version_compatible", "version_compatible", False)),
                          timing_cache=Path(timing_cache) if timing_cache else None,
-                         engine=pick("engine", "engine", "tensorrt"), jobs=int(kw.get("jobs") or 1))
+                         engine=pick("engine", "engine", "tensorrt"), jobs=int(kw.get("jobs") or 1),
+                         tf32=bool(pick("tf32", "tf32", True)))
 
 
 def build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -328,13 +330,21 @@ def build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="One engine with one optimization profile per bucket (weights stored once)."),
         click.option("--workspace", type=int, metavar="MIB", help="Builder workspace limit in MiB."),
         click.option("--opt-level", type=click.IntRange(0, 5), help="Builder optimization level (default 3)."),
-        click.option("--hardware-compat", is_flag=True, default=None,
-                     help="Engines that run on any Ampere or newer GPU (recorded in the manifest)."),
+        click.option("--hardware-compat", type=click.Choice(HARDWARE_COMPAT_LEVELS), is_flag=False,
+                     flag_value="ampere-plus", default=None, metavar="[LEVEL]",
+                     help="Engines for other GPUs than the one building them: ampere-plus (the level when given "
+                          "alone: any GPU of compute capability 8.0+) or same-compute-capability. Default none: "
+                          "the engines run on the GPU model that built them, and `trtc check` calls them stale on "
+                          "any other (an H100's engines on an H200 too)."),
         click.option("--version-compatible", is_flag=True, default=None,
                      help="Engines that later TensorRT versions of the same major can run (recorded)."),
         click.option("--timing-cache", type=click.Path(path_type=Path),
                      help="A timing cache shared across models (DIR/timing.cache is always used too)."),
-        click.option("--jobs", type=int, help="Build buckets in parallel, one process per GPU."),
+        click.option("--jobs", type=int, help="Build buckets in parallel, one process per GPU (one process when no "
+                     "GPU list is known: builds sharing a GPU time their tactics under load)."),
+        click.option("--tf32/--no-tf32", default=None,
+                     help="Let FP32 layers use TF32 tensor cores (default on, as TensorRT and trtexec do; recorded "
+                          "as build.tf32). --no-tf32 keeps FP32 layers strict FP32."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -392,8 +402,15 @@ def check_cmd(directory: Path) -> None:
     """Exit 0 when every engine of DIR can run here, 1 when some are stale (printed, with why), 2 on error.
 
     \b
-    An engine is stale when its file is missing or changed, or when this machine's TensorRT version or
-    GPU differs from the build's and the compatibility flags do not cover it.
+    An engine is stale when
+      - its file is missing, changed, or built from another version of the ONNX;
+      - another TensorRT runs here (for a --version-compatible engine: an older one or another major);
+      - another GPU model is here, even of the same compute capability (H100 vs H200), unless built
+        with --hardware-compat same-compute-capability (same capability) or --hardware-compat
+        (ampere-plus: capability 8.0+);
+      - another platform (OS, CPU architecture) is here.
+    \b
+    Example:
       trtc check build/m || trtc rebuild build/m --if-stale
     """
     from compiler.check import check_directory
@@ -573,11 +590,14 @@ def export_triton_cmd(directory: Path, repo: Path, name: str | None, backend: st
       trtc export-triton build/m --repo models/
       trtc export-triton build/m --repo models/ --name resnet --backend onnxruntime --instances 2
     """
-    from compiler.triton import triton_repository
+    from compiler.triton import PLAN_VERSION_FILE, triton_repository
 
     target = triton_repository(directory, repo, name=name, backend=backend, instances=instances,
                                max_wait_ms=max_wait_ms, force=force)
     click.echo(f"wrote {target}/config.pbtxt and {', '.join(sorted(p.name for p in (target / '1').iterdir()))}")
+    version_file = target / "1" / PLAN_VERSION_FILE
+    if version_file.is_file():
+        click.echo(version_file.read_text().splitlines()[1])
 
 
 def main() -> None:

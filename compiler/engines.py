@@ -18,7 +18,11 @@ Directory layout written by ``build_engine_files`` (into the staging folder, com
 
     engines/b4.engine          serialized engine for batch 4
     engines/b4.layers.json     the engine inspector's layer information (which layers run in INT8/FP16)
+    engines/profiles_b1_4.p0.layers.json   ... per profile of a multi-profile engine
     timing.cache               TensorRT's tactic timing cache, shared by the buckets and by rebuilds
+
+Polygraphy's file lock (``timing.cache.lock``) is removed from the staging folder before anything is
+committed.
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ from compiler.specs import BATCH_DIM, ModelSpec
 if TYPE_CHECKING:
     import tensorrt as trt
 
-__all__ = ["SUPPORTED_MAJORS", "ENGINES_DIR", "TIMING_CACHE", "NOT_INSTALLED", "Shapes", "BuildStep",
-           "tensorrt_version", "require_tensorrt", "strongly_typed_flag", "profile_shapes", "multi_profile_shapes",
+__all__ = ["SUPPORTED_MAJORS", "MIN_TENSORRT", "ENGINES_DIR", "TIMING_CACHE", "NOT_INSTALLED", "Shapes", "BuildStep",
+           "tensorrt_version", "tensorrt_version_problem", "require_tensorrt", "strongly_typed_flag", "profile_shapes",
+           "multi_profile_shapes", "engine_profile_shapes", "timing_cache_key", "shared_timing_cache_problem",
+           "build_workers",
            "TensorRTEnumOptions", "engine_loader", "build_engine_files", "tensorrt_build_step",
            "describe_parser_errors", "layer_summary", "environment", "visible_gpus", "settings_to_dict",
            "settings_from_dict", "merge_timing_cache", "manifest_engine_keys",
@@ -59,6 +65,9 @@ __all__ = ["SUPPORTED_MAJORS", "ENGINES_DIR", "TIMING_CACHE", "NOT_INSTALLED", "
 log = logging.getLogger(__name__)
 
 SUPPORTED_MAJORS = (10, 11)
+# Strongly typed networks are complete from TensorRT 10.12 (NVIDIA's TensorRT 11 migration notes): every graph trtc
+# writes (Q/DQ, casts) builds as written from there on.
+MIN_TENSORRT = (10, 12)
 ENGINES_DIR = "engines"
 TIMING_CACHE = "timing.cache"
 NOT_INSTALLED = ("TensorRT is not installed: engines not built; install trtc[tensorrt] on a machine with an NVIDIA "
@@ -66,7 +75,8 @@ NOT_INSTALLED = ("TensorRT is not installed: engines not built; install trtc[ten
 
 Shape = tuple[int, ...]
 Shapes = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
-BuildStep = Callable[[Any], tuple[bytes, str]]  # polygraphy engine loader -> (engine bytes, layer information JSON)
+# (polygraphy engine loader, the shapes of each of its profiles) -> (engine bytes, layer information JSON per profile)
+BuildStep = Callable[[Any, list["Shapes"]], tuple[bytes, list[str]]]
 
 
 # --- which TensorRT -------------------------------------------------------------------------------------------
@@ -92,19 +102,29 @@ def _major(version: str) -> int:
     return int(version.split(".")[0])
 
 
+def tensorrt_version_problem(version: str) -> str | None:
+    """Why trtc cannot use TensorRT ``version`` (one line naming the fix), or None: it needs 10.12 or later."""
+    numbers = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    if len(numbers) < 2 or numbers < MIN_TENSORRT:
+        floor = ".".join(map(str, MIN_TENSORRT))
+        return (f"TensorRT {version} is too old: trtc needs {floor} or later (strongly typed networks are complete "
+                f"from {floor}); install trtc[tensorrt] to get a supported version")
+    return None
+
+
 def require_tensorrt(directory: Path | str | None = None) -> str:
-    """The TensorRT version, after checking that it is installed and one that trtc supports (10.x, 11.x).
+    """The TensorRT version, after checking that it is installed and one that trtc supports (10.12 to 11.x).
 
     Raises ``TensorRTNotInstalled`` (exit code 4) naming ``trtc rebuild DIR`` as the way to finish the
-    directory later, or ``BuildError`` for a TensorRT older than 10.
+    directory later, or ``BuildError`` for a TensorRT older than ``MIN_TENSORRT``.
     """
     version = tensorrt_version()
     if version is None:
         raise TensorRTNotInstalled(NOT_INSTALLED.format(directory=directory if directory is not None else "DIR"))
+    problem = tensorrt_version_problem(version)
+    if problem:
+        raise BuildError(problem)
     major = _major(version)
-    if major < SUPPORTED_MAJORS[0]:
-        raise BuildError(f"TensorRT {version} is too old: trtc needs 10.x or 11.x (strongly typed networks); "
-                         "install trtc[tensorrt] to get a supported version")
     if major > SUPPORTED_MAJORS[-1]:
         log.warning("TensorRT %s is newer than trtc knows (10.x, 11.x); building anyway", version)
     return version
@@ -156,6 +176,14 @@ def multi_profile_shapes(spec: ModelSpec, buckets: Sequence[int]) -> list[Shapes
     return [profile_shapes(spec, b, batch_min=(ordered[k - 1] + 1) if k else 1) for k, b in enumerate(ordered)]
 
 
+def engine_profile_shapes(spec: ModelSpec, buckets: Sequence[int], multi_profile: bool) -> list[Shapes]:
+    """The profiles one engine is built with, one per bucket in bucket order: the builder and the manifest
+    both take them from here, so the shapes the manifest records are the ones the engine was built for."""
+    if multi_profile:
+        return multi_profile_shapes(spec, buckets)
+    return [profile_shapes(spec, b) for b in sorted(buckets)]
+
+
 @dataclass(frozen=True)
 class TensorRTEnumOptions:
     """Builder-config options that Polygraphy's ``CreateConfig`` takes as TensorRT enum values.
@@ -166,15 +194,17 @@ class TensorRTEnumOptions:
     """
 
     workspace_bytes: int | None = None  # None: TensorRT's default (the device's memory)
-    hardware_compat: bool = False  # HardwareCompatibilityLevel.AMPERE_PLUS
+    hardware_compat: str = "none"  # settings.HARDWARE_COMPAT_LEVELS: none, same-compute-capability, ampere-plus
 
     def __call__(self, builder: Any, network: Any, config: trt.IBuilderConfig) -> None:
         import tensorrt as trt
 
         if self.workspace_bytes is not None:
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, self.workspace_bytes)
-        if self.hardware_compat:
-            config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
+        levels = {"ampere-plus": trt.HardwareCompatibilityLevel.AMPERE_PLUS,
+                  "same-compute-capability": trt.HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY}
+        if self.hardware_compat in levels:
+            config.hardware_compatibility_level = levels[self.hardware_compat]
 
 
 def engine_loader(onnx_path: Path, spec: ModelSpec, buckets_for_this_engine: Sequence[int], settings: BuildSettings,
@@ -184,12 +214,13 @@ def engine_loader(onnx_path: Path, spec: ModelSpec, buckets_for_this_engine: Seq
     One optimization profile per bucket in ``buckets_for_this_engine`` (one bucket: a single-profile
     engine). The timing cache at ``timing_cache_path`` is loaded before the build when it exists and
     saved (merged into) after it, under Polygraphy's file lock, so the buckets share it. Options from
-    ``settings``: workspace limit, builder optimization level 0-5, Ampere+ hardware compatibility,
-    version compatibility. With version compatibility the lean runtime stays inside the engine
+    ``settings``: workspace limit, builder optimization level 0-5, hardware compatibility level,
+    version compatibility and TF32. With version compatibility the lean runtime stays inside the engine
     (``exclude_lean_runtime`` off): a trtc directory is self-contained, and a runtime loading such an
-    engine must set ``Runtime.engine_host_code_allowed = True``. TF32 stays off (Polygraphy's default):
-    an FP32 graph runs in FP32. The ONNX parser keeps its default flags (NATIVE_INSTANCENORM is on by
-    default since TensorRT 10, which hardware/version compatibility needs).
+    engine must set ``Runtime.engine_host_code_allowed = True``. TF32 follows ``settings.tf32`` (on by
+    default, as in TensorRT and trtexec; Polygraphy alone would turn it off). The ONNX parser keeps its
+    default flags (NATIVE_INSTANCENORM is on by default since TensorRT 10, which hardware/version
+    compatibility needs). The profiles are ``engine_profile_shapes``, which the manifest records too.
     """
     from polygraphy.backend.trt import (
         CreateConfig,
@@ -201,17 +232,16 @@ def engine_loader(onnx_path: Path, spec: ModelSpec, buckets_for_this_engine: Seq
     from polygraphy.logger import G_LOGGER
 
     profiles = []
-    per_profile = (multi_profile_shapes(spec, buckets_for_this_engine) if settings.multi_profile
-                   else [profile_shapes(spec, b) for b in buckets_for_this_engine])
-    for shapes in per_profile:
+    for shapes in engine_profile_shapes(spec, buckets_for_this_engine, settings.multi_profile):
         profile = Profile()
         for name, (low, opt, high) in shapes.items():
             profile.add(name, min=low, opt=opt, max=high)
         profiles.append(profile)
     load_cache = str(timing_cache_path) if timing_cache_path.is_file() else None
-    with G_LOGGER.verbosity(G_LOGGER.WARNING):  # CreateConfig announces at INFO that TF32 is off
+    with G_LOGGER.verbosity(G_LOGGER.WARNING):  # CreateConfig announces at INFO whether TF32 is on
         network = NetworkFromOnnxPath(str(onnx_path), strongly_typed=strongly_typed_flag())
         config = CreateConfig(profiles=profiles,
+                              tf32=settings.tf32,
                               builder_optimization_level=settings.opt_level,
                               version_compatible=settings.version_compatible or None,
                               load_timing_cache=load_cache)
@@ -271,16 +301,44 @@ def _deserialize(engine_bytes: bytes) -> trt.ICudaEngine:
     return engine
 
 
-def layer_information(engine_bytes: bytes) -> str:
-    """The engine inspector's information on every layer, as JSON (detailed: configs are built DETAILED)."""
+def layer_information(engine_bytes: bytes, profiles: Sequence[Shapes]) -> list[str]:
+    """The engine inspector's information on every layer, as JSON, for each profile (DETAILED: trtc's configs are).
+
+    An engine with a dynamic dimension shows "N/A due to dynamic shapes" for every layer's format and type
+    unless the inspector has an execution context whose input shapes are all set (``NvInferRuntime.h``,
+    ``IEngineInspector::setExecutionContext``), and every trtc engine has a dynamic batch. So profile k gets a
+    context with k selected and its opt shapes set, as trtexec does; one context at a time, released after.
+    """
     import tensorrt as trt
+    from polygraphy import cuda
 
-    inspector = _deserialize(engine_bytes).create_engine_inspector()
-    return inspector.get_engine_information(trt.LayerInformationFormat.JSON)
+    engine = _deserialize(engine_bytes)
+    inspector = engine.create_engine_inspector()
+    stream = cuda.Stream()
+    infos = []
+    try:
+        for index, shapes in enumerate(profiles):
+            context = engine.create_execution_context()
+            if context is None:
+                raise BuildError("TensorRT could not create an execution context to inspect the engine (out of GPU "
+                                 "memory?); run with --debug and see TensorRT's log")
+            if engine.num_optimization_profiles > 1:  # profile 0 is the one selected at creation
+                context.set_optimization_profile_async(index, stream.ptr)
+                stream.synchronize()
+            for name, (_, opt, _) in shapes.items():
+                if not context.set_input_shape(name, opt):
+                    raise BuildError(f"profile {index} of the engine does not take {name} shaped {opt}, the shape it "
+                                     "was built for; run with --debug and see TensorRT's log")
+            inspector.execution_context = context
+            infos.append(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+            del context  # its activation memory goes before the next profile's context takes its own
+    finally:
+        stream.free()
+    return infos
 
 
-def tensorrt_build_step(loader: Any) -> tuple[bytes, str]:
-    """Build with TensorRT through Polygraphy: the serialized engine and its layer information JSON.
+def tensorrt_build_step(loader: Any, profiles: list[Shapes]) -> tuple[bytes, list[str]]:
+    """Build with TensorRT through Polygraphy: the serialized engine and its layer information JSON per profile.
 
     Parser failures become a ``BuildError`` that names each ONNX node and operator TensorRT rejected;
     other failures a ``BuildError`` pointing at TensorRT's log.
@@ -301,7 +359,7 @@ def tensorrt_build_step(loader: Any) -> tuple[bytes, str]:
         raise BuildError(f"TensorRT failed to build the engine ({err}); run with --debug to see TensorRT's "
                          "log, or lower --opt-level / raise --workspace") from err
     data = bytes(engine_bytes)
-    return data, layer_information(data)
+    return data, layer_information(data, profiles)
 
 
 # --- layer information ------------------------------------------------------------------------------------------
@@ -362,28 +420,35 @@ class _EngineJob:
 
 
 def _build_engine(job: _EngineJob) -> list[dict[str, Any]]:
-    """Build one engine into ``STAGE/engines``; one manifest entry per bucket (profile) it serves."""
+    """Build one engine into ``STAGE/engines``; one manifest entry per bucket (profile) it serves, recording
+    the shapes the engine was built with (``engine_profile_shapes``, which the loader takes too)."""
     cache = job.stage / TIMING_CACHE
+    per_profile = engine_profile_shapes(job.spec, job.buckets, job.settings.multi_profile)
     loader = engine_loader(job.onnx_path, job.spec, job.buckets, job.settings, cache)
     step = job.build_step or tensorrt_build_step
     start = time.perf_counter()
-    engine_bytes, layers_json = step(loader)
+    engine_bytes, layers_per_profile = step(loader, per_profile)
     seconds = time.perf_counter() - start
+    if len(layers_per_profile) != len(per_profile):
+        # an internal error (a build step that breaks its contract), not the user's: it keeps its traceback
+        raise RuntimeError(f"the build step returned layer information for {len(layers_per_profile)} profile(s), "
+                           f"the engine has {len(per_profile)}")
     engine_rel = f"{ENGINES_DIR}/{job.name}.engine"
-    layers_rel = f"{ENGINES_DIR}/{job.name}.layers.json"
     atomic_write_bytes(job.stage / engine_rel, engine_bytes)
-    try:
-        layers_text = json.dumps(json.loads(layers_json), indent=1) + "\n"
-    except ValueError:
-        layers_text = layers_json
-    atomic_write_text(job.stage / layers_rel, layers_text)
     digest = sha256_file(job.stage / engine_rel)
-    summary = layer_summary(layers_json)
-    log.info("built %s in %.1f s: %.1f MiB, %s layers %s", engine_rel, seconds, len(engine_bytes) / 2**20,
-             summary["count"], summary["output_types"])
     entries = []
-    for profile, bucket in enumerate(job.buckets):
-        shapes = profile_shapes(job.spec, bucket)
+    for profile, (bucket, shapes, layers_json) in enumerate(zip(sorted(job.buckets), per_profile,
+                                                                  layers_per_profile)):
+        layers_rel = (f"{ENGINES_DIR}/{job.name}.layers.json" if len(per_profile) == 1
+                      else f"{ENGINES_DIR}/{job.name}.p{profile}.layers.json")
+        try:
+            layers_text = json.dumps(json.loads(layers_json), indent=1) + "\n"
+        except ValueError:
+            layers_text = layers_json
+        atomic_write_text(job.stage / layers_rel, layers_text)
+        summary = layer_summary(layers_json)
+        log.info("built %s (bucket %d) in %.1f s: %.1f MiB, %s layers %s", engine_rel, bucket, seconds,
+                 len(engine_bytes) / 2**20, summary["count"], summary["output_types"])
         entries.append({
             "bucket": bucket,
             "file": engine_rel,
@@ -415,12 +480,23 @@ def _pin_worker_to_gpu(gpu_ids: Any) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
 
 
+def build_workers(jobs: int, engines: int, gpus: Sequence[str]) -> int:
+    """How many build processes ``--jobs jobs`` starts for ``engines`` engines with ``gpus`` known GPU ids.
+
+    One per GPU, never more than engines or jobs; and one when no GPU list is known: several builds on one
+    GPU time their tactics under each other's load and pick slower kernels.
+    """
+    if jobs <= 1 or engines <= 1 or not gpus:
+        return 1
+    return min(jobs, engines, len(gpus))
+
+
 def _build_in_parallel(jobs: list[_EngineJob], workers: int, gpus: list[str]) -> list[list[dict[str, Any]]]:
-    """Run ``jobs`` in ``workers`` spawned processes, each pinned to its own GPU when GPUs are known."""
+    """Run ``jobs`` in ``workers`` spawned processes, each pinned to its own GPU (``build_workers``)."""
     context = multiprocessing.get_context("spawn")  # forked CUDA state is unusable; spawn starts clean
     gpu_ids = context.Queue()
     for index in range(workers):
-        gpu_ids.put(gpus[index] if gpus else None)
+        gpu_ids.put(gpus[index])
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context,
                                                 initializer=_pin_worker_to_gpu, initargs=(gpu_ids,)) as pool:
         futures = [pool.submit(_build_engine, job) for job in jobs]
@@ -431,13 +507,50 @@ def _build_in_parallel(jobs: list[_EngineJob], workers: int, gpus: list[str]) ->
             raise
 
 
+def timing_cache_key(env: dict[str, Any]) -> dict[str, Any]:
+    """What a timing cache's timings hold for: the TensorRT version and the GPU (name and compute capability).
+
+    TensorRT times tactics per version and device; timings of another GPU model or version are wrong here,
+    and a combined cache of several would silently mix them.
+    """
+    return {"tensorrt": env.get("tensorrt"), "gpu": env.get("gpu"), "compute_capability": env.get("compute_capability")}
+
+
+def _key_path(cache: Path) -> Path:
+    return cache.with_name(cache.name + ".key.json")
+
+
+def shared_timing_cache_problem(cache: Path, env: dict[str, Any]) -> str | None:
+    """Why the shared timing cache ``cache`` (``--timing-cache``) cannot be used by a build in ``env``, or None.
+
+    A new cache (no file yet) is fine. An existing one must carry ``cache.key.json`` with the same
+    ``timing_cache_key``: one shared cache per TensorRT version and GPU.
+    """
+    if not cache.is_file():
+        return None
+    want = timing_cache_key(env)
+    example = cache.with_name(f"trt{want['tensorrt']}-{str(want['gpu']).replace(' ', '_')}.cache")
+    fix = f"use one shared cache per TensorRT version and GPU: give --timing-cache another path, e.g. {example}"
+    try:
+        have = read_json(_key_path(cache))
+    except (OSError, ValueError):
+        have = None
+    if not isinstance(have, dict):
+        return (f"--timing-cache {cache}: it does not record which TensorRT and GPU made it "
+                f"({_key_path(cache).name}); {fix}")
+    if timing_cache_key(have) != want:
+        return (f"--timing-cache {cache} holds timings of TensorRT {have.get('tensorrt')} on {have.get('gpu')}, this "
+                f"build is TensorRT {want['tensorrt']} on {want['gpu']}; {fix}")
+    return None
+
+
 def _seed_timing_cache(directory: Path, stage_cache: Path, settings: BuildSettings, env: dict[str, Any]) -> None:
     """Start STAGE/timing.cache from DIR/timing.cache, else from the shared ``settings.timing_cache``.
 
     DIR's cache holds this model's tactics and wins; it is skipped when the directory's engines were
-    built with another TensorRT or GPU (TensorRT would not use it: a timing cache is per device and
-    version). The shared cache is only read here; ``build_engine_files`` merges the new timings into
-    it after a successful build.
+    built with another TensorRT or GPU (``timing_cache_key``: TensorRT would not use it). The shared
+    cache has been checked by ``shared_timing_cache_problem``; it is only read here, and
+    ``build_engine_files`` merges the new timings into it after a successful build.
     """
     stage_cache.unlink(missing_ok=True)  # this policy decides, whatever a caller copied in before
     own = directory / TIMING_CACHE
@@ -446,8 +559,7 @@ def _seed_timing_cache(directory: Path, stage_cache: Path, settings: BuildSettin
             built = (read_json(directory / "manifest.json") or {}).get("environment") or {}
         except (OSError, ValueError):
             built = {}
-        same = all(built.get(k) == env.get(k) for k in ("tensorrt", "gpu", "compute_capability"))
-        if same:
+        if timing_cache_key(built) == timing_cache_key(env):
             shutil.copyfile(own, stage_cache)
             return
         log.info("not reusing %s: it was made with TensorRT %s on %s", own, built.get("tensorrt"), built.get("gpu"))
@@ -455,10 +567,31 @@ def _seed_timing_cache(directory: Path, stage_cache: Path, settings: BuildSettin
         shutil.copyfile(settings.timing_cache, stage_cache)
 
 
-def merge_timing_cache(source: Path, target: Path) -> None:
-    """Fold the timings of ``source`` into the timing cache ``target`` (created if absent), under a file lock.
+def _drop_unreadable_timing_cache(cache: Path) -> None:
+    """Remove ``cache`` with a warning when TensorRT cannot read it: the build then starts a fresh one."""
+    if not cache.is_file():
+        return
+    import tensorrt as trt
 
-    Needs TensorRT: a timing cache can only be combined by TensorRT itself.
+    config = trt.Builder(trt.Logger(trt.Logger.ERROR)).create_builder_config()
+    try:
+        readable = config.create_timing_cache(cache.read_bytes()) is not None
+    except (RuntimeError, TypeError, ValueError) as err:
+        log.debug("timing cache %s: %s", cache, err)
+        readable = False
+    if not readable:
+        log.warning("the timing cache seeded from the directory or --timing-cache is unreadable; starting a fresh one")
+        cache.unlink()
+
+
+def merge_timing_cache(source: Path, target: Path, env: dict[str, Any]) -> bool:
+    """Fold the timings of ``source`` into the shared timing cache ``target`` made in ``env``, under a file lock.
+
+    ``target`` is created (with its ``.key.json``) if absent; one TensorRT cannot read is a warning and
+    replaced by ``source``; one whose key differs is left alone (``shared_timing_cache_problem`` refuses
+    it before a build). TensorRT combines without ignoring mismatches, and a failed combine leaves
+    ``target`` unchanged with a warning. Returns whether ``target`` now holds the new timings. Needs
+    TensorRT: a timing cache can only be combined by TensorRT itself.
     """
     import tensorrt as trt
     from polygraphy import util
@@ -467,10 +600,25 @@ def merge_timing_cache(source: Path, target: Path) -> None:
     config = builder.create_builder_config()
     cache = config.create_timing_cache(source.read_bytes())
     target.parent.mkdir(parents=True, exist_ok=True)
-    with util.LockFile(str(target)):
+    with util.LockFile(str(target)):  # target.lock, beside the shared cache: never inside a build directory
+        problem = shared_timing_cache_problem(target, env)
+        if problem:
+            log.warning("timing cache not merged: %s", problem)
+            return False
         if target.is_file():
-            cache.combine(config.create_timing_cache(target.read_bytes()), ignore_mismatch=True)
+            try:
+                previous = config.create_timing_cache(target.read_bytes())
+            except (RuntimeError, TypeError, ValueError) as err:
+                log.debug("timing cache %s: %s", target, err)
+                previous = None
+            if previous is None:
+                log.warning("%s is unreadable; replacing it with this build's timings", target)
+            elif not cache.combine(previous, ignore_mismatch=False):
+                log.warning("TensorRT could not combine %s with this build's timings; left it unchanged", target)
+                return False
         atomic_write_bytes(target, bytes(memoryview(cache.serialize())))
+        atomic_write_text(_key_path(target), json.dumps(timing_cache_key(env), indent=1) + "\n")
+    return True
 
 
 def build_engine_files(directory: Path, stage: Path, onnx_rel: str, spec: ModelSpec, settings: BuildSettings,
@@ -488,7 +636,9 @@ def build_engine_files(directory: Path, stage: Path, onnx_rel: str, spec: ModelS
 
     ``build_step`` turns a loader into (engine bytes, layer JSON); None means TensorRT
     (``tensorrt_build_step``), which must be installed (``TensorRTNotInstalled`` otherwise). With
-    ``settings.jobs`` > 1 single-profile engines are built in that many processes, one GPU each.
+    ``settings.jobs`` > 1 single-profile engines are built in that many processes, one GPU each
+    (``build_workers``: one process when no GPU list is known). A shared cache made with another
+    TensorRT or GPU is refused (``InputError``) before anything is built.
     ``env`` is the environment the engines are built in (``environment(settings)`` when None).
     """
     if settings.engine == "none":
@@ -498,25 +648,32 @@ def build_engine_files(directory: Path, stage: Path, onnx_rel: str, spec: ModelS
         require_tensorrt(directory)
     env = env if env is not None else environment(settings)
     capability = parse_compute_capability(env.get("compute_capability"))
-    if settings.hardware_compat and capability is not None and capability < (8, 0):
+    if settings.hardware_compat == "ampere-plus" and capability is not None and capability < (8, 0):
         raise BuildError(f"--hardware-compat (Ampere+) engines must be built on an Ampere or newer GPU (compute "
                          f"capability 8.0+); this one, {env.get('gpu')}, is {env.get('compute_capability')}")
     onnx_path = stage / onnx_rel if (stage / onnx_rel).is_file() else directory / onnx_rel
     if not onnx_path.is_file():
         raise InputError(f"{directory / onnx_rel}: no such ONNX file; run `trtc export` or `trtc build` into "
                          f"{directory} first")
+    if settings.timing_cache is not None:
+        problem = shared_timing_cache_problem(settings.timing_cache, env)
+        if problem:
+            raise InputError(problem)
     onnx_sha256 = sha256_files(onnx_files(onnx_path))
     (stage / ENGINES_DIR).mkdir(parents=True, exist_ok=True)
     _seed_timing_cache(directory, stage / TIMING_CACHE, settings, env)
+    if build_step is None:
+        _drop_unreadable_timing_cache(stage / TIMING_CACHE)
 
     buckets = tuple(sorted(set(settings.buckets)))
     groups = [buckets] if settings.multi_profile else [(b,) for b in buckets]
     jobs = [_EngineJob(onnx_path, onnx_rel, onnx_sha256, stage, spec, group, settings, build_step) for group in groups]
     gpus = visible_gpus() if settings.jobs > 1 and len(jobs) > 1 else []
-    workers = min(settings.jobs, len(jobs), len(gpus) or settings.jobs)
+    workers = build_workers(settings.jobs, len(jobs), gpus)
     if settings.jobs > 1 and workers < settings.jobs:
-        log.info("--jobs %d: %d build process(es) (%d engine(s), %d GPU(s) visible)", settings.jobs, workers,
-                 len(jobs), len(gpus))
+        why = "" if gpus else "; no GPU list is known (CUDA_VISIBLE_DEVICES, nvidia-smi), so one build at a time"
+        log.warning("--jobs %d: %d build process(es) (%d engine(s), %d GPU(s) visible%s)", settings.jobs, workers,
+                    len(jobs), len(gpus), why)
     entries: list[dict[str, Any]] = []
     if workers > 1:
         for built in _build_in_parallel(jobs, workers, gpus):
@@ -524,8 +681,10 @@ def build_engine_files(directory: Path, stage: Path, onnx_rel: str, spec: ModelS
     else:
         for job in jobs:
             entries += _build_engine(job)
+    # Polygraphy locks the cache it loads and saves with a file beside it: not part of the directory
+    (stage / f"{TIMING_CACHE}.lock").unlink(missing_ok=True)
     if settings.timing_cache is not None and build_step is None and (stage / TIMING_CACHE).is_file():
-        merge_timing_cache(stage / TIMING_CACHE, settings.timing_cache)
+        merge_timing_cache(stage / TIMING_CACHE, settings.timing_cache, env)
     return sorted(entries, key=lambda e: e["bucket"])
 
 
@@ -621,7 +780,7 @@ def environment(settings: BuildSettings | None = None) -> dict[str, Any]:
     Keys: ``tensorrt`` (version or None when not installed), ``cuda_runtime`` (e.g. "12.9"),
     ``cuda_driver`` (the newest CUDA the driver supports), ``driver`` (driver version),
     ``gpu`` (name of device 0), ``compute_capability`` ("9.0"), ``platform`` ("linux-x86_64"),
-    ``hardware_compat`` and ``version_compatible`` (from ``settings``; False without). GPU facts come
+    ``hardware_compat`` (the level) and ``version_compatible`` (from ``settings``; "none"/False without). GPU facts come
     from cuda-python when installed, then torch (a CUDA build that sees a GPU), then nvidia-smi; a
     fact no source gives is None. Never raises for a missing TensorRT, driver or GPU.
     """
@@ -635,7 +794,7 @@ def environment(settings: BuildSettings | None = None) -> dict[str, Any]:
             if info.get(key) is None:
                 info[key] = value
     info["platform"] = f"{sys.platform}-{platform.machine()}"
-    info["hardware_compat"] = bool(settings.hardware_compat) if settings else False
+    info["hardware_compat"] = settings.hardware_compat if settings else "none"
     info["version_compatible"] = bool(settings.version_compatible) if settings else False
     return info
 
@@ -657,6 +816,7 @@ def settings_from_dict(data: dict[str, Any]) -> BuildSettings:
     if unknown:
         log.info("manifest build settings %s are unknown to this trtc and ignored", ", ".join(unknown))
     values = {k: v for k, v in data.items() if k in known}
+    values.setdefault("tf32", False)  # engines of a trtc that did not record it were built with TF32 off
     if "buckets" in values:
         values["buckets"] = tuple(int(b) for b in values["buckets"])
     if values.get("timing_cache") is not None:

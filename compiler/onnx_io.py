@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -83,25 +84,43 @@ def onnx_files(path: str | os.PathLike[str]) -> list[Path]:
 def usable_providers(prefer: list[str] | None = None) -> list[str]:
     """ONNX Runtime execution providers that can actually load here, best first.
 
+    Default: CUDA, then CPU. ONNX Runtime's TensorRT provider only when ``prefer`` names it: it builds its own
+    TensorRT engines inside ONNX Runtime, so rows using it measure TensorRT, not ONNX Runtime; and ONNX
+    Runtime before 1.27 cannot drive TensorRT 11 (it is then left out with a warning).
     onnxruntime-gpu lists the CUDA provider even where CUDA is missing and then logs errors
     when asked for it, so CUDA is offered only when a CUDA device is visible.
     """
     import onnxruntime as ort
 
     available = set(ort.get_available_providers())
-    order = prefer or ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    order = prefer or ["CUDAExecutionProvider", "CPUExecutionProvider"]
     usable = []
     for name in order:
         if name not in available:
             continue
         if name in ("CUDAExecutionProvider", "TensorrtExecutionProvider") and not _cuda_present():
             continue
-        if name == "TensorrtExecutionProvider" and not _tensorrt_present():
+        if name == "TensorrtExecutionProvider" and not _tensorrt_ep_works(ort.__version__):
             continue
         usable.append(name)
     if "CPUExecutionProvider" not in usable:
         usable.append("CPUExecutionProvider")
     return usable
+
+
+def _tensorrt_ep_works(ort_version: str) -> bool:
+    """Whether ONNX Runtime ``ort_version``'s TensorRT provider can use the TensorRT installed here."""
+    from compiler.engines import tensorrt_version  # a real TensorRT, not a stub package that happens to import
+
+    trt = tensorrt_version()
+    if trt is None:
+        return False
+    ort_numbers = tuple(int(p) for p in re.findall(r"\d+", ort_version)[:2])
+    if int(trt.split(".")[0]) >= 11 and ort_numbers < (1, 27):
+        log.warning("ONNX Runtime %s cannot drive TensorRT %s (its TensorRT provider needs ONNX Runtime 1.27+); "
+                    "leaving the TensorRT provider out", ort_version, trt)
+        return False
+    return True
 
 
 def _cuda_present() -> bool:
@@ -111,12 +130,6 @@ def _cuda_present() -> bool:
         return bool(torch.cuda.is_available())
     except ImportError:
         return False
-
-
-def _tensorrt_present() -> bool:
-    from compiler.engines import tensorrt_version  # a real TensorRT, not a stub package that happens to import
-
-    return tensorrt_version() is not None
 
 
 def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,

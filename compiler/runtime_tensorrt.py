@@ -3,13 +3,19 @@
 ``execute_async_v3`` on the context's CUDA stream, tensor addresses bound once per buffer (torch
 tensors are the device buffers), pinned host buffers for the copies, and one CUDA graph per
 bucket, captured after warm-up, when no input has a dynamic non-batch dimension (a graph is only
-valid for the shapes it was captured with). ``_tensorrt_backend`` makes the checks ``trtc check``
-makes before it loads anything.
+valid for the shapes it was captured with) and TensorRT accepted every enqueue of the warm-up and the
+capture. ``_tensorrt_backend`` makes the checks ``trtc check`` makes before it loads anything.
+
+Memory: a context of a multi-profile engine created with TensorRT's default (STATIC) strategy holds
+activation memory for the engine's largest profile, and the runtime keeps one context per bucket
+in every pooled context. So contexts are created USER_MANAGED and the bucket contexts of one pooled
+context share one buffer, sized once for the largest profile of any engine: they run one after the
+other on that context's stream.
 """
 
 from __future__ import annotations
 
-import functools
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +27,8 @@ from compiler.specs import ModelSpec
 
 if TYPE_CHECKING:
     import tensorrt as trt
+
+log = logging.getLogger(__name__)
 
 
 class EnginesNotRunnable(TrtcError):
@@ -94,6 +102,10 @@ class _TensorRTBackend:
         declared = list(manifest.get("output_names") or [])
         self.output_names = declared if sorted(declared) == sorted(outputs) else outputs
         self.dtypes = {n: _torch_dtype_of(first.get_tensor_dtype(n)) for n in names}
+        # activation memory for the largest profile of any engine: what one bucket context at a time needs
+        self.scratch_bytes = max(engine.get_device_memory_size_for_profile_v2(profile)
+                                 for engine, profile in self.profiles.values())
+        self.graph_fallback_said = False
         with torch.cuda.device(torch.device(device)):
             self.order = _ComputeOrder()
 
@@ -113,10 +125,34 @@ class _TrtBucket:
     graph: Any = None
 
 
+class _CheckedLaunch:
+    """``execute_async_v3`` on one stream for warm-up and graph capture, remembering whether TensorRT accepted
+    every call: a refused enqueue inside a capture leaves an empty graph that would replay stale outputs."""
+
+    def __init__(self, execute: Any, stream_handle: int) -> None:
+        self._execute = execute
+        self._handle = stream_handle
+        self.calls = 0
+        self.all_accepted = True
+
+    def __call__(self) -> bool:
+        accepted = bool(self._execute(self._handle))
+        self.calls += 1
+        self.all_accepted = self.all_accepted and accepted
+        return accepted
+
+
 class _TensorRTContext(_GpuContext):
-    """One IExecutionContext per bucket with its optimization profile; addresses bound once, at creation."""
+    """One IExecutionContext per bucket with its optimization profile; addresses bound once, at creation.
+
+    The bucket contexts share one USER_MANAGED activation buffer (``backend.scratch_bytes``). Warm-up and
+    graph capture run under the backend's compute order, like every run: a context made on demand (the
+    pool's second) must not run a profile while another context runs it (``NvInferRuntime.h``: concurrent
+    contexts with dynamic shapes need separate profiles).
+    """
 
     def __init__(self, backend: _TensorRTBackend) -> None:
+        import tensorrt as trt
         import torch
 
         super().__init__(backend.spec, backend.buckets, backend.device, backend.dtypes, backend.order)
@@ -124,14 +160,16 @@ class _TensorRTContext(_GpuContext):
         self._buckets: dict[int, _TrtBucket] = {}
         handle = self.stream.cuda_stream
         with torch.cuda.device(self.device):
+            self._scratch: Any = torch.empty(max(backend.scratch_bytes, 1), dtype=torch.uint8, device=self.device)
             for b in backend.buckets:
                 engine, profile = backend.profiles[b]
-                context = engine.create_execution_context()
+                context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
                 if context is None:
                     raise EnginesNotRunnable(f"TensorRT could not create an execution context for bucket {b} (out of "
                                              "GPU memory?); use fewer contexts or buckets")
                 if engine.num_optimization_profiles > 1:
                     context.set_optimization_profile_async(profile, handle)
+                context.set_device_memory(self._scratch.data_ptr(), backend.scratch_bytes)
                 values = _max_values(backend.spec, b)
                 for i in backend.spec.inputs:
                     if not context.set_input_shape(i.name, i.shape(values)):
@@ -152,9 +190,24 @@ class _TensorRTContext(_GpuContext):
                 if not backend.spec.dims:
                     self._set_shapes(b, state, CheckedFeed("numpy", {}, b, {}, ()))
                     if backend.cuda_graphs:
-                        launch = functools.partial(context.execute_async_v3, handle)
-                        captured = _capture(self.stream, launch, f"bucket {b}")
-                        state.graph = captured[0] if captured is not None else None
+                        state.graph = self._graph_for(b, context, handle)
+
+    def _graph_for(self, bucket: int, context: Any, handle: int) -> Any:
+        """Warm up and capture ``bucket`` under the compute order; the graph, or None (said once per backend)."""
+        backend = self._backend
+        launch = _CheckedLaunch(context.execute_async_v3, handle)
+        with backend.order.lock:  # after every run queued by the other contexts, as run() orders them
+            self.stream.wait_event(backend.order.done)
+            captured = _capture(self.stream, launch, f"bucket {bucket}")
+            backend.order.done.record(self.stream)
+        if captured is not None and launch.all_accepted:
+            return captured[0]
+        if not backend.graph_fallback_said:
+            why = ("TensorRT refused an enqueue during warm-up or capture" if not launch.all_accepted
+                   else "the capture failed")
+            log.warning("bucket %d: %s; running without CUDA graphs (see TensorRT's log above)", bucket, why)
+            backend.graph_fallback_said = True
+        return None
 
     def _set_shapes(self, bucket: int, state: _TrtBucket, call: CheckedFeed) -> None:
         values = _call_values(call, bucket)
@@ -179,7 +232,8 @@ class _TensorRTContext(_GpuContext):
 
     def close(self) -> None:
         super().close()
-        self._buckets.clear()
+        self._buckets.clear()  # the TensorRT contexts first: they use the scratch buffer until they go
+        self._scratch = None
 
 
 def _tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec, device: str | None,

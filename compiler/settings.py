@@ -8,7 +8,8 @@ from pathlib import Path
 from compiler.errors import InputError
 from compiler.specs import ModelSpec
 
-__all__ = ["ModelSource", "ExportSettings", "BuildSettings", "DEFAULT_BUCKETS", "PRECISIONS"]
+__all__ = ["ModelSource", "ExportSettings", "BuildSettings", "DEFAULT_BUCKETS", "PRECISIONS", "HARDWARE_COMPAT_LEVELS",
+           "hardware_compat_level"]
 
 DEFAULT_BUCKETS = (1, 4, 8, 16)
 
@@ -58,6 +59,21 @@ class ExportSettings:
 
 
 PRECISIONS = ("fp32", "fp16", "int8")
+# TensorRT's HardwareCompatibilityLevel, as trtc spells it: "none" (the default) targets the GPU model the engine is
+# built on; "same-compute-capability" any GPU of its compute capability; "ampere-plus" any GPU of capability 8.0+
+HARDWARE_COMPAT_LEVELS = ("none", "same-compute-capability", "ampere-plus")
+
+
+def hardware_compat_level(value: object) -> str:
+    """A hardware-compatibility level from a setting or an older manifest (a bool there: True was AMPERE_PLUS)."""
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "ampere-plus"
+    level = str(value).strip().lower().replace("_", "-")
+    if level not in HARDWARE_COMPAT_LEVELS:
+        raise InputError(f"--hardware-compat {value!r}: use one of {', '.join(HARDWARE_COMPAT_LEVELS)}")
+    return level
 
 
 @dataclass(frozen=True)
@@ -69,11 +85,14 @@ class BuildSettings:
     multi_profile: bool = False  # one engine, one optimization profile per bucket
     workspace_mib: int | None = None  # builder workspace limit; None = TensorRT's default (device memory)
     opt_level: int = 3  # builder optimization level 0-5
-    hardware_compat: bool = False  # Ampere+ hardware compatibility (HardwareCompatibilityLevel.AMPERE_PLUS)
+    hardware_compat: str = "none"  # a HARDWARE_COMPAT_LEVELS entry (TensorRT's HardwareCompatibilityLevel)
     version_compatible: bool = False  # engines later TensorRT versions can run (VERSION_COMPATIBLE flag)
     timing_cache: Path | None = None  # shared across models; DIR/timing.cache is always used as well
     engine: str = "tensorrt"  # "tensorrt" | "none"
     jobs: int = 1  # parallel builds, one process per GPU
+    # FP32 layers may use TF32 tensor cores (10 mantissa bits), as in TensorRT's and trtexec's default; False keeps
+    # them strict FP32. Layers the graph puts in FP16/INT8 are not affected.
+    tf32: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -84,5 +103,6 @@ class BuildSettings:
             raise InputError(f"--workspace {self.workspace_mib} MiB must be positive")
         if self.engine not in ("tensorrt", "none"):
             raise InputError(f"--engine {self.engine!r}: use tensorrt or none")
+        object.__setattr__(self, "hardware_compat", hardware_compat_level(self.hardware_compat))
         if self.jobs < 1:
             raise InputError(f"--jobs {self.jobs} must be at least 1")

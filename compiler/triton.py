@@ -12,6 +12,11 @@ batcher forms batches of any size up to ``max_batch_size`` and does not pad them
 only exported when its profiles take every batch size from 1 to the largest bucket (one plan
 file holding a profile per bucket: ``trtc build --multi-profile``); otherwise ``auto`` falls
 back to the ONNX Runtime variant and says why.
+
+Triton loads a plan only with the TensorRT that built it (its container's TensorRT), or, for a
+plan built ``--version-compatible``, a later TensorRT of the same major when Triton runs with
+``--backend-config=tensorrt,version-compatible=true``. ``1/tensorrt_version.txt`` beside
+``model.plan`` says which (the version on its first line), and the command prints it.
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ from compiler.errors import InputError
 from compiler.manifest import spec_from_manifest
 from compiler.specs import BATCH_DIM, ModelSpec
 
-__all__ = ["TritonModel", "triton_repository", "model_config_text", "TRITON_BACKENDS"]
+__all__ = ["TritonModel", "triton_repository", "model_config_text", "plan_requirement", "TRITON_BACKENDS",
+           "PLAN_VERSION_FILE"]
 
 log = logging.getLogger(__name__)
 
 TRITON_BACKENDS = ("auto", "tensorrt", "onnxruntime")
 PLATFORMS = {"tensorrt": "tensorrt_plan", "onnxruntime": "onnxruntime_onnx"}
 MODEL_FILES = {"tensorrt": "model.plan", "onnxruntime": "model.onnx"}
+PLAN_VERSION_FILE = "tensorrt_version.txt"  # beside model.plan
 # ONNX TensorProto element types -> Triton's DataType (model_config.proto)
 TRITON_TYPES = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 4: "TYPE_UINT16", 5: "TYPE_INT16", 6: "TYPE_INT32",
                 7: "TYPE_INT64", 8: "TYPE_STRING", 9: "TYPE_BOOL", 10: "TYPE_FP16", 11: "TYPE_FP64", 12: "TYPE_UINT32",
@@ -158,6 +165,19 @@ def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, t
     return directory / files[0], profiles, largest
 
 
+def plan_requirement(manifest: dict[str, Any]) -> tuple[str, str]:
+    """(TensorRT version, one line saying which Triton can load the plan) for a directory's engines."""
+    version = str((manifest.get("environment") or {}).get("tensorrt") or "unknown")
+    if (manifest.get("build") or {}).get("version_compatible"):
+        major = version.split(".")[0]
+        return version, (f"model.plan was built version-compatible with TensorRT {version}: Triton loads it with "
+                         f"TensorRT {version} or a later {major}.x when started with "
+                         "--backend-config=tensorrt,version-compatible=true")
+    return version, (f"model.plan was built with TensorRT {version}: Triton loads it only if its TensorRT is "
+                     f"exactly {version} (pick the Triton container that ships it), or rebuild with "
+                     "--version-compatible")
+
+
 def triton_repository(directory: str | Path, repo: str | Path, *, name: str | None = None, backend: str = "auto",
                       instances: int = 1, max_wait_ms: float = 10.0, force: bool = False) -> Path:
     """Write ``repo/NAME`` (config.pbtxt, 1/model.plan or 1/model.onnx + data); returns that folder.
@@ -214,6 +234,9 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
         version.mkdir(parents=True)
         if plan is not None:
             shutil.copyfile(plan[0], version / MODEL_FILES["tensorrt"])
+            trt_version, requirement = plan_requirement(manifest)
+            (version / PLAN_VERSION_FILE).write_text(f"{trt_version}\n{requirement}\n")
+            log.info("%s", requirement)
         else:
             graph, *data = onnx_files(onnx_path)
             shutil.copyfile(graph, version / MODEL_FILES["onnxruntime"])

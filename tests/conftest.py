@@ -52,26 +52,29 @@ H200_ENV = {"tensorrt": "10.13.0.35", "cuda_runtime": "12.9", "cuda_driver": "12
 FAKE_ENGINE_HEADER = b"FAKE ENGINE WRITTEN BY A TEST DOUBLE - NOT A TENSORRT ENGINE\n"
 
 
-def fake_engine_build_step_for_tests(loader: Any) -> tuple[bytes, str]:
+def fake_engine_build_step_for_tests(loader: Any, profiles: list[Any] | None = None) -> tuple[bytes, list[str]]:
     """TEST DOUBLE OF THE BUILD STEP ONLY: no TensorRT is involved and the bytes are not an engine.
 
     Stands in for ``compiler.engines.tensorrt_build_step`` so that everything around a build (engine
     files, manifest entries, staleness, rebuild, merge, atomic commits) runs for real where TensorRT
     cannot be installed. The "engine" is derived from the ONNX file's sha256, the loader's optimization
-    profiles and the GPU the worker was pinned to; the timing cache is appended to, as Polygraphy's
-    ``save_timing_cache`` does after a real build.
+    profiles and the GPU the worker was pinned to; the timing cache is appended to under Polygraphy's own
+    file lock, as Polygraphy's ``save_timing_cache`` does after a real build (leaving ``timing.cache.lock``).
+    One layer-information JSON per profile (``profiles``, else the loader's), as the real step returns.
     """
+    from polygraphy import util
+
     from compiler.files import sha256_file
 
     network, create_config = loader._network, loader._config._config  # Polygraphy keeps its chain private
-    profiles = [{name: [list(s.min), list(s.opt), list(s.max)] for name, s in profile.items()}
-                for profile in create_config.profiles]
-    record = {"onnx_sha256": sha256_file(network.path), "profiles": profiles,
-              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-    with open(loader.timing_cache_path, "ab") as cache:
-        cache.write(json.dumps(profiles).encode() + b"\n")
+    built = [{name: [list(s.min), list(s.opt), list(s.max)] for name, s in profile.items()}
+             for profile in create_config.profiles]
+    record = {"onnx_sha256": sha256_file(network.path), "profiles": built,
+              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "tf32": create_config.tf32}
+    with util.LockFile(loader.timing_cache_path), open(loader.timing_cache_path, "ab") as cache:
+        cache.write(json.dumps(built).encode() + b"\n")
     layers = {"Layers": [{"Name": "fc + relu", "Outputs": [{"Name": "y", "DataType": "Float"}]}]}
-    return FAKE_ENGINE_HEADER + json.dumps(record).encode(), json.dumps(layers)
+    return FAKE_ENGINE_HEADER + json.dumps(record).encode(), [json.dumps(layers)] * len(profiles or built)
 
 
 @pytest.fixture

@@ -79,9 +79,33 @@ def test_version_compatible_directory_is_fresh_on_a_newer_tensorrt(exported_dir:
     assert len(stale_engines(exported_dir, env={**H200, "tensorrt": "10.12.0.36"})) == 2
 
 
+H100 = {**H200, "gpu": "NVIDIA H100 80GB HBM3"}  # compute capability 9.0, like the H200
+GH200 = {**H200, "gpu": "NVIDIA GH200 480GB"}
+
+
+def test_the_gpu_compatibility_rule_per_hardware_compat_level() -> None:
+    assert gpu_can_run(H200, H200, "none") and not gpu_can_run(H100, H200, "none")  # same capability, other model
+    assert not gpu_can_run(H200, GH200, "none") and not gpu_can_run(A100, H200, "none")
+    assert gpu_can_run(H100, H200, "same-compute-capability") and gpu_can_run(H100, GH200, "same-compute-capability")
+    assert not gpu_can_run(A100, H200, "same-compute-capability")
+    assert gpu_can_run(A100, H200, "ampere-plus") and not gpu_can_run(A100, T4, "ampere-plus")
+    assert gpu_can_run(A100, H200, True) and not gpu_can_run(A100, H200, False)  # older manifests' bools
+    unnamed = {**H200, "gpu": None}
+    assert gpu_can_run(unnamed, H100, "none")  # without a recorded name the compute capability decides
+
+
+def test_another_gpu_model_of_the_same_compute_capability_makes_engines_stale(exported_dir: Path) -> None:
+    _built(exported_dir)
+    stale = stale_engines(exported_dir, env=H100)
+    assert len(stale) == 2 and "built on NVIDIA H200 (compute capability 9.0), this is NVIDIA H100" in stale[0].reason
+    assert "--hardware-compat same-compute-capability" in stale[0].reason
+    _built(exported_dir, hardware_compat="same-compute-capability")
+    assert stale_engines(exported_dir, env=H100) == [] and stale_engines(exported_dir, env=GH200) == []
+    assert len(stale_engines(exported_dir, env=A100)) == 2
+    assert read_manifest(exported_dir)["build"]["hardware_compat"] == "same-compute-capability"
+
+
 def test_another_gpu_makes_engines_stale_unless_hardware_compatible(exported_dir: Path) -> None:
-    assert gpu_can_run("8.0", "9.0", hardware_compat=True) and not gpu_can_run("8.0", "9.0", hardware_compat=False)
-    assert not gpu_can_run("8.6", "7.5", hardware_compat=True)
     _built(exported_dir)
     stale = stale_engines(exported_dir, env=A100)
     assert len(stale) == 2 and "compute capability 9.0" in stale[0].reason and "8.0" in stale[0].reason
@@ -165,11 +189,11 @@ def test_a_failing_build_leaves_the_previous_engines_and_manifest_byte_identical
     before = _snapshot(exported_dir)
     calls = []
 
-    def fails_on_the_second_engine(loader: Any) -> tuple[bytes, str]:
+    def fails_on_the_second_engine(loader: Any, profiles: list[Any]) -> tuple[bytes, list[str]]:
         calls.append(loader)
         if len(calls) == 2:
             raise BuildError("TensorRT failed to build the engine (test double of a failing build)")
-        return fake_engine_build_step_for_tests(loader)
+        return fake_engine_build_step_for_tests(loader, profiles)
 
     with pytest.raises(BuildError, match="test double"):
         rebuild_directory(exported_dir, if_stale=False, build_step=fails_on_the_second_engine, env=A100)

@@ -9,18 +9,22 @@ build real engines and are skipped, with the reason, where TensorRT or a GPU is 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from compiler.engines import (
     NOT_INSTALLED,
     TensorRTEnumOptions,
     build_engine_files,
+    build_workers,
     describe_parser_errors,
     engine_loader,
+    engine_profile_shapes,
     environment,
     layer_summary,
     multi_profile_shapes,
@@ -28,9 +32,12 @@ from compiler.engines import (
     require_tensorrt,
     settings_from_dict,
     settings_to_dict,
+    shared_timing_cache_problem,
     tensorrt_version,
+    tensorrt_version_problem,
+    timing_cache_key,
 )
-from compiler.errors import BuildError, TensorRTNotInstalled
+from compiler.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.files import sha256_file, staging_dir
 from compiler.manifest import read_manifest, spec_from_manifest
 from compiler.settings import BuildSettings
@@ -65,7 +72,7 @@ def test_engine_loader_carries_profiles_settings_and_timing_cache(tmp_path: Path
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, PostprocessConfig
 
     cache = tmp_path / "timing.cache"
-    settings = BuildSettings(buckets=(1, 4), workspace_mib=512, opt_level=5, hardware_compat=True,
+    settings = BuildSettings(buckets=(1, 4), workspace_mib=512, opt_level=5, hardware_compat="ampere-plus",
                              version_compatible=True)
     loader = engine_loader(tmp_path / "model.onnx", TRANSFORMER, [4], settings, cache)
     assert isinstance(loader, EngineBytesFromNetwork) and isinstance(loader._config, PostprocessConfig)
@@ -78,8 +85,9 @@ def test_engine_loader_carries_profiles_settings_and_timing_cache(tmp_path: Path
     assert (tuple(ids.min), tuple(ids.opt), tuple(ids.max)) == ((4, 1), (4, 16), (4, 64))
     assert config.builder_optimization_level == 5
     assert config.version_compatible is True and not config.exclude_lean_runtime  # the engine is self-contained
-    assert (config.fp16, config.int8, config.tf32) == (False, False, False)  # precision comes from the graph
-    assert options == TensorRTEnumOptions(workspace_bytes=512 << 20, hardware_compat=True)
+    assert (config.fp16, config.int8) == (False, False)  # precision comes from the graph
+    assert config.tf32 is True  # FP32 layers may use TF32, as in TensorRT's own default (Polygraphy's is off)
+    assert options == TensorRTEnumOptions(workspace_bytes=512 << 20, hardware_compat="ampere-plus")
     assert config.timing_cache_path is None  # nothing to load yet: no warning about a missing file
     assert loader.timing_cache_path == str(cache)  # saved (merged into) after the build
 
@@ -89,7 +97,12 @@ def test_engine_loader_carries_profiles_settings_and_timing_cache(tmp_path: Path
     assert config.timing_cache_path == str(cache)  # loaded before the build
     assert [tuple(p["attention_mask"].max) for p in config.profiles] == [(1, 64), (4, 64), (8, 64)]
     assert config.builder_optimization_level == 3 and not config.version_compatible
-    assert options == TensorRTEnumOptions(workspace_bytes=None, hardware_compat=False)
+    assert options == TensorRTEnumOptions(workspace_bytes=None, hardware_compat="none")
+    strict = engine_loader(tmp_path / "model.onnx", TRANSFORMER, [1], BuildSettings(tf32=False), cache)
+    assert _chain(strict)[1].tf32 is False
+    same_cc = engine_loader(tmp_path / "model.onnx", TRANSFORMER, [1],
+                            BuildSettings(hardware_compat="same-compute-capability"), cache)
+    assert _chain(same_cc)[2].hardware_compat == "same-compute-capability"
 
 
 def _build(directory: Path, settings: BuildSettings, step: Any = fake_engine_build_step_for_tests,
@@ -129,6 +142,36 @@ def test_multi_profile_builds_one_engine_with_a_profile_per_bucket(exported_dir:
         (8, "engines/profiles_b1_4_8.engine", 2)]
     record = json.loads(files["engines/profiles_b1_4_8.engine"][len(FAKE_ENGINE_HEADER):])
     assert [p["x"][0] for p in record["profiles"]] == [[1, 64], [2, 64], [5, 64]]  # min shapes: 1, 2-4, 5-8
+    # the manifest records the shapes the builder was given, profile by profile
+    assert [e["shapes"]["x"] for e in entries] == [
+        {"min": p["x"][0], "opt": p["x"][1], "max": p["x"][2]} for p in record["profiles"]]
+    assert [e["layers"]["file"] for e in entries] == [f"engines/profiles_b1_4_8.p{k}.layers.json" for k in range(3)]
+    assert all(e["layers"]["file"] in files for e in entries)
+
+
+def test_engine_profile_shapes_is_the_one_plan_for_builder_and_manifest() -> None:
+    assert engine_profile_shapes(TRANSFORMER, [8, 1], multi_profile=True) == multi_profile_shapes(TRANSFORMER, [1, 8])
+    assert engine_profile_shapes(TRANSFORMER, [4], multi_profile=False) == [profile_shapes(TRANSFORMER, 4)]
+
+
+def test_a_multi_profile_build_exports_to_triton_as_a_plan(exported_dir: Path, tmp_path: Path) -> None:
+    from compiler.engines import manifest_engine_keys
+    from compiler.manifest import write_manifest
+    from compiler.triton import PLAN_VERSION_FILE, triton_repository
+
+    settings = BuildSettings(buckets=(1, 4), multi_profile=True)
+    spec = spec_from_manifest(read_manifest(exported_dir))
+    with staging_dir(exported_dir) as stage:
+        entries = build_engine_files(exported_dir, stage, "model.onnx", spec, settings,
+                                     fake_engine_build_step_for_tests, env=ENV)
+        (exported_dir / "engines").mkdir()
+        (exported_dir / entries[0]["file"]).write_bytes((stage / entries[0]["file"]).read_bytes())
+    write_manifest(exported_dir / "manifest.json",
+                   {**read_manifest(exported_dir), **manifest_engine_keys(settings, ENV, entries)})
+    folder = triton_repository(exported_dir, tmp_path / "repo", backend="tensorrt")  # the profiles cover 1..4
+    assert (folder / "1" / "model.plan").read_bytes() == (exported_dir / entries[0]["file"]).read_bytes()
+    version, requirement = (folder / "1" / PLAN_VERSION_FILE).read_text().splitlines()
+    assert version == ENV["tensorrt"] and f"exactly {ENV['tensorrt']}" in requirement
 
 
 def test_jobs_build_buckets_in_processes_pinned_to_one_gpu_each(exported_dir: Path,
@@ -142,9 +185,42 @@ def test_jobs_build_buckets_in_processes_pinned_to_one_gpu_each(exported_dir: Pa
         (e["bucket"], e["file"], e["shapes"]) for e in serial]
 
 
+def test_build_workers_one_per_gpu_and_one_without_a_gpu_list() -> None:
+    assert build_workers(4, 4, []) == 1  # unpinned builds on one GPU would time tactics under contention
+    assert build_workers(4, 4, ["0", "1"]) == 2
+    assert build_workers(2, 4, ["0", "1", "2"]) == 2 and build_workers(8, 3, ["0"] * 8) == 3
+    assert build_workers(1, 4, ["0", "1"]) == 1 and build_workers(4, 1, ["0", "1"]) == 1
+
+
+def test_jobs_without_a_gpu_list_builds_in_this_process(exported_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr("compiler.engines._build_in_parallel", None)  # calling it would fail the test
+    entries, _ = _build(exported_dir, BuildSettings(buckets=(1, 4), jobs=4))
+    assert [e["bucket"] for e in entries] == [1, 4]
+
+
+def test_timing_cache_key_is_tensorrt_version_and_gpu() -> None:
+    key = timing_cache_key({**ENV, "driver": "1", "platform": "x"})
+    assert key == {"tensorrt": "10.13.0.35", "gpu": "NVIDIA H200", "compute_capability": "9.0"}
+    assert timing_cache_key({**ENV, "gpu": "NVIDIA H100 80GB HBM3"}) != key  # same compute capability, other GPU
+
+
+def test_a_shared_timing_cache_of_another_tensorrt_or_gpu_is_refused(exported_dir: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared.cache"
+    assert shared_timing_cache_problem(shared, ENV) is None  # a new one
+    shared.write_bytes(b"timings of unknown origin\n")
+    with pytest.raises(InputError, match=r"does not record which TensorRT and GPU.*--timing-cache another path"):
+        _build(exported_dir, BuildSettings(buckets=(1,), timing_cache=shared))
+    (tmp_path / "shared.cache.key.json").write_text(json.dumps(timing_cache_key({**ENV, "tensorrt": "10.12.0.36"})))
+    with pytest.raises(InputError, match=r"TensorRT 10\.12\.0\.36 on NVIDIA H200, this build is TensorRT 10\.13"):
+        _build(exported_dir, BuildSettings(buckets=(1,), timing_cache=shared))
+    assert not list(exported_dir.glob(".staging-*")) and not (exported_dir / "engines").exists()
+
+
 def test_timing_cache_comes_from_the_directory_else_the_shared_one(exported_dir: Path, tmp_path: Path) -> None:
     shared = tmp_path / "shared.cache"
     shared.write_bytes(b"shared timings\n")
+    (tmp_path / "shared.cache.key.json").write_text(json.dumps(timing_cache_key(ENV)))
     settings = BuildSettings(buckets=(1,), timing_cache=shared)
     _, files = _build(exported_dir, settings)
     assert files["timing.cache"].startswith(b"shared timings\n")  # no DIR/timing.cache yet
@@ -154,14 +230,18 @@ def test_timing_cache_comes_from_the_directory_else_the_shared_one(exported_dir:
     (exported_dir / "timing.cache").write_bytes(b"this directory's timings\n")
     _, files = _build(exported_dir, settings)
     assert files["timing.cache"].startswith(b"this directory's timings\n")
-    _, files = _build(exported_dir, settings, env={**ENV, "gpu": "NVIDIA A100", "compute_capability": "8.0"})
-    assert files["timing.cache"].startswith(b"shared timings\n")  # DIR's was timed on another GPU
+    a100 = {**ENV, "gpu": "NVIDIA A100", "compute_capability": "8.0"}
+    shared_a100 = tmp_path / "a100.cache"
+    shared_a100.write_bytes(b"A100 timings\n")
+    (tmp_path / "a100.cache.key.json").write_text(json.dumps(timing_cache_key(a100)))
+    _, files = _build(exported_dir, replace(settings, timing_cache=shared_a100), env=a100)
+    assert files["timing.cache"].startswith(b"A100 timings\n")  # DIR's was timed on another GPU
     assert shared.read_bytes() == b"shared timings\n"  # only a real build merges into the shared cache
 
 
 def test_hardware_compat_needs_an_ampere_or_newer_gpu_to_build_on(exported_dir: Path) -> None:
     with pytest.raises(BuildError, match=r"Ampere or newer GPU.*7\.5"):
-        _build(exported_dir, BuildSettings(buckets=(1,), hardware_compat=True),
+        _build(exported_dir, BuildSettings(buckets=(1,), hardware_compat="ampere-plus"),
                env={**ENV, "gpu": "Tesla T4", "compute_capability": "7.5"})
 
 
@@ -241,20 +321,36 @@ def test_parser_errors_name_the_node_and_operator() -> None:
 
 
 def test_environment_answers_without_failing_and_records_the_compat_settings() -> None:
-    env = environment(BuildSettings(hardware_compat=True))
+    env = environment(BuildSettings(hardware_compat="ampere-plus"))
     assert set(env) >= {"tensorrt", "cuda_runtime", "cuda_driver", "driver", "gpu", "compute_capability",
                         "platform", "hardware_compat", "version_compatible"}
     assert env["tensorrt"] == tensorrt_version()
-    assert env["hardware_compat"] is True and env["version_compatible"] is False
+    assert env["hardware_compat"] == "ampere-plus" and env["version_compatible"] is False
     json.dumps(env)  # goes into the manifest as it is
 
 
 def test_build_settings_round_trip_through_the_manifest() -> None:
     settings = BuildSettings(buckets=(1, 8), precision="int8", multi_profile=True, workspace_mib=64, opt_level=4,
-                             hardware_compat=True, version_compatible=True, timing_cache=Path("/tmp/t.cache"), jobs=2)
+                             hardware_compat="same-compute-capability", version_compatible=True,
+                             timing_cache=Path("/tmp/t.cache"), jobs=2, tf32=False)
     stored = json.loads(json.dumps(settings_to_dict(settings)))
     assert stored["buckets"] == [1, 8] and stored["timing_cache"] == "/tmp/t.cache"
+    assert stored["tf32"] is False and stored["hardware_compat"] == "same-compute-capability"
     assert settings_from_dict({**stored, "from_a_newer_trtc": 1}) == settings
+    older = {k: v for k, v in stored.items() if k != "tf32"}
+    assert settings_from_dict({**older, "hardware_compat": True}).tf32 is False  # built with TF32 off back then
+    assert settings_from_dict({**older, "hardware_compat": True}).hardware_compat == "ampere-plus"
+    assert BuildSettings().tf32 is True and BuildSettings().hardware_compat == "none"
+    with pytest.raises(InputError, match="use one of none, same-compute-capability, ampere-plus"):
+        BuildSettings(hardware_compat="turing-plus")
+
+
+def test_tensorrt_older_than_10_12_is_refused_in_one_line() -> None:
+    assert tensorrt_version_problem("10.12.0.36") is None and tensorrt_version_problem("11.0.0.5") is None
+    for old in ("10.11.0.33", "10.8.0.43", "8.6.1"):
+        problem = tensorrt_version_problem(old)
+        assert problem == (f"TensorRT {old} is too old: trtc needs 10.12 or later (strongly typed networks are "
+                           "complete from 10.12); install trtc[tensorrt] to get a supported version")
 
 
 def _sha(data: bytes) -> str:
@@ -331,3 +427,58 @@ def test_gpu_facts_from_nvidia_smi_as_an_h200_prints_them(monkeypatch: pytest.Mo
     assert engines._gpu_from_nvidia_smi() == {"gpu": "NVIDIA H200", "driver": "580.159.04",
                                               "compute_capability": "9.0", "cuda_driver": "13.0"}
     assert engines.visible_gpus() == ["0"]
+
+
+def _build_settings_from_command_line(*args: str) -> BuildSettings:
+    from compiler.cli import build_settings_from, cli
+
+    command = cli.commands["build"]
+    context = command.make_context("build", ["model.onnx", *args])
+    return build_settings_from(context.params, {}, (1,), "fp32")
+
+
+def test_build_options_for_tf32_and_hardware_compat_levels() -> None:
+    assert _build_settings_from_command_line().tf32 is True
+    assert _build_settings_from_command_line("--no-tf32").tf32 is False
+    assert _build_settings_from_command_line("--hardware-compat").hardware_compat == "ampere-plus"
+    assert _build_settings_from_command_line("--hardware-compat", "same-compute-capability").hardware_compat == (
+        "same-compute-capability")
+    assert _build_settings_from_command_line().hardware_compat == "none"
+    from compiler.cli import cli
+
+    result = CliRunner().invoke(cli, ["build", "--help"], terminal_width=200)
+    assert "--tf32 / --no-tf32" in result.output and "same-compute-" in result.output
+
+
+def test_a_graph_is_kept_only_when_tensorrt_accepted_every_enqueue() -> None:
+    from compiler.runtime_tensorrt import _CheckedLaunch
+
+    answers = iter([True, True, False, True])  # warm-up x3, then the capture: the third was refused
+    launch = _CheckedLaunch(lambda stream: next(answers), stream_handle=7)
+    assert [launch() for _ in range(4)] == [True, True, False, True]
+    assert launch.calls == 4 and launch.all_accepted is False
+    accepted = _CheckedLaunch(lambda stream: stream == 7, stream_handle=7)
+    accepted()
+    assert accepted.all_accepted is True
+
+
+def test_the_build_step_inspects_each_profile_at_the_shapes_the_engine_was_built_for(exported_dir: Path) -> None:
+    given: list[Any] = []
+
+    def recording_step(loader: Any, profiles: list[Any]) -> tuple[bytes, list[str]]:
+        given.append(profiles)
+        return fake_engine_build_step_for_tests(loader, profiles)
+
+    spec = spec_from_manifest(read_manifest(exported_dir))
+    _build(exported_dir, BuildSettings(buckets=(1, 4, 8), multi_profile=True), step=recording_step)
+    assert given == [engine_profile_shapes(spec, (1, 4, 8), multi_profile=True)]  # opt shapes per profile from here
+
+
+def test_the_declared_tensorrt_and_polygraphy_floors_are_the_checked_ones() -> None:
+    from compiler.engines import MIN_TENSORRT
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["tensorrt"] == [f"tensorrt>={MIN_TENSORRT[0]}.{MIN_TENSORRT[1]},<12"]
+    assert "polygraphy>=0.53" in project["dependencies"]  # 0.49.0-0.49.5 set EXPLICIT_BATCH, gone in TensorRT 11

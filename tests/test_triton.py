@@ -121,6 +121,7 @@ def with_engines(source: Path, target: Path, ranged: bool, one_file: bool = True
                         "shapes": {"x": {"min": [low, 64], "opt": [bucket, 64], "max": [bucket, 64]}}})
     manifest = json.loads((target / "manifest.json").read_text())
     manifest["engines"] = entries
+    manifest["environment"] = {"tensorrt": "10.13.0.35"}
     write_manifest(target / "manifest.json", manifest)
     return target
 
@@ -164,7 +165,19 @@ def test_plan_with_a_profile_per_bucket(dirs: dict[str, Path], tmp_path: Path) -
     group = config.instance_group[0]
     assert group.kind == 1 and list(group.profile) == ["0", "1", "2", "3"]  # KIND_GPU
     assert (folder / "1" / "model.plan").read_bytes() == (directory / "engines/profiles_b1_4_8_16.engine").read_bytes()
-    assert sorted(p.name for p in (folder / "1").iterdir()) == ["model.plan"]
+    assert sorted(p.name for p in (folder / "1").iterdir()) == ["model.plan", "tensorrt_version.txt"]
+    version, requirement = (folder / "1" / "tensorrt_version.txt").read_text().splitlines()
+    assert version == "10.13.0.35" and "only if its TensorRT is exactly 10.13.0.35" in requirement
+
+
+def test_a_version_compatible_plan_names_the_triton_option(dirs: dict[str, Path], tmp_path: Path) -> None:
+    directory = with_engines(dirs["mlp"], tmp_path / "m", ranged=True)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    write_manifest(directory / "manifest.json", {**manifest, "build": {"version_compatible": True}})
+    result = CliRunner().invoke(cli, ["export-triton", str(directory), "--repo", str(tmp_path / "repo")])
+    assert result.exit_code == 0, result.output
+    assert ("built version-compatible with TensorRT 10.13.0.35: Triton loads it with TensorRT 10.13.0.35 or a later "
+            "10.x when started with --backend-config=tensorrt,version-compatible=true") in result.output
 
 
 def test_plans_triton_cannot_serve_are_refused_or_replaced(dirs: dict[str, Path], tmp_path: Path,
