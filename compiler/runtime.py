@@ -58,8 +58,8 @@ from compiler.runtime_tensorrt import EnginesNotRunnable, _tensorrt_backend
 from compiler.runtime_torch import _TorchBackend
 from compiler.specs import BATCH_DIM, DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
 
-__all__ = ["load", "engines_from_module", "onnx_for_precision", "tf32_policy", "tensorrt_available", "Engines", "CheckedFeed",
-           "FeedError", "EnginesNotRunnable", "BACKENDS"]
+__all__ = ["load", "engines_from_module", "onnx_for_precision", "tf32_policy", "tensorrt_available", "Engines",
+           "CheckedFeed", "FeedError", "EnginesNotRunnable", "BACKENDS"]
 
 log = logging.getLogger(__name__)
 

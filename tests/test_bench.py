@@ -102,7 +102,7 @@ def test_accuracy_columns_against_the_eager_reference(report: dict[str, Any]) ->
     by = rows(report)
     for b in (1, 4):
         assert by[("torch/fp32", b)]["accuracy"] == {"max_abs": 0.0, "max_rel": 0.0, "cosine": pytest.approx(1.0),
-                                                     "top1_agreement": 1.0}
+                                                     "top1_agreement": 1.0, "data": report["inputs"]["source"]}
         fp32 = by[("onnxruntime/fp32", b)]["accuracy"]
         assert fp32["max_abs"] < 1e-4 and fp32["cosine"] > 0.99999 and fp32["top1_agreement"] == 1.0
         fp16 = by[("onnxruntime/fp16", b)]["accuracy"]
@@ -186,7 +186,7 @@ def _run_cli(args: list[str]) -> Any:
 
 
 def test_baseline_regression_exit_codes(build: Path, tmp_path: Path) -> None:
-    first = _run_cli([str(build), "--backends", "onnxruntime,tensorrt", "--buckets", "1", "--no-plot",
+    first = _run_cli([str(build), "--backends", "onnxruntime,tensorrt", "--buckets", "1", "--no-plot", "--wide",
                       "--report-dir", str(tmp_path / "first")])
     assert first.exit_code == 0, first.output
     assert "onnxruntime/fp32" in first.output and "CPU EP" in first.output and "│ torch/fp32" not in first.output
@@ -273,6 +273,8 @@ def test_the_eager_model_loads_from_a_factory_source(tmp_path: Path) -> None:
 
 class CountingRunner:
     """A runner that sleeps a fixed time per launch and counts its calls (for the timing loop alone)."""
+
+    stream = None
 
     def __init__(self, seconds: float) -> None:
         self.name, self.device, self.input_names, self.output_names = "counting", "cpu", ["x"], ["y"]
