@@ -186,3 +186,32 @@ def test_bad_settings() -> None:
 
     with pytest.raises(InputError, match="max_batch=0"):
         DynamicBatcher(Fake(), max_batch=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/serving_gpu.py --smoke: builds, engines(x), the batcher and map for each context count, one JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "serving.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "serving_gpu.py"), "--smoke", "--models", "cnn",
+                           "--backends", "onnxruntime", "--requests", "120", "--out", str(out), "--work",
+                           str(tmp_path / "work")], capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["kind"] == "trtc-serving-bench" and report["smoke"] is True
+    runs = {(r["precision"], r["contexts"]): r for r in report["runs"]}
+    assert set(runs) == {("fp32", 1), ("fp32", 2), ("fp16", 1), ("fp16", 2)}
+    for r in runs.values():
+        batcher = r["batcher"]
+        assert batcher["answered"] == 120 and batcher["lost"] == batcher["misrouted"] == batcher["duplicated_rows"] == 0
+        assert r["bound"]["rows_per_s"] > 0 and batcher["p99_ms"] >= batcher["p50_ms"] > 0
+        assert r["map"]["bound_ms"] == max(r["map"]["copy_ms"], r["map"]["compute_ms"], r["map"]["post_ms"])
+        assert set(r["targets"]) == {"batcher_throughput", "batcher_p99", "batcher_nothing_lost", "map_vs_bound",
+                                     "map_not_slower_than_loop"} and r["targets"]["batcher_nothing_lost"]
+    assert "serving at its bound" in done.stdout
