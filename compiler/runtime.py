@@ -388,7 +388,9 @@ class Engines:
         on a CPU backend with the compute in a second thread. A buffer set is given back as soon
         as its outputs are copied out, before ``postprocess`` runs, so post-processing never holds
         up the copies and compute of the next batches. Everything is synchronized before the last
-        result is yielded; leaving the loop early stops the work.
+        result is yielded; leaving the loop early stops the work. Where the host cannot be free while
+        a batch computes (eager torch without CUDA graphs launches every kernel under the GIL; a
+        one-core CPU) it runs the plain loop instead, which is then at least as fast.
         """
         if depth < 1:
             raise InputError(f"depth={depth}: map needs at least one buffer set")
