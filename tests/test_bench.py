@@ -344,12 +344,12 @@ def test_an_engine_is_labelled_with_the_precision_of_its_onnx(build: Path) -> No
 @pytest.mark.gpu
 def test_cuda_backends_time_with_events_and_measure_memory(build: Path, tmp_path: Path) -> None:
     settings = BenchSettings(iterations=3, min_seconds=0.0, warmup=1, warmup_seconds=0.0,
-                             backends=("torch", "torch-cudagraph"), report_dir=tmp_path)
+                             backends=("torch", "torch-cudagraph"), report_dir=tmp_path, tf32=False)  # FP32 is FP32
     data = bench_directory(build, settings).data
     by = rows(data)
     assert set(by) == {(n, b) for n in ("torch/fp32", "torch/fp16", "torch-cudagraph/fp32", "torch-cudagraph/fp16")
                        for b in (1, 4)}
-    assert data["device"] == "cuda" and data["machine"]["gpu"]
+    assert data["device"] == "cuda" and data["machine"]["gpu"] and data["tf32"]["enabled"] is False
     for r in data["results"]:
         assert r["device"] == "cuda" and r["clock"] == "cuda_event"
         assert 0 < r["latency_ms"]["p50"] <= r["e2e_ms"]["p50"] * 1.05  # end to end holds the device time
