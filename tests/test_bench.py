@@ -477,3 +477,20 @@ def test_the_table_fits_120_columns_and_says_when_there_is_no_reference(report: 
     no_torch = dict(report, results=[r for r in report["results"] if r["backend"] != "torch"])
     table = bench_renderables(BenchReport(no_torch, bench.json_path, bench.csv_path, None))[0]
     assert "no torch/fp32 row" in str(table.title) and "speed-up" not in [c.header for c in table.columns]
+
+
+@pytest.mark.gpu
+def test_cuda_onnxruntime_rows_run_the_serving_cuda_backend(build: Path, tmp_path: Path) -> None:
+    """ONNX Runtime on CUDA is timed on the serving context's stream: its kernels fall between the CUDA events."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
+    settings = BenchSettings(iterations=3, min_seconds=0.0, warmup=1, warmup_seconds=0.0, backends=("onnxruntime",),
+                             report_dir=tmp_path, tf32=False)
+    data = bench_directory(build, settings).data
+    assert {r["name"] for r in data["results"]} == {"onnxruntime/fp32", "onnxruntime/fp16"}
+    for r in data["results"]:
+        assert r["runner"] == "onnxruntime[CUDAExecutionProvider]" and r["clock"] == "cuda_event"
+        assert 0.005 < r["latency_ms"]["p50"] <= r["e2e_ms"]["p50"] * 1.05  # the run itself is inside the events
+        assert r["accuracy"]["cosine"] > 0.999
