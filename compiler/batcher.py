@@ -102,6 +102,7 @@ class DynamicBatcher:
         self._lanes: tuple[collections.deque[_Request], collections.deque[_Request]] = (
             collections.deque(), collections.deque())  # high priority, normal
         self._cond = threading.Condition()
+        self._queued = 0  # rows waiting in the lanes
         self._closed = False
         self._drain = True
         self._scratch = threading.local()  # per worker: input name -> reusable flat array
@@ -138,8 +139,13 @@ class DynamicBatcher:
         with self._cond:
             if self._closed:
                 raise BatcherClosed("the batcher is closed; make a new one")
+            was_empty = not (self._lanes[0] or self._lanes[1])
             self._lanes[0 if priority else 1].append(request)
-            self._cond.notify()
+            self._queued += request.rows
+            # wake a worker only when it has something new to do: a window to start, or a full batch. A wake-up per
+            # request (64 per batch of single requests) made the workers fight the submitting threads for the GIL.
+            if was_empty or self._queued - request.rows < self.max_batch <= self._queued:
+                self._cond.notify()
         return request.future
 
     def submit(self, x: Any, *, timeout: float | None = None, priority: bool = False) -> Any:
@@ -192,18 +198,20 @@ class DynamicBatcher:
                 for lane in self._lanes:
                     while lane:
                         _fail(lane.popleft(), BatcherClosed("the batcher was closed before this request ran"))
+                self._queued = 0
                 return None
             first = high[0] if high else normal[0]
             window_end = first.submitted + self.max_wait
-            while not self._closed and self._waiting_rows() < self.max_batch:
+            while not self._closed and self._queued < self.max_batch:
                 left = window_end - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            return self._take()
-
-    def _waiting_rows(self) -> int:
-        return sum(r.rows for lane in self._lanes for r in lane)
+            batch = self._take()
+            self._queued = sum(r.rows for lane in self._lanes for r in lane)
+            if self._queued:
+                self._cond.notify()  # what is left is another worker's next batch
+            return batch
 
     def _take(self) -> list[_Request]:
         """Pop the requests of one batch (high lane first), failing the expired ones on the way."""

@@ -238,3 +238,27 @@ def test_a_worker_packs_batches_into_one_reused_buffer(engines: Engines) -> None
     assert len(seen) == 2 and np.shares_memory(seen[0], seen[1])
     for i, out in enumerate(results):
         np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
+
+
+def test_workers_are_woken_per_batch_not_per_request(engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Single requests from many threads wake a worker when a window starts or a batch is full, not once each."""
+    import compiler.batcher as batcher_module
+
+    wakeups: list[int] = []
+
+    class Counting(threading.Condition):
+        def notify(self, n: int = 1) -> None:
+            wakeups.append(id(self))  # futures use conditions too: only the batcher's are counted below
+            super().notify(n)
+
+    monkeypatch.setattr(batcher_module.threading, "Condition", Counting)
+    gate = threading.Event()
+    recording = Recording(engines, gate)
+    with DynamicBatcher(recording, max_batch=16, max_wait_ms=2000, workers=1) as batcher:  # type: ignore[arg-type]
+        futures = [batcher.submit_async(rows(i)) for i in range(40)]
+        gate.set()
+        results = [f.result(timeout=10) for f in futures]
+    assert [len(b) for b in recording.batches] == [16, 16, 8]  # full batches go at once, without the 2 s window
+    assert 1 <= wakeups.count(id(batcher._cond)) <= 6  # was one per request: 40
+    for i, out in enumerate(results):
+        np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
