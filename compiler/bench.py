@@ -111,7 +111,7 @@ class BenchSettings:
     warmup_seconds: float = 0.5  # ...and at least this long
     seed: int = 0
     data: Path | None = None  # an .npz with one array per input name (first axis = samples); None: seeded random
-    ort_providers: tuple[str, ...] = ()  # empty: the best usable ones
+    ort_providers: tuple[str, ...] = ()  # empty: CUDA where usable, else the CPU; CPUExecutionProvider first: the CPU
     device: str | None = None  # for the torch backends: "cuda" or "cpu"; None: CUDA when present
     trust_pickle: bool = False  # load a pickled nn.Module source (runs code from the file)
     max_spread: float = 0.2  # (P90 - P50) / P50 above this is reported as a wide spread

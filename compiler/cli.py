@@ -497,8 +497,9 @@ def bench_settings_from(kw: dict[str, Any]) -> Any:
 @model_options
 @click.option("--buckets", type=BucketsType(), help="Batch sizes to run (default: the build's buckets).")
 @click.option("--backends", metavar="NAME,...", help="Run only these: torch, torch-cudagraph, onnxruntime, tensorrt.")
-@click.option("--ort-providers", metavar="EP,...", help="ONNX Runtime providers, best first (default: TensorRT EP, "
-              "CUDA EP, CPU; those usable here).")
+@click.option("--ort-providers", metavar="EP,...", help="ONNX Runtime providers, best first: "
+              "CPUExecutionProvider first keeps the onnxruntime rows on the CPU (default: the serving backend's "
+              "CUDA provider where usable, else the CPU).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Device of the torch backends (default: CUDA "
               "when present).")
 @click.option("--iterations", "-n", type=int, default=100, show_default=True,
