@@ -17,6 +17,10 @@ contexts (batcher workers = contexts):
   ``--map-batch`` rows, and the bound max(copy, compute, post) per batch measured stage by stage
   on one context; targets: map >= 90 % of the bound and never slower than the loop.
 
+``--ort-cuda-option KEY=VALUE`` overrides the runtime's ONNX Runtime CUDA options, to compare
+(e.g. ``cudnn_conv_algo_search=EXHAUSTIVE``, ONNX Runtime's default); the JSON records whether each
+ONNX Runtime context's session computes on the context's own stream.
+
 Writes one JSON (``--out``) and prints a table. ``--smoke`` runs tiny sizes on the CPU in seconds
 (the test suite runs it). On an H200 (about 5 minutes):
 
@@ -280,6 +284,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="Tiny models and counts, on the CPU: seconds.")
     parser.add_argument("--backends", default="", help="onnxruntime,torch,tensorrt (default: those that run here).")
     parser.add_argument("--models", default="", help="Which models, by name (default: both).")
+    parser.add_argument("--ort-cuda-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="An ONNX Runtime CUDA provider option over the runtime's (repeatable), to compare, e.g. "
+                             "cudnn_conv_algo_search=EXHAUSTIVE.")
     parser.add_argument("--clients", type=int, help="Batcher client threads (default 64; 8 with --smoke).")
     parser.add_argument("--requests", type=int, help="Batcher requests per run (default 2000; 200 with --smoke).")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="The batcher's window (default 5).")
@@ -305,6 +312,7 @@ def main() -> None:
     map_batches = args.map_batches or (8 if smoke else 40)
     map_batch = args.map_batch or (4 if smoke else 16)
     trt = tensorrt_available() and cuda
+    ort_options = dict(o.split("=", 1) for o in args.ort_cuda_option)
     wanted = [b for b in args.backends.split(",") if b] or ["onnxruntime", "torch", *(["tensorrt"] if trt else [])]
     console = Console(width=None if sys.stdout.isatty() else 160)
     started = time.perf_counter()
@@ -315,7 +323,9 @@ def main() -> None:
         configs = [(b, p) for b in wanted for p in (("fp32",) if b == "torch" else ("fp32", "fp16"))]
         for backend, precision in configs:
             for contexts in (1, 2):
-                engines = load(dirs[precision], backend=backend, contexts=contexts, device=device)
+                engines = load(dirs[precision], backend=backend, contexts=contexts, device=device,
+                               ort_cuda_options=ort_options or None)
+                on_own_stream = [getattr(c, "_on_our_stream", None) for c in engines._contexts]
                 largest = engines.buckets[-1]
                 one = feed_of(engines, model, largest, seed=1)
                 bound = throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest, seconds)
@@ -332,6 +342,7 @@ def main() -> None:
                     "map_not_slower_than_loop": mapped["sequential_over_map"] >= 1.0}
                 runs.append({"model": model.name, "backend": backend, "precision": precision, "contexts": contexts,
                              "workers": contexts, "device": engines.device, "bound": bound,
+                             "ort_session_on_context_stream": on_own_stream if backend == "onnxruntime" else None,
                              "batcher": {**batched, "p99_bound_ms": p99_bound,
                                          "throughput_target": 0.8 * bound["rows_per_s"]},
                              "map": mapped, "targets": targets})
@@ -359,7 +370,7 @@ def main() -> None:
     report = {"kind": "trtc-serving-bench", "smoke": smoke, "command": " ".join(sys.argv), "machine": machine,
               "settings": {"clients": clients, "requests": requests, "max_wait_ms": args.max_wait_ms,
                            "seconds": seconds, "map_batches": map_batches, "map_batch": map_batch,
-                           "backends": wanted},
+                           "backends": wanted, "ort_cuda_options": ort_options},
               "seconds": round(time.perf_counter() - started, 1), "runs": runs,
               "all_targets_met": all(all(r["targets"].values()) for r in runs)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
