@@ -1,28 +1,40 @@
 """``trtc bench``: latency, throughput and accuracy of every way a build can run, on identical inputs.
 
-Backends, each run at every batch bucket:
+Backends, each run at every batch bucket. Every row is a serving backend of ``compiler.load``
+(``compiler.runtime_*``), one context of it, timed through the context's upload / compute /
+download split: the harness measures exactly what is served.
 
-  torch            the source model in eager mode: FP32, and under autocast FP16 when the build is FP16/INT8
-  torch-cudagraph  the same, captured in one CUDA graph per bucket (CUDA only)
-  onnxruntime      every ONNX of the build (fp32, int8, fp16) with the best execution provider
-                   (TensorRT EP, then CUDA EP, then CPU) or the ones ``ort_providers`` names
-  tensorrt         the build's engines
+  torch            the source model in eager mode (the torch backend, graphs off): FP32, and under
+                   autocast FP16 when the build is FP16/INT8
+  torch-cudagraph  the torch backend with its CUDA graph per bucket (CUDA only)
+  onnxruntime      every ONNX of the build (fp32, int8, fp16) on the onnxruntime backend: CUDA when
+                   present (``ort_providers`` CPUExecutionProvider first keeps it on the CPU)
+  tensorrt         the build's engines on the tensorrt backend
+
+One precision policy per run: FP32 math of every backend uses TF32 or none does (``tf32``; default
+the manifest's ``build.tf32``, else True): PyTorch's ``allow_tf32`` flags and ONNX Runtime's
+``use_tf32`` are set to match, and TensorRT rows run as their engines were built. The table title
+and bench.json say which.
 
 A backend that cannot run here is listed in the report's ``skipped`` with the reason; a backend that
 fails while running is listed there too, as failed, with the error.
 
-Inputs are made once per bucket, from a seed or from an .npz file, and every backend gets the same
-bytes (their sha256 is in the report). Outputs of each backend's first run are compared with the FP32
-eager PyTorch reference: max abs error, cosine similarity, and top-1 agreement for 2-D (classifier)
-outputs. Without a PyTorch model (an ONNX source) the reference is ONNX Runtime FP32 on the CPU.
+Inputs are made once per bucket and every backend gets the same bytes (their sha256 is in the
+report): from ``data`` (an .npz), else from the build's evaluation data or, failing that, its
+calibration data (as recorded in ``report/accuracy.json``, when the files are still there), else
+seeded random normal values; the report and the table say which. Outputs of each backend's first
+run are compared with the FP32 eager PyTorch reference: max abs error, cosine similarity, and top-1
+agreement for classifiers only (the accuracy gate used labels, or the output is 2-D and comes from a
+linear layer or softmax). Without a PyTorch model (an ONNX source) the reference is ONNX Runtime
+FP32 on the CPU.
 
 Timing (``time_runner``): warm-up of at least ``warmup`` runs and ``warmup_seconds``, then at least
 ``iterations`` runs and at least ``min_seconds`` (``max_seconds`` caps both; stopping early is noted).
 Every run uploads the feed, launches and downloads the outputs. The host clock (``perf_counter_ns``)
 around all three is the *end-to-end* latency; the launch alone is the *device* latency, timed with
 CUDA events on a GPU and with the host clock on the CPU. Speed-ups (against eager PyTorch FP32 at the
-same bucket), throughput and regressions use the device latency. While benchmarking, TF32 is off (FP32
-means FP32, as in trtc's engines) and cuDNN autotuning is on. All CUDA work runs on one non-default stream.
+same bucket), throughput and regressions use the device latency. cuDNN autotuning is on while
+benchmarking. CUDA work runs on the serving context's own stream.
 
 Peak device memory: for the torch backends, torch's allocator peak during the run less what was already
 allocated, plus the model's weights; for TensorRT and ONNX Runtime on CUDA, the device-wide drop in free
@@ -51,21 +63,22 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from compiler.errors import InputError, TrtcError
 from compiler.files import atomic_write_bytes, atomic_write_json, atomic_write_text, directory_lock, read_json
 from compiler.manifest import now, read_manifest, spec_from_manifest, tool_versions
-from compiler.runners import CudaGraphRunner, OrtRunner, StagedRunner, TorchRunner, TrtRunner
+from compiler.runners import OrtRunner, TorchRunner
 from compiler.settings import ExportSettings
 from compiler.specs import BATCH_DIM, ModelSpec
 from compiler.verify import compare_outputs
 
 __all__ = ["BACKENDS", "BenchSettings", "Latency", "Accuracy", "BenchResult", "Skipped", "Regression",
            "BenchReport", "PerformanceRegression", "bench_directory", "bench_model", "time_runner",
-           "input_feeds", "accuracy_of", "eager_model", "find_regressions", "bench_renderables", "parse_percent"]
+           "input_feeds", "accuracy_of", "eager_model", "find_regressions", "bench_renderables", "parse_percent",
+           "ServedRunner"]
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +111,7 @@ class BenchSettings:
     warmup_seconds: float = 0.5  # ...and at least this long
     seed: int = 0
     data: Path | None = None  # an .npz with one array per input name (first axis = samples); None: seeded random
-    ort_providers: tuple[str, ...] = ()  # empty: the best usable ones
+    ort_providers: tuple[str, ...] = ()  # empty: CUDA where usable, else the CPU; CPUExecutionProvider first: the CPU
     device: str | None = None  # for the torch backends: "cuda" or "cpu"; None: CUDA when present
     trust_pickle: bool = False  # load a pickled nn.Module source (runs code from the file)
     max_spread: float = 0.2  # (P90 - P50) / P50 above this is reported as a wide spread
@@ -107,6 +120,8 @@ class BenchSettings:
     report_dir: Path | None = None  # default DIR/report
     plot: bool = True
     threads: int = 0  # ONNX Runtime intra-op threads; 0: its default
+    tf32: bool | None = None  # TF32 for FP32 math on every backend; None: the manifest's build.tf32, else True
+    wide: bool = False  # the terminal table with every column (the files always have them)
 
     def __post_init__(self) -> None:
         unknown = [b for b in self.backends if b not in BACKENDS]
@@ -185,6 +200,7 @@ class Accuracy:
     max_rel: float
     cosine: float
     top1_agreement: float | None
+    data: str = ""  # where the inputs came from
 
 
 @dataclass(frozen=True)
@@ -223,6 +239,7 @@ class BenchResult:
     peak_memory_bytes: int | None
     memory_method: str | None
     accuracy: Accuracy | None
+    dims: dict[str, int] = field(default_factory=dict)  # the non-batch dynamic dimensions' values
     speedup: float | None = None  # eager PyTorch FP32 P50 / this P50 (device latency), same bucket
     e2e_speedup: float | None = None
 
@@ -320,6 +337,63 @@ def input_feeds(spec: ModelSpec, buckets: tuple[int, ...], seed: int = 0, data: 
     return feeds
 
 
+def build_data(directory: Path, manifest: dict[str, Any]) -> tuple[Path | None, str]:
+    """The build's evaluation data, else its calibration data, when ``report/accuracy.json`` names real files that
+    are still there: (path, what it is), or (None, why not). Random data and image folders (they need the
+    profile's preprocessing) are not used; ``--data`` takes any .npz."""
+    path = directory / "report" / "accuracy.json"
+    try:
+        reports = read_json(path) if path.is_file() else {}
+    except (OSError, ValueError):
+        reports = {}
+    precision = manifest.get("precision")
+    ordered = sorted(reports.items(), key=lambda kv: kv[0] != precision) if isinstance(reports, dict) else []
+    why = "the build records no evaluation or calibration data"
+    kinds = (("eval_data", "the build's evaluation data"), ("calibration_data", "the build's calibration data"))
+    for key, what in kinds:
+        for _, report in ordered:
+            entry = (report or {}).get(key) if isinstance(report, dict) else None
+            if not entry or not entry.get("source"):
+                continue
+            if entry.get("random"):
+                why = "the build was calibrated on random data"
+                continue
+            source = Path(str(entry["source"]))
+            arrays = source.is_file() and source.suffix in (".npz", ".npy")
+            if arrays or (source.is_dir() and (any(source.glob("*.npz")) or any(source.glob("*.npy")))):
+                return source, f"{what} {source}"
+            why = f"{what} {entry['source']} is not here (or is an image folder); pass --data x.npz"
+    return None, why
+
+
+def bench_inputs(target_dir: Path | None, manifest: dict[str, Any], spec: ModelSpec, buckets: tuple[int, ...],
+                 seed: int = 0, data: Path | None = None) -> tuple[dict[int, dict[str, np.ndarray]], str]:
+    """The feeds every backend gets, and where they came from: ``data``, else the build's evaluation or calibration
+    data (``build_data``), else seeded random normal values."""
+    if data is not None:
+        return input_feeds(spec, buckets, seed, data), f"--data {data}"
+    found, why = build_data(target_dir, manifest) if target_dir is not None else (None, "a temporary export")
+    if found is not None:
+        from calibration.data import calibration_data
+        from compiler.errors import CalibrationError
+
+        try:
+            first = next(calibration_data(found, spec, batch_size=max(buckets), max_samples=max(buckets),
+                                          labels=None).batches())
+        except (CalibrationError, InputError, OSError, ValueError) as err:
+            why = f"{found} does not load ({_first_line(err)})"
+        else:
+            feeds = {b: {n: np.ascontiguousarray(first[n][np.arange(b) % len(first[n])]) for n in spec.input_names}
+                     for b in buckets}
+            samples = len(next(iter(first.values())))
+            return feeds, _data_note(why, samples)
+    return input_feeds(spec, buckets, seed), f"random normal, seed {seed} ({why})"
+
+
+def _data_note(what: str, samples: int) -> str:
+    return f"{what} (first {samples} sample(s), repeated to fill a bucket)"
+
+
 def _feed_record(feed: dict[str, np.ndarray]) -> dict[str, Any]:
     h = hashlib.sha256()
     for name, array in feed.items():
@@ -331,13 +405,31 @@ def _feed_record(feed: dict[str, np.ndarray]) -> dict[str, Any]:
 
 # --- timing and accuracy ----------------------------------------------------------------------------------------
 
+class StagedRunner(Protocol):
+    """What ``time_runner`` times: ``upload`` the feed, ``launch`` the model on it, ``download`` the outputs (and wait
+    for them). ``stream``: the CUDA stream ``launch`` queues on (None on the CPU)."""
+
+    name: str
+    device: str  # "cpu" or "cuda"
+    stream: Any
+
+    def upload(self, feed: dict[str, np.ndarray]) -> None: ...
+
+    def launch(self) -> None: ...
+
+    def download(self) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
 def time_runner(runner: StagedRunner, feed: dict[str, np.ndarray], settings: BenchSettings) -> Timing:
     """Warm ``runner`` up, then time upload + launch + download (end to end) and the launch alone (device).
 
-    On CUDA the launch is bracketed by CUDA events on the current stream (call this under a non-default
-    stream); on the CPU by ``perf_counter_ns``. The first run's outputs are returned for the accuracy check.
+    On CUDA the launch is bracketed by CUDA events on the runner's stream; on the CPU by ``perf_counter_ns``.
+    The first run's outputs are returned for the accuracy check.
     """
     cuda = runner.device == "cuda"
+    stream = getattr(runner, "stream", None)
     if cuda:
         import torch
     cap = settings.max_seconds
@@ -363,9 +455,9 @@ def time_runner(runner: StagedRunner, feed: dict[str, np.ndarray], settings: Ben
         runner.upload(feed)
         if cuda:
             first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            first.record()
+            first.record(stream)
             runner.launch()
-            last.record()
+            last.record(stream)
             events.append((first, last))
         else:
             l0 = time.perf_counter_ns()
@@ -388,8 +480,10 @@ def time_runner(runner: StagedRunner, feed: dict[str, np.ndarray], settings: Ben
                   time.perf_counter() - begin, warmup_runs, stopped_early, outputs)
 
 
-def accuracy_of(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], bucket: int) -> Accuracy:
-    """Max abs/rel error and cosine (``compare_outputs``) plus top-1 agreement over 2-D float outputs.
+def accuracy_of(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], bucket: int, top1: bool = True,
+                data: str = "") -> Accuracy:
+    """Max abs/rel error and cosine (``compare_outputs``), plus top-1 agreement over 2-D float outputs when ``top1``
+    (the model is a classifier). ``data`` says where the inputs came from.
 
     Outputs are matched in order (names differ between PyTorch and ONNX).
     """
@@ -397,8 +491,40 @@ def accuracy_of(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], bu
     cmp = compare_outputs(matched, reference, bucket)
     agreements = [float(np.mean(np.argmax(matched[n], axis=1) == np.argmax(r, axis=1)))
                   for n, r in reference.items()
-                  if r.ndim == 2 and r.shape[1] > 1 and np.issubdtype(r.dtype, np.floating)]
-    return Accuracy(cmp.max_abs, cmp.max_rel, cmp.cosine, min(agreements) if agreements else None)
+                  if top1 and r.ndim == 2 and r.shape[1] > 1 and np.issubdtype(r.dtype, np.floating)]
+    return Accuracy(cmp.max_abs, cmp.max_rel, cmp.cosine, min(agreements) if agreements else None, data)
+
+
+_CLASSIFIER_HEADS = ("Gemm", "MatMul", "Softmax", "LogSoftmax")
+
+
+def is_classifier(directory: Path, manifest: dict[str, Any]) -> bool:
+    """Whether top-1 agreement means anything for this model: the accuracy gate ran on labels, or every output is
+    2-D (batch x classes) and made by a linear layer or a softmax. A sentence embedding (pooling, normalization,
+    LayerNorm) or a per-token output is not a classifier. A projection head on an embedding model looks like one."""
+    if any((entry or {}).get("metric") == "top1" for entry in (manifest.get("accuracy") or {}).values()):
+        return True
+    entry = (manifest.get("onnx") or {}).get("fp32")
+    if not entry:
+        return False
+    import onnx
+
+    try:
+        graph = onnx.load(str(directory / entry["file"]), load_external_data=False).graph
+    except (OSError, ValueError) as err:
+        log.debug("no graph to tell a classifier by: %s", err)
+        return False
+    producers = {out: node for node in graph.node for out in node.output}
+    for output in graph.output:
+        if len(output.type.tensor_type.shape.dim) != 2:
+            return False
+        node = producers.get(output.name)
+        if node is not None and node.op_type == "Add":  # MatMul + bias
+            node = next((producers[i] for i in node.input if i in producers and producers[i].op_type == "MatMul"),
+                        node)
+        if node is None or node.op_type not in _CLASSIFIER_HEADS:
+            return False
+    return bool(graph.output)
 
 
 # --- what runs ----------------------------------------------------------------------------------------------------
@@ -407,14 +533,60 @@ class _Unavailable(Exception):
     """A backend cannot run at this bucket; the message says why."""
 
 
+class ServedRunner:
+    """One context of a serving backend (``compiler.runtime.Engines``), staged for ``time_runner``.
+
+    ``upload`` checks the feed as ``engines(x)`` does and queues its copy into the bucket's buffers,
+    ``launch`` queues the model run (``compute``), ``download`` queues the outputs' copy to pinned host
+    memory, waits, and returns them (floats as float32, for the accuracy columns). The engines are
+    closed with the runner.
+    """
+
+    def __init__(self, engines: Any, name: str) -> None:
+        self.engines = engines
+        self.name = name
+        self.device = "cuda" if str(engines.device).startswith("cuda") else "cpu"
+        self.input_names = list(engines.input_names)
+        self.output_names = list(engines.output_names)
+        self._borrowed = engines.borrow()
+        self._context = self._borrowed.__enter__()
+        self.stream = self._context.stream
+        self._call: Any = None
+        self._bucket = 0
+
+    def upload(self, feed: dict[str, np.ndarray]) -> None:
+        call = self.engines.check(dict(feed))
+        if call.rows > self.engines.buckets[-1]:
+            raise _Unavailable(f"batch {call.rows} is larger than the largest bucket {self.engines.buckets[-1]}")
+        self._call, self._bucket = call, self.engines.bucket_for(call.rows)
+        self._context.upload(self._bucket, call, 0, call.rows)
+
+    def launch(self) -> None:
+        self._context.compute(self._bucket, self._call)
+
+    def download(self) -> dict[str, np.ndarray]:
+        self._context.download(True)
+        self._context.wait()
+        return {name: a.astype(np.float32) if np.issubdtype(a.dtype, np.floating) and a.dtype != np.float32 else a
+                for name, a in self._context.copy_outputs().items()}
+
+    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.upload(feed)
+        self.launch()
+        return self.download()
+
+    def close(self) -> None:
+        self._borrowed.__exit__(None, None, None)
+        self.engines.close()
+
+
 @dataclass
 class _Plan:
-    """A backend and precision to measure, and how to open its runner for a bucket."""
+    """A backend and precision to measure, and how to open its runner (one for every bucket)."""
 
     backend: str
     precision: str
-    open: Callable[[int], StagedRunner]
-    per_bucket: bool = False  # a runner per bucket (TensorRT engines) instead of one for all buckets
+    open: Callable[[], StagedRunner]
     torch_memory: bool = False  # peak memory from torch's allocator (else the device-wide free-memory delta)
     weight_bytes: int = 0  # the eager model's parameters and buffers, resident before the measurement starts
 
@@ -439,21 +611,24 @@ def _cuda_available() -> bool:
 
 def _tensorrt_unavailable() -> str | None:
     """Why the tensorrt backend cannot run here, or None."""
-    try:
-        import tensorrt
-    except (ImportError, OSError) as err:
-        return f"TensorRT is not installed (`import tensorrt` fails: {err}); install trtc[tensorrt] on a machine " \
+    from compiler.runtime import tensorrt_available
+
+    if not tensorrt_available():
+        return "TensorRT is not installed (no real `tensorrt` imports); install trtc[tensorrt] on a machine " \
                "with an NVIDIA GPU"
-    if not hasattr(tensorrt, "Builder"):
-        return "TensorRT is not installed (`import tensorrt` finds no TensorRT); install trtc[tensorrt]"
     if not _cuda_available():
         return "no CUDA device: torch.cuda.is_available() is False"
     return None
 
 
-def _plans(target: _Target, settings: BenchSettings, device: str) -> tuple[list[_Plan], list[Skipped]]:
+def _plans(target: _Target, settings: BenchSettings, device: str, buckets: tuple[int, ...], tf32: bool,
+           ) -> tuple[list[_Plan], list[Skipped]]:
+    from compiler.runtime import Engines, load
+    from compiler.runtime_onnxruntime import _OrtBackend
+    from compiler.runtime_torch import _TorchBackend
+
     manifest, spec, model = target.manifest, target.spec, target.model
-    names, outputs = spec.input_names, list(manifest.get("output_names") or [])
+    outputs = list(manifest.get("output_names") or [])
     onnx = manifest.get("onnx") or {}
     reduced = any(p in onnx for p in ("fp16", "int8")) or manifest.get("precision") in ("fp16", "int8")
     torch_precisions = ("fp32", "fp16") if reduced else ("fp32",)
@@ -469,11 +644,24 @@ def _plans(target: _Target, settings: BenchSettings, device: str) -> tuple[list[
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) \
         if model is not None and hasattr(model, "parameters") else 0
 
-    def torch_runner(precision: str) -> Callable[[int], StagedRunner]:
-        return lambda bucket: TorchRunner(model, names, outputs, device, autocast_fp16=precision == "fp16")
+    def torch_runner(precision: str, graphs: bool) -> Callable[[], StagedRunner]:
+        def open_torch() -> StagedRunner:
+            backend = _TorchBackend(model, spec, buckets, outputs, device, cuda_graphs=graphs,
+                                    autocast_fp16=precision == "fp16")
+            name = ("torch-cudagraph" if graphs else "torch") + ("[autocast-fp16]" if precision == "fp16" else "")
+            return ServedRunner(Engines(backend, contexts=1), name)
 
-    def graph_runner(precision: str) -> Callable[[int], StagedRunner]:
-        return lambda bucket: CudaGraphRunner(model, names, outputs, autocast_fp16=precision == "fp16")
+        return open_torch
+
+    def ort_runner(path: Path, ort_device: str | None) -> Callable[[], StagedRunner]:
+        def open_ort() -> StagedRunner:
+            backend = _OrtBackend(path, spec, buckets, ort_device, settings.threads, tf32=tf32)
+            return ServedRunner(Engines(backend, contexts=1), f"onnxruntime[{backend.provider}]")
+
+        return open_ort
+
+    def trt_runner() -> StagedRunner:
+        return ServedRunner(load(target.directory, backend="tensorrt", contexts=1), "tensorrt")
 
     for backend in BACKENDS:
         if backend not in settings.backends:
@@ -485,7 +673,7 @@ def _plans(target: _Target, settings: BenchSettings, device: str) -> tuple[list[
                 elif precision == "fp16" and device != "cuda":
                     skip(backend, precision, "autocast FP16 runs on CUDA only, and this run is on the CPU")
                 else:
-                    plans.append(_Plan(backend, precision, torch_runner(precision), torch_memory=True,
+                    plans.append(_Plan(backend, precision, torch_runner(precision, False), torch_memory=True,
                                        weight_bytes=weights))
         elif backend == "torch-cudagraph":
             for precision in torch_precisions:
@@ -498,19 +686,14 @@ def _plans(target: _Target, settings: BenchSettings, device: str) -> tuple[list[
                 elif model is None:
                     skip(backend, precision, target.model_note)
                 else:
-                    plans.append(_Plan(backend, precision, graph_runner(precision), torch_memory=True,
+                    plans.append(_Plan(backend, precision, torch_runner(precision, True), torch_memory=True,
                                        weight_bytes=weights))
         elif backend == "onnxruntime":
-            from compiler.onnx_io import usable_providers
-
-            providers = usable_providers(list(settings.ort_providers) or None)
-            if settings.ort_providers and providers[0] != settings.ort_providers[0]:
-                log.warning("ONNX Runtime cannot use %s here; running with %s", settings.ort_providers[0],
-                            providers[0])
+            ort_device = _ort_device(settings.ort_providers)
             for precision in sorted(onnx, key=lambda p: ONNX_PRECISION_ORDER.index(p)
                                     if p in ONNX_PRECISION_ORDER else 99):
                 path = target.directory / onnx[precision]["file"]
-                plans.append(_Plan(backend, precision, _ort_opener(path, providers, settings.threads)))
+                plans.append(_Plan(backend, precision, ort_runner(path, ort_device)))
         elif backend == "tensorrt":
             engines = manifest.get("engines") or []
             reason = model_mode_note if target.model_mode else _tensorrt_unavailable()
@@ -521,16 +704,23 @@ def _plans(target: _Target, settings: BenchSettings, device: str) -> tuple[list[
             if reason is not None:
                 skip(backend, None, reason)
                 continue
-            by_precision: dict[str, list[dict[str, Any]]] = {}
-            for entry in engines:
-                by_precision.setdefault(_engine_precision(entry, manifest), []).append(entry)
-            for precision, entries in by_precision.items():
-                plans.append(_Plan(backend, precision, _engine_opener(target.directory, entries), per_bucket=True))
+            plans.append(_Plan(backend, _engine_precision(engines[0], manifest), trt_runner))
     return plans, skipped
 
 
-def _ort_opener(path: Path, providers: list[str], threads: int) -> Callable[[int], StagedRunner]:
-    return lambda bucket: OrtRunner(path, providers, threads=threads)
+def _ort_device(providers: tuple[str, ...]) -> str | None:
+    """The onnxruntime backend's device for ``--ort-providers``: the CPU when it comes first, else CUDA when usable.
+
+    The serving backend runs the CUDA provider or the CPU; a TensorRT EP asked for is run as CUDA, with a warning.
+    """
+    if not providers:
+        return None
+    if providers[0] == "CPUExecutionProvider":
+        return "cpu"
+    if providers[0] != "CUDAExecutionProvider":
+        log.warning("--ort-providers %s: the onnxruntime backend serves with the CUDA provider or the CPU; running "
+                    "with CUDA where usable", providers[0])
+    return None
 
 
 def _engine_precision(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
@@ -539,20 +729,6 @@ def _engine_precision(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
         if onnx_entry.get("file") == entry.get("onnx"):
             return str(precision)
     return str((manifest.get("build") or {}).get("precision") or manifest.get("precision") or "fp32")
-
-
-def _engine_opener(directory: Path, entries: list[dict[str, Any]]) -> Callable[[int], StagedRunner]:
-    def open_engine(bucket: int) -> StagedRunner:
-        entry = next((e for e in entries if e.get("bucket") == bucket), None)
-        if entry is None:
-            built = ",".join(str(e.get("bucket")) for e in entries)
-            raise _Unavailable(f"no engine for bucket {bucket} (engines exist for buckets {built})")
-        path = directory / entry["file"]
-        if not path.is_file():
-            raise _Unavailable(f"{path} is missing; rebuild the engines with `trtc rebuild {directory}`")
-        return TrtRunner(path, int(entry.get("profile") or 0))
-
-    return open_engine
 
 
 # --- the source model and the reference ---------------------------------------------------------------------
@@ -599,7 +775,7 @@ def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: boo
 def _reference_outputs(target: _Target, feeds: dict[int, dict[str, np.ndarray]], device: str,
                        ) -> tuple[dict[int, dict[str, np.ndarray]], str]:
     """FP32 eager PyTorch outputs per bucket; ONNX Runtime FP32 on the CPU when there is no PyTorch model."""
-    runner: StagedRunner
+    runner: OrtRunner | TorchRunner
     if target.model is not None:
         runner = TorchRunner(target.model, target.spec.input_names, list(target.manifest.get("output_names") or []),
                              device)
@@ -614,13 +790,13 @@ def _reference_outputs(target: _Target, feeds: dict[int, dict[str, np.ndarray]],
 
 
 @contextlib.contextmanager
-def _torch_bench_mode() -> Iterator[None]:
-    """TF32 off (FP32 means FP32) and cuDNN autotuning on, restored afterwards."""
+def _torch_bench_mode(tf32: bool) -> Iterator[None]:
+    """PyTorch's TF32 flags (matmul and cuDNN) set to the run's policy and cuDNN autotuning on, restored afterwards."""
     import torch
 
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     saved = (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark)
-    cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark = False, False, True
+    cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark = tf32, tf32, True
     try:
         yield
     finally:
@@ -628,19 +804,6 @@ def _torch_bench_mode() -> Iterator[None]:
 
 
 # --- measuring ----------------------------------------------------------------------------------------------------
-
-_STREAM: Any = None
-
-
-def _bench_stream() -> Any:
-    """The process's one benchmark stream (non-default: TensorRT and CUDA graphs are slow on the default one)."""
-    global _STREAM
-    import torch
-
-    if _STREAM is None and torch.cuda.is_available():
-        _STREAM = torch.cuda.Stream()
-    return _STREAM
-
 
 def _free_device_memory() -> int | None:
     import torch
@@ -662,8 +825,9 @@ def _release_device_memory() -> None:
 
 def _measure(plan: _Plan, runner: StagedRunner, bucket: int, feed: dict[str, np.ndarray],
              reference: dict[str, np.ndarray], settings: BenchSettings, free_before_open: int | None,
-             stream: Any) -> BenchResult:
-    """Time ``runner`` at one bucket (CUDA work on ``stream``) and compare its first outputs with ``reference``."""
+             context: _RunContext) -> BenchResult:
+    """Time ``runner`` at one bucket (CUDA work on the runner's stream) and compare its first outputs with
+    ``reference``."""
     import torch
 
     cuda = runner.device == "cuda"
@@ -672,8 +836,7 @@ def _measure(plan: _Plan, runner: StagedRunner, bucket: int, feed: dict[str, np.
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         resident = int(torch.cuda.memory_allocated())
-    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-        timing = time_runner(runner, feed, settings)
+    timing = time_runner(runner, feed, settings)
     memory: int | None = None
     method: str | None = None
     if cuda and plan.torch_memory:
@@ -687,7 +850,7 @@ def _measure(plan: _Plan, runner: StagedRunner, bucket: int, feed: dict[str, np.
                                                                   "runner was created"
     latency, e2e = Latency.of(timing.device_ms), Latency.of(timing.e2e_ms)
     wide = latency.spread > settings.max_spread
-    accuracy = accuracy_of(timing.outputs, reference, bucket)
+    accuracy = accuracy_of(timing.outputs, reference, bucket, top1=context.classifier, data=context.data)
     result = BenchResult(
         backend=plan.backend, precision=plan.precision, bucket=bucket, runner=runner.name, device=runner.device,
         clock=timing.clock, iterations=len(timing.e2e_ms), seconds=round(timing.seconds, 4),
@@ -695,20 +858,27 @@ def _measure(plan: _Plan, runner: StagedRunner, bucket: int, feed: dict[str, np.
         throughput=bucket * 1000.0 / latency.mean if latency.mean > 0 else float("inf"),
         e2e_throughput=bucket * 1000.0 / e2e.mean if e2e.mean > 0 else float("inf"),
         spread=latency.spread, cv=latency.cv, spread_wide=wide, peak_memory_bytes=memory, memory_method=method,
-        accuracy=accuracy)
+        accuracy=accuracy, dims=dict(context.dims[bucket]))
     log.info("%s bucket %d on %s: P50 %.3f ms (end to end %.3f ms), %d runs, cosine %.6f", result.name, bucket,
              runner.name, latency.p50, e2e.p50, result.iterations, accuracy.cosine)
     return result
 
 
-def _run_plan(plan: _Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, np.ndarray]],
-              reference: dict[int, dict[str, np.ndarray]], settings: BenchSettings, stream: Any,
-              ) -> tuple[list[BenchResult], list[Skipped]]:
-    """Measure one backend at every bucket. A failure is recorded (failed=True) with its error, not raised:
-    the other backends still run, and the report and table show it.
+@dataclass(frozen=True)
+class _RunContext:
+    """What every measurement of one run shares: whether top-1 applies, where the inputs came from, dynamic dims."""
 
-    ``stream`` is the one non-default CUDA stream every measurement runs on: torch keeps a cuBLAS workspace
-    for each stream it sees, for the life of the process, so a stream per measurement would leak them."""
+    classifier: bool
+    data: str
+    dims: dict[int, dict[str, int]]
+
+
+def _run_plan(plan: _Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, np.ndarray]],
+              reference: dict[int, dict[str, np.ndarray]], settings: BenchSettings, context: _RunContext,
+              ) -> tuple[list[BenchResult], list[Skipped]]:
+    """Measure one backend at every bucket, with one serving context opened for all of them. A failure is
+    recorded (failed=True) with its error, not raised: the other backends still run, and the report and table
+    show it."""
     results: list[BenchResult] = []
     skipped: list[Skipped] = []
     runner: StagedRunner | None = None
@@ -717,24 +887,20 @@ def _run_plan(plan: _Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, 
         for bucket in buckets:
             opening = False
             try:
-                if runner is None or plan.per_bucket:
-                    if runner is not None:
-                        runner.close()
-                        runner = None
-                        _release_device_memory()
+                if runner is None:
                     free_before = _free_device_memory()
                     opening = True
-                    runner = plan.open(bucket)
+                    runner = plan.open()
                     opening = False
                 results.append(_measure(plan, runner, bucket, feeds[bucket], reference[bucket], settings,
-                                        free_before, stream))
+                                        free_before, context))
             except _Unavailable as why:
                 skipped.append(Skipped(plan.backend, plan.precision, bucket, str(why)))
             except (TrtcError, RuntimeError, OSError, ValueError, ImportError) as err:
                 reason = f"failed: {type(err).__name__}: {_first_line(err)}"
                 log.warning("%s/%s at bucket %d %s", plan.backend, plan.precision, bucket, reason)
                 log.debug("traceback", exc_info=True)
-                shared_open = opening and not plan.per_bucket
+                shared_open = opening
                 skipped.append(Skipped(plan.backend, plan.precision, None if shared_open else bucket, reason,
                                        failed=True))
                 if shared_open:
@@ -797,23 +963,37 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
     device = settings.device or ("cuda" if _cuda_available() else "cpu")
     if device == "cuda" and not _cuda_available():
         raise InputError("--device cuda, but torch.cuda.is_available() is False here; use --device cpu")
-    feeds = input_feeds(spec, buckets, settings.seed, settings.data)
+    feeds, data_source = bench_inputs(None if model_mode else directory, manifest, spec, buckets, settings.seed,
+                                      settings.data)
+    tf32, tf32_source = _tf32(settings, manifest)
+    context = _RunContext(is_classifier(directory, manifest), data_source,
+                          {b: {d: int(next(a.shape[axis] for n, a in feed.items() if n == i.name))
+                               for i in spec.inputs for axis, d in enumerate(i.dims) if isinstance(d, str)
+                               and d != BATCH_DIM} for b, feed in feeds.items()})
     baseline = _read_baseline(settings.baseline, manifest) if settings.baseline else None
     results: list[BenchResult] = []
-    with _torch_bench_mode():
+    with _torch_bench_mode(tf32):
         model, model_note = eager_model(manifest, device, settings.trust_pickle)
         target = _Target(directory, manifest, spec, model, model_note, model_mode)
         reference, reference_name = _reference_outputs(target, feeds, device)
-        plans, skipped = _plans(target, settings, device)
-        stream = _bench_stream()
+        plans, skipped = _plans(target, settings, device, buckets, tf32)
         for plan in plans:
-            got, missed = _run_plan(plan, buckets, feeds, reference, settings, stream)
+            got, missed = _run_plan(plan, buckets, feeds, reference, settings, context)
             results += got
             skipped += missed
     results = _with_speedups(results)
     warnings = _warnings(results, settings)
+    engines_tf32 = (manifest.get("build") or {}).get("tf32")
+    if any(r.backend == "tensorrt" for r in results) and engines_tf32 is not None and bool(engines_tf32) != tf32:
+        warnings.append(f"the tensorrt rows run as their engines were built (build.tf32 = {bool(engines_tf32)}), "
+                        f"the other rows with TF32 {'on' if tf32 else 'off'}; rebuild or rerun with the same setting")
     data = report_dict(directory if not model_mode else None, manifest, settings, device, reference_name, feeds,
                        results, skipped, warnings)
+    data["tf32"] = {"enabled": tf32, "source": tf32_source,
+                    "applies_to": "FP32 math of every row: torch allow_tf32 (matmul, cuDNN), ONNX Runtime CUDA "
+                                  "use_tf32; tensorrt rows as their engines were built"}
+    data["inputs"]["source"] = data_source
+    data["classifier"] = context.classifier
     regressions: list[Regression] = []
     if baseline is not None:
         regressions, compared, not_compared = find_regressions(data, baseline, settings.max_regression)
@@ -821,6 +1001,16 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
                             "max_regression": settings.max_regression, "compared": compared,
                             "not_compared": not_compared, "regressions": [asdict(r) for r in regressions]}
     return _write_report(data, report_dir, settings.plot, regressions)
+
+
+def _tf32(settings: BenchSettings, manifest: dict[str, Any]) -> tuple[bool, str]:
+    """The run's TF32 policy and where it came from."""
+    if settings.tf32 is not None:
+        return settings.tf32, "--tf32" if settings.tf32 else "--no-tf32"
+    value = (manifest.get("build") or {}).get("tf32")
+    if value is not None:
+        return bool(value), "the manifest's build.tf32"
+    return True, "default (the manifest records no build.tf32)"
 
 
 def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
@@ -911,10 +1101,10 @@ def report_dict(directory: Path | None, manifest: dict[str, Any], settings: Benc
     }
 
 
-CSV_FIELDS = ["status", "backend", "precision", "bucket", "runner", "device", "clock", "iterations",
+CSV_FIELDS = ["status", "backend", "precision", "bucket", "dims", "runner", "device", "clock", "iterations",
               "p50_ms", "p90_ms", "p99_ms", "mean_ms", "std_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms",
               "e2e_mean_ms", "throughput", "e2e_throughput", "spread", "cv", "speedup", "e2e_speedup",
-              "peak_memory_bytes", "max_abs", "max_rel", "cosine", "top1_agreement", "reason"]
+              "peak_memory_bytes", "max_abs", "max_rel", "cosine", "top1_agreement", "data", "reason"]
 
 
 def _csv_text(data: dict[str, Any]) -> str:
@@ -925,6 +1115,7 @@ def _csv_text(data: dict[str, Any]) -> str:
         lat, e2e, acc = r["latency_ms"], r["e2e_ms"], r["accuracy"] or {}
         writer.writerow({
             "status": "ok", "backend": r["backend"], "precision": r["precision"], "bucket": r["bucket"],
+            "dims": " ".join(f"{k}={v}" for k, v in (r.get("dims") or {}).items()),
             "runner": r["runner"], "device": r["device"], "clock": r["clock"], "iterations": r["iterations"],
             **{f"{k}_ms": lat[k] for k in ("p50", "p90", "p99", "mean", "std")},
             **{f"e2e_{k}_ms": e2e[k] for k in ("p50", "p90", "p99", "mean")},
@@ -932,6 +1123,7 @@ def _csv_text(data: dict[str, Any]) -> str:
             "cv": r["cv"], "speedup": r["speedup"], "e2e_speedup": r["e2e_speedup"],
             "peak_memory_bytes": r["peak_memory_bytes"], "max_abs": acc.get("max_abs"),
             "max_rel": acc.get("max_rel"), "cosine": acc.get("cosine"), "top1_agreement": acc.get("top1_agreement"),
+            "data": acc.get("data"),
             "reason": "",
         })
     for s in data["skipped"]:
@@ -1047,28 +1239,46 @@ def find_regressions(current: dict[str, Any], baseline: dict[str, Any], threshol
 
 # --- the terminal table ---------------------------------------------------------------------------------------------
 
-def bench_renderables(report: BenchReport) -> list[Any]:
-    """Rich renderables for the terminal: the results table, then skipped backends, warnings, files, baseline."""
+def bench_renderables(report: BenchReport, wide: bool | None = None) -> list[Any]:
+    """Rich renderables for the terminal: the results table, then skipped backends, warnings, files, baseline.
+
+    The table fits 120 columns: backend, batch (with every dynamic dimension's value), P50, P99, end-to-end P50,
+    throughput, speed-up, cosine and, for classifiers, top-1. ``wide`` (default: the report's settings) adds the
+    runner, P90, spread, end-to-end speed-up, peak memory and max abs error; bench.json and bench.csv hold all.
+    """
     from rich.table import Table
     from rich.text import Text
 
     data = report.data
+    wide = bool(data["settings"].get("wide")) if wide is None else wide
     machine = data["machine"]
-    table = Table("backend", "runner", "batch", "P50 ms", "P90 ms", "P99 ms", "spread", "e2e P50 ms",
-                  "samples/s", "speed-up", "e2e speed-up", "peak MiB", "max abs err", "cosine", "top-1",
-                  title=f"trtc bench: {data['build']['source'].get('path', '?')} on "
-                        f"{machine.get('gpu') or machine.get('cpu')} (speed-up vs torch/fp32, P50)")
-    for r in data["results"]:
+    results = data["results"]
+    has_reference = any((r["backend"], r["precision"]) == REFERENCE for r in results)
+    top1 = any((r["accuracy"] or {}).get("top1_agreement") is not None for r in results)
+    tf32 = data.get("tf32") or {}
+    speed = "speed-up vs torch/fp32 P50" if has_reference else "no torch/fp32 row: no speed-ups"
+    title = (f"trtc bench: {data['build']['source'].get('path', '?')} on {machine.get('gpu') or machine.get('cpu')}"
+             f" ({speed}; TF32 {'on' if tf32.get('enabled', True) else 'off'})")
+    columns = ["backend", *(["runner"] if wide else []), "batch", "P50 ms", *(["P90 ms"] if wide else []), "P99 ms",
+               *(["spread"] if wide else []), "e2e P50", "samples/s", *(["speed-up"] if has_reference else []),
+               *(["e2e speed-up"] if has_reference and wide else []), *(["peak MiB", "max abs"] if wide else []),
+               "cosine", *(["top-1"] if top1 else [])]
+    table = Table(*columns, title=title, caption=f"accuracy vs {data['reference']} on {data['inputs']['source']}")
+    for r in results:
         acc = r["accuracy"] or {}
         spread = f"{100 * r['spread']:.0f}%"
-        table.add_row(
-            r["name"], _short_runner(r["runner"]), str(r["bucket"]), f"{r['latency_ms']['p50']:.3f}",
-            f"{r['latency_ms']['p90']:.3f}", f"{r['latency_ms']['p99']:.3f}",
-            Text(spread + " !", style="bold yellow") if r["spread_wide"] else spread,
-            f"{r['e2e_ms']['p50']:.3f}", f"{r['throughput']:,.0f}", _times(r["speedup"]), _times(r["e2e_speedup"]),
-            f"{r['peak_memory_bytes'] / 2**20:.1f}" if r["peak_memory_bytes"] is not None else "-",
-            f"{acc['max_abs']:.2e}" if acc else "-", f"{acc['cosine']:.6f}" if acc else "-",
-            f"{100 * acc['top1_agreement']:.1f}%" if acc.get("top1_agreement") is not None else "-")
+        dims = " ".join(f"{k}={v}" for k, v in (r.get("dims") or {}).items())
+        cells: dict[str, Any] = {
+            "backend": r["name"], "runner": _short_runner(r["runner"]),
+            "batch": f"{r['bucket']} {dims}".strip(), "P50 ms": f"{r['latency_ms']['p50']:.3f}",
+            "P90 ms": f"{r['latency_ms']['p90']:.3f}", "P99 ms": f"{r['latency_ms']['p99']:.3f}",
+            "spread": Text(spread + " !", style="bold yellow") if r["spread_wide"] else spread,
+            "e2e P50": f"{r['e2e_ms']['p50']:.3f}", "samples/s": f"{r['throughput']:,.0f}",
+            "speed-up": _times(r["speedup"]), "e2e speed-up": _times(r["e2e_speedup"]),
+            "peak MiB": f"{r['peak_memory_bytes'] / 2**20:.1f}" if r["peak_memory_bytes"] is not None else "-",
+            "max abs": f"{acc['max_abs']:.2e}" if acc else "-", "cosine": f"{acc['cosine']:.6f}" if acc else "-",
+            "top-1": f"{100 * acc['top1_agreement']:.1f}%" if acc.get("top1_agreement") is not None else "-"}
+        table.add_row(*(cells[c] for c in columns))
     out: list[Any] = [table]
     for s in data["skipped"]:
         where = f" bucket {s['bucket']}" if s["bucket"] is not None else ""
@@ -1077,8 +1287,9 @@ def bench_renderables(report: BenchReport) -> list[Any]:
         out.append(Text(f"{'failed' if s['failed'] else 'skipped'}: {name}{where}: {s['reason']}", style=style))
     out += [Text(f"warning: {w}", style="yellow") for w in data["warnings"]]
     files = [str(report.json_path), str(report.csv_path)] + ([str(report.png_path)] if report.png_path else [])
+    more = "" if wide else " (every column: --wide, or the files)"
     out.append(Text(f"wrote {', '.join(files)}" + (f" (no {PNG_NAME}: {data['plot']['note']})"
-                                                  if not report.png_path else "")))
+                                                  if not report.png_path else "") + more))
     base = data.get("baseline")
     if base:
         verdict = (f"{len(report.regressions)} regression(s)" if report.regressions else "no regression")

@@ -506,15 +506,17 @@ def bench_settings_from(kw: dict[str, Any]) -> Any:
         min_seconds=kw["min_seconds"], max_seconds=kw["max_seconds"], warmup=kw["warmup"],
         warmup_seconds=kw["warmup_seconds"], seed=kw["seed"], data=kw["data"], ort_providers=names(kw["ort_providers"]),
         device=kw["device"], trust_pickle=bool(kw["trust_pickle"]), baseline=kw["baseline"],
-        max_regression=kw["max_regression"], report_dir=kw["report_dir"], plot=not kw["no_plot"], threads=kw["threads"])
+        max_regression=kw["max_regression"], report_dir=kw["report_dir"], plot=not kw["no_plot"], threads=kw["threads"],
+        tf32=kw["tf32"], wide=bool(kw["wide"]))
 
 
 @cli.command("bench")
 @model_options
 @click.option("--buckets", type=BucketsType(), help="Batch sizes to run (default: the build's buckets).")
 @click.option("--backends", metavar="NAME,...", help="Run only these: torch, torch-cudagraph, onnxruntime, tensorrt.")
-@click.option("--ort-providers", metavar="EP,...", help="ONNX Runtime providers, best first (default: TensorRT EP, "
-              "CUDA EP, CPU; those usable here).")
+@click.option("--ort-providers", metavar="EP,...", help="ONNX Runtime providers, best first: "
+              "CPUExecutionProvider first keeps the onnxruntime rows on the CPU (default: the serving backend's "
+              "CUDA provider where usable, else the CPU).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Device of the torch backends (default: CUDA "
               "when present).")
 @click.option("--iterations", "-n", type=int, default=100, show_default=True,
@@ -527,6 +529,10 @@ def bench_settings_from(kw: dict[str, Any]) -> Any:
 @click.option("--data", type=click.Path(path_type=Path), help="An .npz with one array per input instead of random "
               "inputs.")
 @click.option("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (default: its own choice).")
+@click.option("--tf32/--no-tf32", default=None, help="TF32 for the FP32 math of every row (PyTorch allow_tf32, ONNX "
+              "Runtime use_tf32; default: the manifest's build.tf32, else on).")
+@click.option("--wide", is_flag=True, help="Every column in the terminal table (default: those that fit 120 "
+              "columns; bench.json and bench.csv always have all).")
 @click.option("--baseline", type=click.Path(path_type=Path), help="An earlier bench.json of this build: exit 1 on a "
               "regression.")
 @click.option("--max-regression", type=PercentType(), default="5%", show_default=True,
@@ -539,7 +545,9 @@ def bench_cmd(**kw: Any) -> None:
     """Latency, throughput and accuracy of a build on every backend that runs here, per batch bucket.
 
     MODEL is a build directory, or a model file (with --input) to export to a temporary directory and
-    compare eager PyTorch with ONNX Runtime alone. Backends that cannot run here are listed with why.
+    compare eager PyTorch with ONNX Runtime alone. Every row runs a serving backend of compiler.load.
+    Backends that cannot run here are listed with why. Inputs: --data, else the build's evaluation or
+    calibration data when it is still there, else seeded random values (the table says which).
 
     \b
     Examples:
@@ -563,9 +571,9 @@ def bench_cmd(**kw: Any) -> None:
     else:
         export, _ = export_settings_from({**kw, "out": Path("bench-export")})  # bench_model exports to a temp dir
         report = bench_model(export, settings)
-    out = console if console.is_terminal else Console(width=200)  # logs and pipes get the whole table
-    for item in bench_renderables(report):
-        out.print(item)
+    out = console if console.is_terminal else Console(width=200 if settings.wide else 120)  # pipes: a fixed width
+    for index, item in enumerate(bench_renderables(report)):
+        out.print(item, soft_wrap=index > 0)  # the table fits the width; notes stay one line each, for grep
     report.raise_for_regressions()
 
 

@@ -26,14 +26,20 @@ contexts are in ``compiler.runtime_contexts``), one module each:
 in a log line, so that a service still starts on a node without TensorRT.
 
 Thread safety: an ``Engines`` may be called from any number of threads. Each call borrows one
-context from a small pool (``contexts``, default 2; created on demand, the first at load) and
-gives it back when its outputs are copied out; callers beyond the pool wait for a free context.
-A context is never used by two callers at once, so its buffers and stream are never shared.
+context from a small pool (``contexts``, default 2, all created at load, so that graph capture
+and allocation never land on a request) and gives it back when its outputs are copied out;
+callers beyond the pool wait for a free context. A context is never used by two callers at once,
+so its buffers and stream are never shared.
+
+``trtc bench`` times these same backends (``Engines.borrow`` and a context's ``upload`` /
+``compute`` / ``download``); there is no second way to run a model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import sys
 import threading
@@ -52,8 +58,8 @@ from compiler.runtime_tensorrt import EnginesNotRunnable, _tensorrt_backend
 from compiler.runtime_torch import _TorchBackend
 from compiler.specs import BATCH_DIM, DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
 
-__all__ = ["load", "engines_from_module", "onnx_for_precision", "tensorrt_available", "Engines", "CheckedFeed",
-           "FeedError", "EnginesNotRunnable", "BACKENDS"]
+__all__ = ["load", "engines_from_module", "onnx_for_precision", "tf32_policy", "tensorrt_available", "Engines",
+           "CheckedFeed", "FeedError", "EnginesNotRunnable", "BACKENDS"]
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +164,18 @@ class Engines:
         self._idle: queue.SimpleQueue[_Context] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._max_contexts = contexts
-        self._contexts: list[_Context] = [backend.new_context()]  # the first now: errors and graph capture at load
-        self._idle.put(self._contexts[0])
+        # all now: errors, allocation and graph capture at load, never on a request (a context created inside
+        # ``map`` or under the batcher's first concurrent batch cost more than the batches it served)
+        self._contexts: list[_Context] = []
+        try:
+            for _ in range(contexts):
+                self._contexts.append(backend.new_context())
+        except BaseException:
+            for context in self._contexts:
+                context.close()
+            raise
+        for context in self._contexts:
+            self._idle.put(context)
         self._closed = False
 
     @property
@@ -327,6 +343,19 @@ class Engines:
     def _release(self, context: _Context) -> None:
         self._idle.put(context)
 
+    @contextlib.contextmanager
+    def borrow(self) -> Iterator[_Context]:
+        """One context of the pool, for the caller alone until the block ends (what ``trtc bench`` times)."""
+        context = self._acquire()
+        try:
+            yield context
+        finally:
+            self._release(context)
+
+    def bucket_for(self, rows: int) -> int:
+        """The bucket a batch of ``rows`` runs in (at most the largest: larger batches run in chunks of it)."""
+        return self._route[min(rows, self._largest)]
+
     def _run(self, call: CheckedFeed) -> dict[str, Any]:
         context = self._acquire()
         try:
@@ -359,10 +388,18 @@ class Engines:
         on a CPU backend with the compute in a second thread. A buffer set is given back as soon
         as its outputs are copied out, before ``postprocess`` runs, so post-processing never holds
         up the copies and compute of the next batches. Everything is synchronized before the last
-        result is yielded; leaving the loop early stops the work.
+        result is yielded; leaving the loop early stops the work. Where the host cannot be free while
+        a batch computes (eager torch without CUDA graphs launches every kernel under the GIL; a
+        one-core CPU) it runs the plain loop instead, which is then at least as fast.
         """
         if depth < 1:
             raise InputError(f"depth={depth}: map needs at least one buffer set")
+        if not self._can_overlap():
+            log.debug("map: %s cannot overlap batches here; running them one after the other", self.name)
+            for batch in batches:
+                value = self(batch)
+                yield postprocess(value) if postprocess is not None else value
+            return
         ready: queue.Queue[tuple[Any, ...]] = queue.Queue()
         in_flight = threading.Semaphore(depth)
         stop = threading.Event()
@@ -441,6 +478,15 @@ class Engines:
                 log.debug("map: the batch iterator is still producing; its thread ends with it")
 
 
+    def _can_overlap(self) -> bool:
+        """Whether pipelining can win: the host is free while a context computes, and on the CPU there is a second
+        core for post-processing. Otherwise the threads of the pipeline only add hand-offs to the plain loop."""
+        context = self._contexts[0]
+        if not context.overlaps:
+            return False
+        return context.on_gpu or (os.cpu_count() or 1) > 1
+
+
 _MAPPING_TYPES: dict[type, bool] = {}  # the types of feeds seen, and whether each is a dict of inputs
 
 
@@ -500,8 +546,14 @@ def tensorrt_available() -> bool:
     return tensorrt_version() is not None
 
 
-def onnx_for_precision(directory: Path, manifest: dict[str, Any]) -> Path:
-    precision = manifest.get("precision") or "fp32"
+def tf32_policy(manifest: dict[str, Any]) -> bool:
+    """Whether FP32 math may use TF32: the manifest's ``build.tf32`` when it records one, else True."""
+    value = (manifest.get("build") or {}).get("tf32")
+    return True if value is None else bool(value)
+
+
+def onnx_for_precision(directory: Path, manifest: dict[str, Any], precision: str | None = None) -> Path:
+    precision = precision or manifest.get("precision") or "fp32"
     entry = (manifest.get("onnx") or {}).get(precision)
     if entry is None:
         raise InputError(f"{directory}: the manifest's precision is {precision} but it lists no onnx.{precision} "
@@ -529,7 +581,8 @@ def _source_module(manifest: dict[str, Any], trust_pickle: bool) -> Any:
 
 
 def load(directory: str | Path, backend: str = "auto", *, device: str | None = None, contexts: int = 2,
-         cuda_graphs: bool = True, threads: int = 0, trust_pickle: bool = False) -> Engines:
+         cuda_graphs: bool = True, threads: int = 0, trust_pickle: bool = False, tf32: bool | None = None,
+         ort_cuda_options: Mapping[str, str] | None = None, precision: str | None = None) -> Engines:
     """The engines of a build directory, ready to serve: ``engines(x)``, ``engines.map(...)``.
 
     ``backend``: ``auto`` (TensorRT when installed, else ONNX Runtime, logged once), ``tensorrt``,
@@ -539,7 +592,12 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
     or ``cuda:N``; None picks the GPU when the backend can use one. ``contexts``: how many callers
     run at once (each context holds buffers for every bucket). ``cuda_graphs``: capture one graph
     per bucket on a GPU (fixed-shape models only). ``threads``: ONNX Runtime's intra-op threads
-    (0: its default). ``trust_pickle``: let the torch backend load a pickled model file.
+    (0: its default). ``trust_pickle``: let the torch backend load a pickled model file. ``tf32``:
+    whether ONNX Runtime's CUDA provider may use TF32 for FP32 math (default: the manifest's
+    ``build.tf32``, else True, as the TensorRT engines were built); the torch backend follows
+    PyTorch's own ``torch.backends`` flags. ``ort_cuda_options``: CUDA provider options over
+    ``compiler.runtime_onnxruntime.CUDA_OPTIONS``. ``precision``: which of the build's ONNX files
+    ONNX Runtime serves (default the manifest's precision).
     """
     from compiler.manifest import read_manifest, spec_from_manifest
 
@@ -558,7 +616,8 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
     if chosen == "tensorrt":
         impl = _tensorrt_backend(directory, manifest, spec, device, cuda_graphs)
     elif chosen == "onnxruntime":
-        ort_backend = _OrtBackend(onnx_for_precision(directory, manifest), spec, buckets, device, threads)
+        ort_backend = _OrtBackend(onnx_for_precision(directory, manifest, precision), spec, buckets, device, threads,
+                                  tf32=tf32_policy(manifest) if tf32 is None else tf32, cuda_options=ort_cuda_options)
         if backend == "auto":
             _log_fallback_once(directory, ort_backend)
         impl = ort_backend

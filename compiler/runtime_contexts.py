@@ -54,14 +54,26 @@ class _Context(Protocol):
 
     ``run`` copies rows ``start:stop`` of the call into the bucket's buffers and starts the work
     (asynchronous on a GPU: copies and compute are queued on the context's stream); ``wait`` blocks
-    until it is done. ``outputs`` are views of the last run's real rows: host numpy arrays when
-    ``run`` was asked for ``host`` outputs (valid after ``wait``), else device tensors usable on
-    the context's stream. ``execute`` is the bare model run on buffers already filled (benchmarks).
+    until it is done. ``run`` is ``upload``, ``compute`` and ``download`` in one call: the three
+    are separate so that ``trtc bench`` times the served path itself (device time around
+    ``compute``, end to end around all three). ``outputs`` are views of the last run's real rows:
+    host numpy arrays when ``run`` was asked for ``host`` outputs (valid after ``wait``), else
+    device tensors usable on the context's stream. ``execute`` is the bare model run on buffers
+    already filled. ``stream``: the CUDA stream the context's work is queued on (None on the CPU).
+    ``overlaps``: whether the host is free while the model runs (``map`` pipelines only then).
     """
 
     on_gpu: bool
+    stream: Any
+    overlaps: bool
 
     def run(self, bucket: int, call: CheckedFeed, start: int, stop: int, host: bool) -> None: ...
+
+    def upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None: ...
+
+    def compute(self, bucket: int, call: CheckedFeed) -> None: ...
+
+    def download(self, host: bool) -> None: ...
 
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]: ...
 
@@ -106,6 +118,8 @@ class _HostContext:
     """Input buffers in host memory for every bucket at its largest shape; ``execute`` is the backend's."""
 
     on_gpu = False
+    stream = None
+    overlaps = True  # ONNX Runtime and torch release the GIL while they compute
 
     def __init__(self, spec: ModelSpec, buckets: Sequence[int]) -> None:
         self._spec = spec
@@ -139,6 +153,21 @@ class _HostContext:
                 view[...] = arrays[name]
         self._last = self.execute(bucket, call)
         self._rows = rows
+
+    def upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None:
+        rows = stop - start
+        for name, view, batched in self.input_views(bucket, call):
+            if batched:
+                view[:rows] = call.arrays[name][start:stop]
+            else:
+                view[...] = call.arrays[name]
+        self._rows = rows
+
+    def compute(self, bucket: int, call: CheckedFeed) -> None:
+        self._last = self.execute(bucket, call)
+
+    def download(self, host: bool) -> None:
+        pass  # the outputs are host arrays already
 
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
         raise NotImplementedError
@@ -194,10 +223,13 @@ class _GpuContext:
     """
 
     on_gpu = True
+    overlaps = True  # the work is queued on the stream; the host waits only in ``wait``
 
     def __init__(self, spec: ModelSpec, buckets: Sequence[int], device: str, dtypes: dict[str, Any] | None,
-                 order: _ComputeOrder) -> None:
-        """``dtypes``: torch dtype per input; None takes the spec's (TensorRT passes the engine's)."""
+                 order: _ComputeOrder | None) -> None:
+        """``dtypes``: torch dtype per input; None takes the spec's (TensorRT passes the engine's).
+        ``order``: the backend's compute order, or None for a backend whose run blocks the host (ONNX
+        Runtime): holding a lock across a blocking run would serialize the contexts' copies too."""
         import torch
 
         if dtypes is None:
@@ -224,6 +256,8 @@ class _GpuContext:
         self._host_out: dict[str, torch.Tensor] = {}
         self._last: dict[str, Any] = {}
         self._last_host = True
+        self._rows = 0
+        self._computed: dict[str, Any] = {}
 
     def device_inputs(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
         return {name: views[0] for name, views in self._input_views(bucket, call).items()}
@@ -244,37 +278,69 @@ class _GpuContext:
         return views
 
     def run(self, bucket: int, call: CheckedFeed, start: int, stop: int, host: bool) -> None:
-        torch = self._torch
+        if call.on_device:  # the feed was written on the caller's stream
+            self.stream.wait_stream(self._torch.cuda.current_stream(self.device))
+        with self._torch.cuda.stream(self.stream):
+            self._upload(bucket, call, start, stop)
+            self._compute(bucket, call)
+            self._download(host)
+
+    def upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None:
+        if call.on_device:
+            self.stream.wait_stream(self._torch.cuda.current_stream(self.device))
+        with self._torch.cuda.stream(self.stream):
+            self._upload(bucket, call, start, stop)
+
+    def compute(self, bucket: int, call: CheckedFeed) -> None:
+        with self._torch.cuda.stream(self.stream):
+            self._compute(bucket, call)
+
+    def download(self, host: bool) -> None:
+        with self._torch.cuda.stream(self.stream):
+            self._download(host)
+
+    def _upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None:
+        """Queue the copy of rows ``start:stop`` into the bucket's device inputs (through pinned memory); a
+        device feed's stream has been waited for by the caller."""
         rows = stop - start
         views = self._input_views(bucket, call)
-        if call.on_device:  # the feed was written on the caller's stream
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for name, (device_view, host_view, host_np) in views.items():
-                batched = self._batched[name]
-                source = call.arrays[name][start:stop] if batched else call.arrays[name]
-                target = device_view[:rows] if batched else device_view
-                if call.on_device:
-                    target.copy_(source, non_blocking=True)
-                    source.record_stream(self.stream)  # the caller's memory is read here, later
-                else:
-                    self.stage(host_np[:rows] if batched else host_np, host_view[:rows] if batched else host_view,
-                               source)
-                    target.copy_(host_view[:rows] if batched else host_view, non_blocking=True)
-            with self._order.lock:  # after the run queued last by any context; our copies above overlap it
-                self.stream.wait_event(self._order.done)
-                outputs = {name: out[:rows] for name, out in self.execute(bucket, call).items()}
-                self._order.done.record(self.stream)
-            if host:
-                staged = {}
-                for name, out in outputs.items():
-                    pinned = self._pinned_output(name, out.numel(), out.dtype)[:out.numel()].view(out.shape)
-                    pinned.copy_(out, non_blocking=True)
-                    staged[name] = pinned.numpy()
-                self._last = staged
+        for name, (device_view, host_view, host_np) in views.items():
+            batched = self._batched[name]
+            source = call.arrays[name][start:stop] if batched else call.arrays[name]
+            target = device_view[:rows] if batched else device_view
+            if call.on_device:
+                target.copy_(source, non_blocking=True)
+                source.record_stream(self.stream)  # the caller's memory is read here, later
             else:
-                self._last = outputs
-            self._done.record(self.stream)
+                self.stage(host_np[:rows] if batched else host_np, host_view[:rows] if batched else host_view,
+                           source)
+                target.copy_(host_view[:rows] if batched else host_view, non_blocking=True)
+        self._rows = rows
+
+    def _compute(self, bucket: int, call: CheckedFeed) -> None:
+        """Queue the model run on the uploaded inputs, after the run any other context of the backend queued last."""
+        rows = self._rows
+        order = self._order
+        if order is None:
+            self._computed = {name: out[:rows] for name, out in self.execute(bucket, call).items()}
+            return
+        with order.lock:  # only the queueing is under the lock: it returns before the GPU is done
+            self.stream.wait_event(order.done)
+            self._computed = {name: out[:rows] for name, out in self.execute(bucket, call).items()}
+            order.done.record(self.stream)
+
+    def _download(self, host: bool) -> None:
+        """Queue the outputs' copy to pinned host memory (``host``), or keep them on the device."""
+        if host:
+            staged = {}
+            for name, out in self._computed.items():
+                pinned = self._pinned_output(name, out.numel(), out.dtype)[:out.numel()].view(out.shape)
+                pinned.copy_(out, non_blocking=True)
+                staged[name] = pinned.numpy()
+            self._last = staged
+        else:
+            self._last = self._computed
+        self._done.record(self.stream)
         self._last_host = host
 
     def stage(self, host_np: np.ndarray, host_view: Any, source: np.ndarray) -> None:

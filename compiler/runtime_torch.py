@@ -16,7 +16,8 @@ class _TorchBackend:
     name = "torch"
 
     def __init__(self, module: Any, spec: ModelSpec, buckets: Sequence[int], output_names: Sequence[str] | None,
-                 device: str | None, cuda_graphs: bool) -> None:
+                 device: str | None, cuda_graphs: bool, autocast_fp16: bool = False) -> None:
+        """``autocast_fp16``: run under ``torch.autocast`` in FP16 (CUDA only; outputs as the model makes them)."""
         import torch
 
         self.spec = spec
@@ -28,6 +29,7 @@ class _TorchBackend:
             target = torch.device("cuda", torch.cuda.current_device())
         self.device = str(target)
         self.cuda_graphs = cuda_graphs
+        self.autocast = autocast_fp16 and target.type == "cuda"
         self.order = _ComputeOrder() if target.type == "cuda" else None
         self.module = module.eval().to(target)
         probe = spec.example_feed(self.buckets[0])
@@ -39,7 +41,7 @@ class _TorchBackend:
         import torch
         from torch.utils._pytree import tree_flatten
 
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16, enabled=self.autocast):
             flat, _ = tree_flatten(self.module(*args))
         return flat
 
@@ -67,7 +69,11 @@ class _TorchCpuContext(_HostContext):
 
 
 class _TorchCudaContext(_GpuContext):
-    """Eager PyTorch on the context's stream; one CUDA graph per bucket for fixed-shape models."""
+    """Eager PyTorch on the context's stream; one CUDA graph per bucket for fixed-shape models.
+
+    Without a graph the host launches every kernel in Python, holding the GIL: it is not free while
+    the model runs (``overlaps`` False), so ``map`` runs such contexts in its sequential loop.
+    """
 
     def __init__(self, backend: _TorchBackend) -> None:
         assert backend.order is not None
@@ -81,6 +87,7 @@ class _TorchCudaContext(_GpuContext):
                 if captured is not None:
                     graph, outputs = captured
                     self._graphs[b] = (graph, dict(zip(backend.output_names, outputs)))
+        self.overlaps = len(self._graphs) == len(backend.buckets)
 
     def _args(self, bucket: int, call: CheckedFeed) -> list[Any]:
         inputs = self.device_inputs(bucket, call)

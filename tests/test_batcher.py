@@ -42,6 +42,7 @@ class Recording:
         return self.engines.check(x)
 
     def __call__(self, x: Any) -> Any:
+        x = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in x.items()}  # the batcher reuses its own
         self.feeds.append(x)
         self.batches.append(x[self.input_names[0]])
         self.entered.set()
@@ -186,3 +187,78 @@ def test_bad_settings() -> None:
 
     with pytest.raises(InputError, match="max_batch=0"):
         DynamicBatcher(Fake(), max_batch=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/serving_gpu.py --smoke: builds, engines(x), the batcher and map for each context count, one JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "serving.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "serving_gpu.py"), "--smoke", "--models", "cnn",
+                           "--backends", "onnxruntime", "--requests", "120", "--out", str(out), "--work",
+                           str(tmp_path / "work")], capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["kind"] == "trtc-serving-bench" and report["smoke"] is True
+    runs = {(r["precision"], r["contexts"]): r for r in report["runs"]}
+    assert set(runs) == {("fp32", 1), ("fp32", 2), ("fp16", 1), ("fp16", 2)}
+    for r in runs.values():
+        batcher = r["batcher"]
+        assert batcher["answered"] == 120 and batcher["lost"] == batcher["misrouted"] == batcher["duplicated_rows"] == 0
+        assert r["bound"]["rows_per_s"] > 0 and batcher["p99_ms"] >= batcher["p50_ms"] > 0
+        assert r["map"]["bound_ms"] == max(r["map"]["copy_ms"], r["map"]["compute_ms"], r["map"]["post_ms"])
+        assert set(r["targets"]) == {"batcher_throughput", "batcher_p99", "batcher_nothing_lost", "map_vs_bound",
+                                     "map_not_slower_than_loop"} and r["targets"]["batcher_nothing_lost"]
+    assert "serving at its bound" in done.stdout
+
+
+def test_a_worker_packs_batches_into_one_reused_buffer(engines: Engines) -> None:
+    """No fresh array per batch: a worker's second batch lands in its first one's memory; answers stay right."""
+    seen: list[np.ndarray] = []
+
+    class Keeping(Recording):
+        def __call__(self, x: Any) -> Any:
+            seen.append(x["x"])  # the batcher's own array, as the engines get it
+            return super().__call__(x)
+
+    gate = threading.Event()
+    keeping = Keeping(engines, gate)
+    with DynamicBatcher(keeping, max_wait_ms=50, workers=1) as batcher:  # type: ignore[arg-type]
+        first = [batcher.submit_async(rows(i)) for i in range(3)]
+        assert keeping.entered.wait(5)
+        second = [batcher.submit_async(rows(i)) for i in range(3, 7)]
+        gate.set()
+        results = [f.result(timeout=10) for f in first + second]
+    assert len(seen) == 2 and np.shares_memory(seen[0], seen[1])
+    for i, out in enumerate(results):
+        np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
+
+
+def test_workers_are_woken_per_batch_not_per_request(engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Single requests from many threads wake a worker when a window starts or a batch is full, not once each."""
+    import compiler.batcher as batcher_module
+
+    wakeups: list[int] = []
+
+    class Counting(threading.Condition):
+        def notify(self, n: int = 1) -> None:
+            wakeups.append(id(self))  # futures use conditions too: only the batcher's are counted below
+            super().notify(n)
+
+    monkeypatch.setattr(batcher_module.threading, "Condition", Counting)
+    gate = threading.Event()
+    recording = Recording(engines, gate)
+    with DynamicBatcher(recording, max_batch=16, max_wait_ms=2000, workers=1) as batcher:  # type: ignore[arg-type]
+        futures = [batcher.submit_async(rows(i)) for i in range(40)]
+        gate.set()
+        results = [f.result(timeout=10) for f in futures]
+    assert [len(b) for b in recording.batches] == [16, 16, 8]  # full batches go at once, without the 2 s window
+    assert 1 <= wakeups.count(id(batcher._cond)) <= 6  # was one per request: 40
+    for i, out in enumerate(results):
+        np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)

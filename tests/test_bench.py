@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -29,6 +30,7 @@ from compiler.bench import (
     _short_runner,
     accuracy_of,
     bench_directory,
+    bench_renderables,
     eager_model,
     find_regressions,
     input_feeds,
@@ -102,7 +104,7 @@ def test_accuracy_columns_against_the_eager_reference(report: dict[str, Any]) ->
     by = rows(report)
     for b in (1, 4):
         assert by[("torch/fp32", b)]["accuracy"] == {"max_abs": 0.0, "max_rel": 0.0, "cosine": pytest.approx(1.0),
-                                                     "top1_agreement": 1.0}
+                                                     "top1_agreement": 1.0, "data": report["inputs"]["source"]}
         fp32 = by[("onnxruntime/fp32", b)]["accuracy"]
         assert fp32["max_abs"] < 1e-4 and fp32["cosine"] > 0.99999 and fp32["top1_agreement"] == 1.0
         fp16 = by[("onnxruntime/fp16", b)]["accuracy"]
@@ -186,7 +188,7 @@ def _run_cli(args: list[str]) -> Any:
 
 
 def test_baseline_regression_exit_codes(build: Path, tmp_path: Path) -> None:
-    first = _run_cli([str(build), "--backends", "onnxruntime,tensorrt", "--buckets", "1", "--no-plot",
+    first = _run_cli([str(build), "--backends", "onnxruntime,tensorrt", "--buckets", "1", "--no-plot", "--wide",
                       "--report-dir", str(tmp_path / "first")])
     assert first.exit_code == 0, first.output
     assert "onnxruntime/fp32" in first.output and "CPU EP" in first.output and "│ torch/fp32" not in first.output
@@ -274,6 +276,8 @@ def test_the_eager_model_loads_from_a_factory_source(tmp_path: Path) -> None:
 class CountingRunner:
     """A runner that sleeps a fixed time per launch and counts its calls (for the timing loop alone)."""
 
+    stream = None
+
     def __init__(self, seconds: float) -> None:
         self.name, self.device, self.input_names, self.output_names = "counting", "cpu", ["x"], ["y"]
         self.seconds, self.launches = seconds, 0
@@ -340,12 +344,12 @@ def test_an_engine_is_labelled_with_the_precision_of_its_onnx(build: Path) -> No
 @pytest.mark.gpu
 def test_cuda_backends_time_with_events_and_measure_memory(build: Path, tmp_path: Path) -> None:
     settings = BenchSettings(iterations=3, min_seconds=0.0, warmup=1, warmup_seconds=0.0,
-                             backends=("torch", "torch-cudagraph"), report_dir=tmp_path)
+                             backends=("torch", "torch-cudagraph"), report_dir=tmp_path, tf32=False)  # FP32 is FP32
     data = bench_directory(build, settings).data
     by = rows(data)
     assert set(by) == {(n, b) for n in ("torch/fp32", "torch/fp16", "torch-cudagraph/fp32", "torch-cudagraph/fp16")
                        for b in (1, 4)}
-    assert data["device"] == "cuda" and data["machine"]["gpu"]
+    assert data["device"] == "cuda" and data["machine"]["gpu"] and data["tf32"]["enabled"] is False
     for r in data["results"]:
         assert r["device"] == "cuda" and r["clock"] == "cuda_event"
         assert 0 < r["latency_ms"]["p50"] <= r["e2e_ms"]["p50"] * 1.05  # end to end holds the device time
@@ -353,3 +357,140 @@ def test_cuda_backends_time_with_events_and_measure_memory(build: Path, tmp_path
         assert r["accuracy"]["cosine"] > 0.999
         if r["precision"] == "fp32":
             assert r["accuracy"]["top1_agreement"] == 1.0 and r["accuracy"]["max_abs"] < 1e-4
+
+
+# --- one execution layer, one precision policy, honest accuracy columns ----------------------------------------
+
+def _copy(build: Path, where: Path) -> Path:
+    shutil.copytree(build, where, ignore=shutil.ignore_patterns("report", ".trtc.lock"))
+    return where
+
+
+def test_rows_run_the_serving_backends(build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row is timed through a serving context of compiler.load's backends, not a runner of its own."""
+    from compiler import runners
+    from compiler.runtime_contexts import _HostContext
+
+    computed: list[str] = []
+    real = _HostContext.compute
+
+    def counting(self: Any, bucket: int, call: Any) -> None:
+        computed.append(type(self).__name__)
+        real(self, bucket, call)
+
+    monkeypatch.setattr(_HostContext, "compute", counting)
+    data = bench_directory(build, BenchSettings(**FAST, backends=("torch", "onnxruntime"), buckets=(4,),  # type: ignore[arg-type]
+                                                report_dir=tmp_path, plot=False)).data
+    assert {"_OrtCpuContext", "_TorchCpuContext"} <= set(computed)
+    assert len(computed) >= 3 * len(data["results"])  # first run, warm-up and timed runs all went through it
+    assert {r["runner"] for r in data["results"]} == {"torch", "onnxruntime[CPUExecutionProvider]"}
+    assert not hasattr(runners, "TrtRunner") and not hasattr(runners, "CudaGraphRunner")
+
+
+def test_one_tf32_policy_per_run(build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import compiler.bench as bench_module
+
+    seen: list[tuple[bool, bool]] = []
+    real = bench_module._measure
+
+    def watching(*args: Any, **kwargs: Any) -> Any:
+        seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_module, "_measure", watching)
+    directory = _copy(build, tmp_path / "b")
+    manifest = read_manifest(directory)
+    manifest.setdefault("build", {})["tf32"] = False
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    settings = BenchSettings(**FAST, backends=("torch", "onnxruntime"), buckets=(1,), plot=False)  # type: ignore[arg-type]
+    off = bench_directory(directory, dataclasses.replace(settings, report_dir=tmp_path / "off"))
+    assert off.data["tf32"]["enabled"] is False and off.data["tf32"]["source"] == "the manifest's build.tf32"
+    assert seen and all(flags == (False, False) for flags in seen)
+    seen.clear()
+    on = bench_directory(directory, dataclasses.replace(settings, tf32=True, report_dir=tmp_path / "on"))
+    assert on.data["tf32"] == {**on.data["tf32"], "enabled": True, "source": "--tf32"}
+    assert seen and all(flags == (True, True) for flags in seen)
+    assert "TF32 on" in bench_renderables(on)[0].title and "TF32 off" in bench_renderables(off)[0].title
+    default = bench_directory(build, dataclasses.replace(settings, report_dir=tmp_path / "default")).data["tf32"]
+    assert default["enabled"] is True and default["source"].startswith("default")
+
+
+def test_accuracy_uses_the_builds_evaluation_data(build: Path, tmp_path: Path) -> None:
+    directory = _copy(build, tmp_path / "b")
+    rng = np.random.default_rng(11)
+    images = rng.uniform(0, 1, (6, 1, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "eval.npz", images=images)
+    (directory / "report").mkdir()
+    (directory / "report" / "accuracy.json").write_text(json.dumps({"fp16": {
+        "calibration_data": {"source": "random (smoke test only)", "random": True},
+        "eval_data": {"source": str(tmp_path / "eval.npz"), "random": False}}}))
+    data = bench_directory(directory, BenchSettings(**FAST, backends=("onnxruntime",), buckets=(4,),  # type: ignore[arg-type]
+                                                    report_dir=tmp_path / "r", plot=False)).data
+    source = data["inputs"]["source"]
+    assert source.startswith(f"the build's evaluation data {tmp_path / 'eval.npz'}") and "first 4 sample" in source
+    h = hashlib.sha256()
+    h.update(b"images")
+    h.update(images[:4].tobytes())
+    assert data["inputs"]["buckets"]["4"]["sha256"] == h.hexdigest()  # the eval samples themselves were fed
+    assert all(r["accuracy"]["data"] == source for r in data["results"])
+    renderables = bench_renderables(BenchReport(data, tmp_path / "r" / "bench.json", tmp_path / "r" / "bench.csv",
+                                                None))
+    assert "evaluation data" in str(renderables[0].caption)
+    # random calibration data is not used: seeded random inputs, and the report says why
+    report_data = bench_directory(build, BenchSettings(**FAST, backends=("onnxruntime",), buckets=(1,),  # type: ignore[arg-type]
+                                                       report_dir=tmp_path / "s", plot=False)).data
+    assert report_data["inputs"]["source"] == "random normal, seed 0 (the build was calibrated on random data)"
+
+
+def test_a_non_classifier_gets_no_top1_and_its_sequence_length_is_shown(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from tests.test_runtime import build_directory
+
+    directory = build_directory(tmp_path / "tr", "transformer_encoder", buckets=[1, 4])
+    data = bench_directory(directory, BenchSettings(**FAST, buckets=(4,), report_dir=tmp_path / "r",  # type: ignore[arg-type]
+                                                    plot=False)).data
+    assert data["classifier"] is False and data["results"]
+    for r in data["results"]:
+        assert r["accuracy"]["top1_agreement"] is None and r["dims"] == {"S": 16}
+    table = bench_renderables(BenchReport(data, tmp_path / "j", tmp_path / "c", None))[0]
+    text = _rendered(table, Console)
+    assert "top-1" not in text and "4 S=16" in text
+
+
+def _rendered(table: Any, console_type: Any, width: int = 400) -> str:
+    console = console_type(width=width, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(table)
+    return str(console.export_text())
+
+
+def test_the_table_fits_120_columns_and_says_when_there_is_no_reference(report: dict[str, Any],
+                                                                        bench: BenchReport) -> None:
+    from rich.console import Console
+
+    narrow = bench_renderables(bench)[0]
+    lines = _rendered(narrow, Console).splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 120 and "speed-up vs torch/fp32" in str(narrow.title)
+    assert "top-1" in _rendered(narrow, Console)  # the digits CNN is a classifier
+    wide = bench_renderables(bench, wide=True)[0]
+    assert len(wide.columns) > len(narrow.columns) and "peak MiB" in [c.header for c in wide.columns]
+    no_torch = dict(report, results=[r for r in report["results"] if r["backend"] != "torch"])
+    table = bench_renderables(BenchReport(no_torch, bench.json_path, bench.csv_path, None))[0]
+    assert "no torch/fp32 row" in str(table.title) and "speed-up" not in [c.header for c in table.columns]
+
+
+@pytest.mark.gpu
+def test_cuda_onnxruntime_rows_run_the_serving_cuda_backend(build: Path, tmp_path: Path) -> None:
+    """ONNX Runtime on CUDA is timed on the serving context's stream: its kernels fall between the CUDA events."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
+    settings = BenchSettings(iterations=3, min_seconds=0.0, warmup=1, warmup_seconds=0.0, backends=("onnxruntime",),
+                             report_dir=tmp_path, tf32=False)
+    data = bench_directory(build, settings).data
+    assert {r["name"] for r in data["results"]} == {"onnxruntime/fp32", "onnxruntime/fp16"}
+    for r in data["results"]:
+        assert r["runner"] == "onnxruntime[CUDAExecutionProvider]" and r["clock"] == "cuda_event"
+        assert 0.005 < r["latency_ms"]["p50"] <= r["e2e_ms"]["p50"] * 1.05  # the run itself is inside the events
+        assert r["accuracy"]["cosine"] > 0.999

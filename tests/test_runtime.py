@@ -308,6 +308,62 @@ def test_map_stops_cleanly_and_reports_errors_in_order(mlp_engines: runtime.Engi
     assert not any(t.is_alive() for t in threads), "a context leaked: callers block"
 
 
+def test_every_context_is_created_at_load(dirs: dict[str, Path]) -> None:
+    """Allocation (and, on a GPU, graph capture) never lands on a request: the pool is full after load."""
+    with load(dirs["mlp"], backend="onnxruntime", device="cpu", contexts=3) as engines:
+        assert len(engines._contexts) == 3 and len({id(c) for c in engines._contexts}) == 3
+
+
+def test_map_runs_the_plain_loop_where_it_cannot_overlap(dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                         ) -> None:
+    """A context that holds the host while it computes (eager torch on a GPU) gains nothing from a pipeline thread."""
+    started: list[str] = []
+    real_thread = threading.Thread
+
+    def recording_thread(*args: Any, **kwargs: Any) -> threading.Thread:
+        started.append(str(kwargs.get("name")))
+        return real_thread(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.threading, "Thread", recording_thread)
+    rng = np.random.default_rng(9)
+    batches = [rng.standard_normal((n, 64)).astype(np.float32) for n in (1, 5, 16, 40)]
+    with load(dirs["mlp"], backend="onnxruntime", device="cpu") as engines:
+        want = [engines(b) for b in batches]
+        assert [r.tolist() for r in engines.map(batches)] == [w.tolist() for w in want]
+        assert started == ["trtc-map-submit"]  # this context overlaps: the pipeline
+        for context in engines._contexts:
+            context.overlaps = False  # type: ignore[misc]
+        got = list(engines.map(batches, postprocess=lambda o: o.argmax(axis=1)))
+        assert [g.tolist() for g in got] == [w.argmax(axis=1).tolist() for w in want]
+        assert started == ["trtc-map-submit"]  # no second pipeline thread: the plain loop ran
+
+
+def test_a_context_runs_in_stages_as_bench_times_it(dirs: dict[str, Path]) -> None:
+    """upload, compute, download on a borrowed context give what engines(x) gives (what trtc bench times)."""
+    feed = ModelSpec((parse_input_spec("x:Bx64"),)).example_feed(3, seed=2)
+    with load(dirs["mlp"], backend="onnxruntime", device="cpu") as engines:
+        call = engines.check(feed["x"])
+        bucket = engines.bucket_for(call.rows)
+        assert bucket == 4 and engines.bucket_for(100) == 16
+        with engines.borrow() as context:
+            context.upload(bucket, call, 0, call.rows)
+            context.compute(bucket, call)
+            context.download(True)
+            context.wait()
+            staged = context.copy_outputs()["out"]
+        np.testing.assert_array_equal(staged, engines(feed["x"]))
+
+
+def test_onnxruntime_tf32_follows_the_manifest_or_the_argument(tmp_path: Path) -> None:
+    directory = build_directory(tmp_path / "m", "mlp", build={"tf32": False})
+    with load(directory, backend="onnxruntime", device="cpu") as engines:
+        backend = engines._backend
+        assert backend.tf32 is False and backend.cuda_options["use_tf32"] == "0"  # type: ignore[attr-defined]
+    with load(directory, backend="onnxruntime", device="cpu", tf32=True) as engines:
+        assert engines._backend.cuda_options["use_tf32"] == "1"  # type: ignore[attr-defined]
+    assert runtime.tf32_policy({}) is True and runtime.tf32_policy({"build": {"tf32": False}}) is False
+
+
 # --- backends and loading -----------------------------------------------------------------------------------------
 
 def test_auto_backend_falls_back_to_onnx_runtime_and_says_so_once(tmp_path: Path,
@@ -462,3 +518,31 @@ def test_onnxruntime_cuda_backend(name: str, tmp_path: Path) -> None:
         assert on_gpu["out"].device.type == "cuda"
         np.testing.assert_allclose(on_gpu["out"].cpu().numpy(), want, rtol=1e-3, atol=1e-3)
     engines.close()
+
+
+@pytest.mark.gpu
+def test_onnxruntime_cuda_contexts_have_sessions_of_their_own_on_their_streams(tmp_path: Path) -> None:
+    """Two contexts never share a session (stream, arena, cuDNN handles); concurrent callers get their own rows."""
+    if not _ort_cuda_available():
+        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
+    directory = build_directory(tmp_path / "mlp", "mlp")
+    with load(directory, backend="onnxruntime", device="cuda", contexts=2) as engines:
+        first, second = engines._contexts
+        assert first._session is not second._session  # type: ignore[attr-defined]
+        assert first._on_our_stream and second._on_our_stream  # type: ignore[attr-defined]
+        rng = np.random.default_rng(3)
+        inputs = [rng.standard_normal((int(rng.integers(1, 17)), 64)).astype(np.float32) for _ in range(40)]
+        want = [eager("mlp", {"x": x}) for x in inputs]
+        got: list[Any] = [None] * len(inputs)
+
+        def work(start: int) -> None:
+            for i in range(start, len(inputs), 4):
+                got[i] = engines(inputs[i])
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)

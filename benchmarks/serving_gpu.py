@@ -1,0 +1,382 @@
+"""Does serving reach its bound? ``engines(x)``, ``DynamicBatcher`` and ``engines.map`` per backend and context count.
+
+For a ResNet-50-sized CNN (``examples.models:resnet50_like``, 3x224x224) and the transformer
+example (``examples.models:transformer_encoder``, S=128), this builds directories with
+``trtc build --engine none`` at FP32 and FP16 (FP16 calibrated on random data: speed only), then
+for each backend (onnxruntime at FP32 and FP16, torch on the FP32 source with CUDA graphs,
+tensorrt when it imports: its engines are built by ``trtc rebuild``) and for 1 and 2
+contexts (batcher workers = contexts):
+
+* ``engines(x)``: end-to-end throughput of host numpy batches at the largest bucket (the bound);
+* ``DynamicBatcher``: ``--clients`` threads each submitting single-row requests until
+  ``--requests`` are answered: throughput, p50/p99 latency, lost (errors, timeouts) and misrouted
+  answers (a row that is not the caller's), rows the engines ran beyond the requests
+  (duplicates); targets: throughput >= 80 % of the bound, p99 <= max_wait + 2 x the largest
+  bucket's batch time;
+* ``map`` vs the sequential loop ``post(engines(x))`` over ``--map-batches`` batches of
+  ``--map-batch`` rows, and the bound max(copy, compute, post) per batch measured stage by stage
+  on one context; targets: map >= 90 % of the bound and never slower than the loop.
+
+``--ort-cuda-option KEY=VALUE`` overrides the runtime's ONNX Runtime CUDA options, to compare
+(e.g. ``cudnn_conv_algo_search=EXHAUSTIVE``, ONNX Runtime's default); the JSON records whether each
+ONNX Runtime context's session computes on the context's own stream.
+
+Writes one JSON (``--out``) and prints a table. ``--smoke`` runs tiny sizes on the CPU in seconds
+(the test suite runs it). On an H200 (about 5 minutes):
+
+    python benchmarks/serving_gpu.py --out docs/serving-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    factory: str
+    inputs: tuple[str, ...]
+    dims: tuple[str, ...]
+    buckets: tuple[int, ...]
+    values: dict[str, int]  # the dynamic dims' values the feeds use
+
+
+def models_for(smoke: bool) -> list[Model]:
+    if smoke:
+        return [Model("cnn", "examples.models:resnet_digits", ("images:Bx1x8x8",), (), (1, 4, 8), {}),
+                Model("transformer", "examples.models:transformer_encoder",
+                      ("input_ids:BxS:int64", "attention_mask:BxS:int64"), ("S=1:16:16",), (1, 4, 8), {"S": 16})]
+    return [Model("resnet50", "examples.models:resnet50_like", ("images:Bx3x224x224",), (), (1, 16, 64), {}),
+            Model("transformer", "examples.models:transformer_encoder",
+                  ("input_ids:BxS:int64", "attention_mask:BxS:int64"), ("S=1:128:128",), (1, 16, 64), {"S": 128})]
+
+
+def build(model: Model, precision: str, root: Path, tensorrt: bool) -> Path:
+    """``trtc build --engine none`` (``trtc rebuild`` for engines when TensorRT is here) into root/name-precision."""
+    from compiler.cli import cli
+
+    out = root / f"{model.name}-{precision}"
+    args = ["build", "--model-factory", model.factory, "--buckets", ",".join(map(str, model.buckets)),
+            "--engine", "none", "--out", str(out), "--force", "-q"]
+    for spec in model.inputs:
+        args += ["--input", spec]
+    for dim in model.dims:
+        args += ["--dim", dim]
+    if precision == "fp16":
+        # for speed, not accuracy: random calibration data and a loose gate
+        args += ["--fp16", "--calib-data", "random", "--calib-samples", "32", "--min-cosine", "0.5"]
+    _trtc(cli, args)
+    if tensorrt:
+        _trtc(cli, ["rebuild", str(out), "-q"])
+    return out
+
+
+def _trtc(cli: Any, args: list[str]) -> None:
+    """One trtc command in this process; its exit code 0 is success, anything else stops the benchmark."""
+    try:
+        cli.main(args, standalone_mode=False)
+    except SystemExit as done:
+        if done.code not in (0, None):
+            raise
+
+
+def feed_of(engines: Any, model: Model, rows: int, seed: int) -> dict[str, np.ndarray]:
+    values = {**engines.spec.opt_values(rows), **model.values}
+    feed: dict[str, np.ndarray] = engines.spec.example_feed(rows, seed=seed, values=values)
+    return feed
+
+
+def throughput(engines: Any, feed: dict[str, np.ndarray], rows: int, seconds: float) -> dict[str, float]:
+    """``engines(feed)`` back to back for ``seconds``: batches/s, rows/s, mean and p50 batch time."""
+    for _ in range(5):
+        engines(feed)
+    times: list[float] = []
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < seconds or len(times) < 10:
+        start = time.perf_counter()
+        engines(feed)
+        times.append(time.perf_counter() - start)
+    mean = statistics.fmean(times)
+    return {"batch_ms_mean": 1e3 * mean, "batch_ms_p50": 1e3 * statistics.median(times), "rows_per_s": rows / mean,
+            "calls": len(times)}
+
+
+class CountingEngines:
+    """The engines as the batcher sees them, counting the rows it asks for (more than requested: duplicates)."""
+
+    def __init__(self, engines: Any) -> None:
+        self._engines = engines
+        self.buckets, self.input_names, self.output_names = engines.buckets, engines.input_names, engines.output_names
+        self.spec = engines.spec
+        self.rows = 0
+        self.batches = 0
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def check(self, x: Any) -> Any:
+        return self._engines.check(x)
+
+    def __call__(self, x: Any) -> Any:
+        start = time.perf_counter()
+        out = self._engines(x)
+        with self._lock:
+            self.rows += len(next(iter(x.values())) if isinstance(x, dict) else x)
+            self.batches += 1
+            self.seconds += time.perf_counter() - start
+        return out
+
+
+def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests: int, max_wait_ms: float,
+                ) -> dict[str, Any]:
+    """``clients`` threads of single-row requests until ``requests`` are answered."""
+    from compiler.batcher import DynamicBatcher
+
+    pool = feed_of(engines, model, clients, seed=7)
+    reference = engines(pool)
+    reference = reference if isinstance(reference, dict) else {engines.output_names[0]: reference}
+    counting = CountingEngines(engines)
+    latencies: list[float] = []
+    answers: list[tuple[int, np.ndarray]] = []  # checked after the run, so that checking costs the clients nothing
+    lost = 0
+    issued = 0
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        nonlocal lost, issued
+        request = {n: a[index:index + 1] for n, a in pool.items()}
+        request_in = request if len(request) > 1 else next(iter(request.values()))
+        while True:
+            with lock:
+                if issued >= requests:
+                    return
+                issued += 1
+            start = time.perf_counter()
+            try:
+                out = batcher.submit(request_in, timeout=30.0)
+            except Exception:  # counted as lost; the run goes on
+                with lock:
+                    lost += 1
+                continue
+            elapsed = time.perf_counter() - start
+            got = out if isinstance(out, dict) else {engines.output_names[0]: out}
+            with lock:
+                latencies.append(elapsed)
+                answers.append((index, _fingerprint(got, engines.output_names)))
+
+    batcher = DynamicBatcher(counting, max_wait_ms=max_wait_ms, workers=workers, timeout=30.0)  # type: ignore[arg-type]
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    begin = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - begin
+    batcher.close()
+    # an answer is misrouted when another client's reference row is closer to it than its own
+    refs = np.stack([_fingerprint({n: reference[n][i:i + 1] for n in engines.output_names}, engines.output_names)
+                     for i in range(clients)])
+    misrouted = sum(int(np.argmin(np.abs(refs - got).max(axis=1)) != index) for index, got in answers)
+    ms = np.asarray(latencies) * 1e3
+    return {"requests": requests, "answered": len(latencies), "lost": lost, "misrouted": misrouted,
+            "duplicated_rows": max(0, counting.rows - requests), "seconds": seconds,
+            "requests_per_s": len(latencies) / seconds if seconds else 0.0,
+            "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
+            "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None,
+            "batches": counting.batches, "mean_batch_rows": counting.rows / max(1, counting.batches),
+            "mean_batch_ms": 1e3 * counting.seconds / max(1, counting.batches)}
+
+
+def _fingerprint(outputs: dict[str, Any], names: list[str]) -> np.ndarray:
+    """The first 256 values of a one-row answer, as float32."""
+    flat = np.concatenate([np.asarray(outputs[n], np.float32).ravel() for n in names])
+    return flat[:256]
+
+
+def wall(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def postprocess(out: Any) -> Any:
+    """A classifier's softmax + top-5, or a mean over tokens for an embedding model (numpy, on the host)."""
+    x = np.asarray(out if not isinstance(out, dict) else next(iter(out.values())), dtype=np.float32)
+    if x.ndim == 2:
+        z = np.exp(x - x.max(axis=1, keepdims=True))
+        z /= z.sum(axis=1, keepdims=True)
+        return np.argsort(-z, axis=1)[:, :5]
+    return x.mean(axis=1)
+
+
+def map_run(engines: Any, model: Model, rows: int, count: int) -> dict[str, Any]:
+    """``map`` vs the sequential loop, and the stages alone on one context: copy (upload + download), compute,
+    post-processing."""
+    batches = [feed_of(engines, model, rows, seed=i) for i in range(4)]
+    work = [batches[i % len(batches)] for i in range(count)]
+    args = [b if len(b) > 1 else next(iter(b.values())) for b in work]
+    for a in args[:3]:
+        postprocess(engines(a))
+
+    def sequential() -> None:
+        for a in args:
+            postprocess(engines(a))
+
+    def mapped() -> None:
+        for _ in engines.map(args, postprocess):
+            pass
+
+    sequential_s = wall(sequential, 3) / count
+    map_s = wall(mapped, 3) / count
+    call = engines.check(args[0])
+    bucket = engines.bucket_for(call.rows)
+    with engines.borrow() as context:
+        context.run(bucket, call, 0, call.rows, True)
+        context.wait()
+
+        def copy() -> None:
+            context.upload(bucket, call, 0, call.rows)
+            context.download(True)
+            context.wait()
+
+        def compute() -> None:
+            context.compute(bucket, call)
+            context.wait() if not context.on_gpu else _sync(context)
+
+        copy_s = wall(copy, 20)
+        compute_s = wall(compute, 20)
+    outputs = engines(args[0])
+    post_s = wall(lambda: postprocess(outputs), 20)
+    bound_s = max(copy_s, compute_s, post_s)
+    return {"batches": count, "rows": rows, "copy_ms": 1e3 * copy_s, "compute_ms": 1e3 * compute_s,
+            "post_ms": 1e3 * post_s, "bound_ms": 1e3 * bound_s, "map_ms": 1e3 * map_s,
+            "sequential_ms": 1e3 * sequential_s, "map_vs_bound": bound_s / map_s if map_s else 0.0,
+            "sequential_over_map": sequential_s / map_s if map_s else 0.0}
+
+
+def _sync(context: Any) -> None:
+    context.stream.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="The JSON to write.")
+    parser.add_argument("--work", type=Path, default=Path("build/serving-gpu"), help="Build directories go here.")
+    parser.add_argument("--smoke", action="store_true", help="Tiny models and counts, on the CPU: seconds.")
+    parser.add_argument("--backends", default="", help="onnxruntime,torch,tensorrt (default: those that run here).")
+    parser.add_argument("--models", default="", help="Which models, by name (default: both).")
+    parser.add_argument("--ort-cuda-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="An ONNX Runtime CUDA provider option over the runtime's (repeatable), to compare, e.g. "
+                             "cudnn_conv_algo_search=EXHAUSTIVE.")
+    parser.add_argument("--clients", type=int, help="Batcher client threads (default 64; 8 with --smoke).")
+    parser.add_argument("--requests", type=int, help="Batcher requests per run (default 2000; 200 with --smoke).")
+    parser.add_argument("--max-wait-ms", type=float, default=5.0, help="The batcher's window (default 5).")
+    parser.add_argument("--seconds", type=float, help="Seconds per engines(x) throughput (default 2; 0.2 smoke).")
+    parser.add_argument("--map-batches", type=int, help="Batches per map run (default 40; 8 with --smoke).")
+    parser.add_argument("--map-batch", type=int, help="Rows per map batch (default 16; 4 with --smoke).")
+    args = parser.parse_args()
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from compiler.runtime import load, tensorrt_available
+
+    smoke = args.smoke
+    cuda = torch.cuda.is_available()
+    if not cuda and not smoke:
+        sys.exit("serving_gpu needs a CUDA GPU (torch.cuda.is_available() is False); --smoke runs on the CPU")
+    device = "cpu" if smoke and not cuda else None
+    clients = args.clients or (8 if smoke else 64)
+    requests = args.requests or (200 if smoke else 2000)
+    seconds = args.seconds if args.seconds is not None else (0.2 if smoke else 2.0)
+    map_batches = args.map_batches or (8 if smoke else 40)
+    map_batch = args.map_batch or (4 if smoke else 16)
+    trt = tensorrt_available() and cuda
+    ort_options = dict(o.split("=", 1) for o in args.ort_cuda_option)
+    wanted = [b for b in args.backends.split(",") if b] or ["onnxruntime", "torch", *(["tensorrt"] if trt else [])]
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    started = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    chosen = [m for m in args.models.split(",") if m]
+    for model in [m for m in models_for(smoke) if not chosen or m.name in chosen]:
+        dirs = {p: build(model, p, args.work, trt and "tensorrt" in wanted) for p in ("fp32", "fp16")}
+        configs = [(b, p) for b in wanted for p in (("fp32",) if b == "torch" else ("fp32", "fp16"))]
+        for backend, precision in configs:
+            for contexts in (1, 2):
+                engines = load(dirs[precision], backend=backend, contexts=contexts, device=device,
+                               ort_cuda_options=ort_options or None)
+                on_own_stream = [getattr(c, "_on_our_stream", None) for c in engines._contexts]
+                largest = engines.buckets[-1]
+                one = feed_of(engines, model, largest, seed=1)
+                bound = throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest, seconds)
+                batched = batcher_run(engines, model, contexts, clients, requests, args.max_wait_ms)
+                mapped = map_run(engines, model, map_batch, map_batches)
+                engines.close()
+                p99_bound = args.max_wait_ms + 2 * bound["batch_ms_mean"]
+                targets = {
+                    "batcher_throughput": batched["requests_per_s"] >= 0.8 * bound["rows_per_s"],
+                    "batcher_p99": batched["p99_ms"] is not None and batched["p99_ms"] <= p99_bound,
+                    "batcher_nothing_lost": batched["lost"] == 0 and batched["misrouted"] == 0
+                    and batched["duplicated_rows"] == 0,
+                    "map_vs_bound": mapped["map_vs_bound"] >= 0.9,
+                    "map_not_slower_than_loop": mapped["sequential_over_map"] >= 1.0}
+                runs.append({"model": model.name, "backend": backend, "precision": precision, "contexts": contexts,
+                             "workers": contexts, "device": engines.device, "bound": bound,
+                             "ort_session_on_context_stream": on_own_stream if backend == "onnxruntime" else None,
+                             "batcher": {**batched, "p99_bound_ms": p99_bound,
+                                         "throughput_target": 0.8 * bound["rows_per_s"]},
+                             "map": mapped, "targets": targets})
+                console.print(f"{model.name} {backend}/{precision} contexts={contexts}: "
+                              f"bound {bound['rows_per_s']:,.0f} rows/s, batcher {batched['requests_per_s']:,.0f} "
+                              f"req/s p99 {batched['p99_ms']:.1f} ms, map/bound {mapped['map_vs_bound']:.2f}")
+    table = Table("model", "backend", "ctx", "bound rows/s", "batcher req/s", "p99 ms (bound)", "lost",
+                  "map ms", "loop ms", "bound ms", "targets",
+                  title=f"serving at its bound ({'smoke, ' if smoke else ''}max_wait {args.max_wait_ms:g} ms, "
+                        f"{clients} clients)")
+    for r in runs:
+        b, m = r["batcher"], r["map"]
+        missed = [k for k, ok in r["targets"].items() if not ok]
+        table.add_row(r["model"], f"{r['backend']}/{r['precision']}", str(r["contexts"]),
+                      f"{r['bound']['rows_per_s']:,.0f}", f"{b['requests_per_s']:,.0f}",
+                      f"{b['p99_ms']:.1f} ({b['p99_bound_ms']:.1f})", str(b["lost"] + b["misrouted"]),
+                      f"{m['map_ms']:.2f}", f"{m['sequential_ms']:.2f}", f"{m['bound_ms']:.2f}",
+                      "all met" if not missed else "missed: " + ", ".join(missed))
+    console.print(table)
+    machine = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+               "gpu": torch.cuda.get_device_name(0) if cuda else None}
+    import onnxruntime
+
+    machine["onnxruntime"] = onnxruntime.__version__
+    report = {"kind": "trtc-serving-bench", "smoke": smoke, "command": " ".join(sys.argv), "machine": machine,
+              "settings": {"clients": clients, "requests": requests, "max_wait_ms": args.max_wait_ms,
+                           "seconds": seconds, "map_batches": map_batches, "map_batch": map_batch,
+                           "backends": wanted, "ort_cuda_options": ort_options},
+              "seconds": round(time.perf_counter() - started, 1), "runs": runs,
+              "all_targets_met": all(all(r["targets"].values()) for r in runs)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {args.out} in {report['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
