@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ZOO", "ZooModel", "yolo", "vit", "bert", "gpt", "segmentation"]
+__all__ = ["ZOO", "ZooModel", "yolo", "vit", "bert", "gpt", "segmentation", "token_types"]
 
 VOCAB = 1000
 
@@ -110,6 +110,23 @@ class _Gpt(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+class _TokenTypes(nn.Module):
+    """The embedding layer of a BERT in miniature: token ids, a 2-row token type table, and the mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words, self.types, self.out = nn.Embedding(VOCAB, 16), nn.Embedding(2, 16), nn.Linear(16, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor) -> torch.Tensor:
+        hidden = (self.words(input_ids) + self.types(token_type_ids)) * attention_mask.unsqueeze(-1)
+        return self.out(hidden.sum(dim=1) / attention_mask.sum(dim=1, keepdim=True))
+
+
+def token_types() -> nn.Module:
+    return _seeded(_TokenTypes)
 
 
 def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
