@@ -84,7 +84,8 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(directory / name, stage / name)
         fp32 = directory / manifest["onnx"]["fp32"]["file"]
-        outcome = calibrated_into(stage, fp32, spec_from_manifest(manifest), settings)
+        with stage_timer(f"{settings.precision.upper()} calibration"):
+            outcome = calibrated_into(stage, fp32, spec_from_manifest(manifest), settings)
         if outcome.passed:
             merged = merge_update(manifest, outcome.manifest_update)
             write_manifest(stage / MANIFEST, merged)

@@ -55,6 +55,7 @@ def test_zoo_model_builds_at_defaults(name: str, precision: str, calib: dict[str
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["precision"] == precision
+    assert manifest["export"]["exporter"] == "dynamo", manifest["export"]["fallback_reason"]
     verification = manifest["verification"]
     assert "calib" in verification["inputs"] or str(calib[name]) in verification["inputs"]
     for check in verification["export"] + verification["passes"]:

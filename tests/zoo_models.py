@@ -82,15 +82,15 @@ class _Segmenter(nn.Module):
                                          align_corners=False)
 
 
-class _Logits(nn.Module):
-    """A `transformers` model that returns its logits tensor instead of an output dataclass."""
+class _Vit(nn.Module):
+    """A `transformers` classifier that returns its logits tensor instead of an output dataclass."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.model(*args).logits
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=images).logits
 
 
 class _Bert(nn.Module):
@@ -147,7 +147,7 @@ def vit() -> nn.Module:
 
     config = ViTConfig(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                        intermediate_size=128, num_labels=10, attn_implementation="eager")
-    return _seeded(lambda: _Logits(ViTForImageClassification(config)))
+    return _seeded(lambda: _Vit(ViTForImageClassification(config)))
 
 
 def bert() -> nn.Module:
