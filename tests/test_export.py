@@ -155,3 +155,19 @@ def test_values_the_model_rejects_are_named_with_their_range(tmp_path: Path) -> 
     assert "input 'token_type_ids' (values in [0, 5))" in output and "[LOW,HIGH)" in output, output
     assert len(output.strip().splitlines()) == 1 and "Traceback" not in output
     assert not (tmp_path / "o" / "model.onnx").exists()
+
+
+def test_build_exports_and_verifies_on_the_calibration_data(tmp_path: Path) -> None:
+    """Ids that start at 1: the default zeros are rejected, the user's calibration data is used instead."""
+    ids = np.random.default_rng(0).integers(1, 1000, (40, 8)).astype(np.int64)
+    np.savez(tmp_path / "calib.npz", input_ids=ids)
+    args = ["--model-factory", "tests.zoo_models:one_based_ids", "--input", "input_ids:BxS:int64", "--dim", "S=1:8:16",
+            "--buckets", "1,4"]
+    code, output = export([*args, "--out", str(tmp_path / "zeros")])
+    assert code == 2 and "integer inputs' value ranges (input_ids: zeros)" in output, output
+    result = CliRunner().invoke(cli, ["build", "-q", *args, "--fp16", "--calib-data", str(tmp_path / "calib.npz"),
+                                      "--engine", "none", "--out", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    verification = json.loads((tmp_path / "b" / "manifest.json").read_text())["verification"]
+    assert verification["inputs"] == f"the first 4 sample(s) of {tmp_path / 'calib.npz'}"
+    assert [c["batch"] for c in verification["export"]] == [1, 4]

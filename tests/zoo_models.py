@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ZOO", "ZooModel", "yolo", "vit", "bert", "gpt", "segmentation", "token_types"]
+__all__ = ["ZOO", "ZooModel", "yolo", "vit", "bert", "gpt", "segmentation", "token_types", "one_based_ids"]
 
 VOCAB = 1000
 
@@ -127,6 +127,21 @@ class _TokenTypes(nn.Module):
 
 def token_types() -> nn.Module:
     return _seeded(_TokenTypes)
+
+
+class _OneBasedIds(nn.Module):
+    """Ids counted from 1 (0 is not a valid id): zeros as example values fail, real data does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words, self.out = nn.Embedding(VOCAB - 1, 16), nn.Linear(16, 4)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.words(input_ids - 1).mean(dim=1))
+
+
+def one_based_ids() -> nn.Module:
+    return _seeded(_OneBasedIds)
 
 
 def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
