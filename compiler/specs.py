@@ -158,6 +158,10 @@ def parse_input_spec(text: str) -> InputSpec:
         if values[0] >= values[1]:
             raise InputError(f"input spec {text!r}: the value range [{values[0]},{values[1]}) is empty; "
                              "write [LOW,HIGH) with LOW < HIGH")
+        info = np.iinfo(np.dtype(dtype))
+        if values[0] < info.min or values[1] - 1 > info.max:
+            raise InputError(f"input spec {text!r}: the value range [{values[0]},{values[1]}) does not fit {dtype} "
+                             f"([{info.min},{info.max}])")
     if dtype not in DTYPES:
         raise InputError(f"input spec {text!r}: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     dims: list[int | str] = []

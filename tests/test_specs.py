@@ -65,7 +65,8 @@ def test_integer_inputs_take_a_value_range_that_round_trips() -> None:
 
 
 @pytest.mark.parametrize(("text", "problem"), [("x:B:float32[0,2)", "integer dtypes"), ("x:B:int64[3,3)", "empty"),
-                                               ("x:B:int64[0,2]", "unknown dtype")])
+                                               ("x:B:int64[0,2]", "unknown dtype"),
+                                               ("x:B:uint8[0,300)", "does not fit uint8")])
 def test_bad_value_ranges_are_rejected(text: str, problem: str) -> None:
     with pytest.raises(InputError, match=problem):
         parse_input_spec(text)
