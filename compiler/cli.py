@@ -144,7 +144,9 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--trust-pickle", is_flag=True, default=None,
                      help="Allow loading a pickled nn.Module (torch.save(model)): this runs code from the file."),
         click.option("--input", "inputs", multiple=True, type=InputSpecType(),
-                     help="An input as NAME:SHAPE[:DTYPE]; a letter marks a dynamic dim (B = batch). Repeat it."),
+                     help="An input as NAME:SHAPE[:DTYPE]; a letter marks a dynamic dim (B = batch). An integer "
+                     "DTYPE may end in [LOW,HIGH), the values example inputs take (default zeros), e.g. "
+                     "'token_type_ids:BxS:int64[0,2)'. Repeat it."),
         click.option("--dim", "dims", multiple=True, type=DimType(),
                      help="Range of a non-batch dynamic dim, NAME=MIN:OPT:MAX (e.g. S=1:128:512)."),
         click.option("--profile", type=click.Path(path_type=Path),
