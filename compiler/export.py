@@ -154,11 +154,25 @@ def _dynamo_export(loaded: LoadedModel, args: tuple[Any, ...], spec: ModelSpec, 
     target = loaded.exported_program if loaded.exported_program is not None else loaded.module
     kwargs: dict[str, Any] = {}
     if loaded.exported_program is None:
-        kwargs["dynamic_shapes"] = dynamic_shapes
+        kwargs["dynamic_shapes"] = _matching_parameters(loaded.module, dynamic_shapes)
     with _quiet():
         torch.onnx.export(target, args, str(path), dynamo=True, input_names=spec.input_names,
                           output_names=output_names, opset_version=opset, verbose=False, optimize=True, **kwargs)
     return _rename_dims(load_onnx(path), spec)
+
+
+def _matching_parameters(module: Any, shapes: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Dynamic shapes laid out as ``forward``'s parameters: torch.export wants a ``*args`` part as one tuple."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return shapes
+    if not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return shapes
+    named = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    return (*shapes[:named], tuple(shapes[named:]))
 
 
 def _torchscript_export(module: Any, args: tuple[Any, ...], spec: ModelSpec, max_batch: int, opset: int | None,

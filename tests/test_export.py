@@ -171,3 +171,11 @@ def test_build_exports_and_verifies_on_the_calibration_data(tmp_path: Path) -> N
     verification = json.loads((tmp_path / "b" / "manifest.json").read_text())["verification"]
     assert verification["inputs"] == f"the first 4 sample(s) of {tmp_path / 'calib.npz'}"
     assert [c["batch"] for c in verification["export"]] == [1, 4]
+
+
+def test_a_forward_with_varargs_goes_through_the_dynamo_exporter(tmp_path: Path) -> None:
+    code, output = export(["--model-factory", "tests.zoo_models:varargs", "--input", "x:Bx8", "--input", "y:Bx6",
+                           "--input", "z:Bx4", "--buckets", "1,4", "--out", str(tmp_path / "v")])
+    assert code == 0, output
+    manifest = json.loads((tmp_path / "v" / "manifest.json").read_text())
+    assert manifest["export"]["exporter"] == "dynamo", manifest["export"]["fallback_reason"]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ZOO", "ZooModel", "yolo", "vit", "bert", "gpt", "segmentation", "token_types", "one_based_ids"]
+__all__ = ["ZOO", "ZooModel", "yolo", "vit", "bert", "gpt", "segmentation", "token_types", "one_based_ids", "varargs"]
 
 VOCAB = 1000
 
@@ -142,6 +142,21 @@ class _OneBasedIds(nn.Module):
 
 def one_based_ids() -> nn.Module:
     return _seeded(_OneBasedIds)
+
+
+class _VarArgs(nn.Module):
+    """A wrapper whose forward takes ``*inputs``, as generic model wrappers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(6, 4)
+
+    def forward(self, first: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return self.a(first) + self.b(rest[0]) * rest[1]
+
+
+def varargs() -> nn.Module:
+    return _seeded(_VarArgs)
 
 
 def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
