@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from compiler.progress import progress
 from compiler.runners import OrtRunner
 
 __all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback"]
@@ -166,9 +167,11 @@ def _rank_by_sensitivity(build: Callable[[frozenset[str]], onnx.ModelProto], lay
     """Each layer alone in reduced precision, scored by mean cosine against FP32; worst first."""
     everything = frozenset(layers)
     scores = []
-    for layer in layers:
-        result = evaluator.evaluate(build(everything - {layer}), limit=evaluator.settings.sensitivity_samples)
-        scores.append((layer, result.cosine_mean))
+    with progress("ranking layers by sensitivity", len(layers), unit="layers") as advance:
+        for layer in layers:
+            result = evaluator.evaluate(build(everything - {layer}), limit=evaluator.settings.sensitivity_samples)
+            scores.append((layer, result.cosine_mean))
+            advance(1)
     scores.sort(key=lambda item: item[1])
     log.info("most sensitive layers: %s", ", ".join(f"{n} ({c:.5f})" for n, c in scores[:5]))
     return scores

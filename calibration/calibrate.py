@@ -9,7 +9,6 @@ reduced-precision ONNX.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ from compiler.errors import AccuracyGateError, CalibrationError
 from compiler.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
 from compiler.manifest import MANIFEST, now, onnx_entry, read_manifest, spec_from_manifest, write_manifest
 from compiler.onnx_io import load_onnx, save_onnx
+from compiler.progress import progress, stage_timer
 from compiler.specs import ModelSpec
 
 __all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "calibrate_directory"]
@@ -84,7 +84,8 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(directory / name, stage / name)
         fp32 = directory / manifest["onnx"]["fp32"]["file"]
-        outcome = calibrated_into(stage, fp32, spec_from_manifest(manifest), settings)
+        with stage_timer(f"{settings.precision.upper()} calibration"):
+            outcome = calibrated_into(stage, fp32, spec_from_manifest(manifest), settings)
         if outcome.passed:
             merged = merge_update(manifest, outcome.manifest_update)
             write_manifest(stage / MANIFEST, merged)
@@ -179,22 +180,6 @@ def _evaluator(model: onnx.ModelProto, eval_data: CalibrationData | None, settin
     return Evaluator.from_model(model, batches, eval_data.labels, settings.gate)
 
 
-@contextlib.contextmanager
-def _progress(what: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A progress bar on stderr while samples go through the model (shown only on a terminal)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    console = Console(stderr=True)
-    if not console.is_terminal or not log.isEnabledFor(logging.INFO):
-        yield lambda n: None
-        return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(what, total=total)
-        yield lambda n: bar.advance(task, n)
-
-
 def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: CalibrationData | None,
           eval_data: CalibrationData | None, settings: CalibrationSettings,
           ) -> tuple[GateOutcome | None, dict[str, Any]]:
@@ -212,7 +197,7 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
             raise CalibrationError("INT8 needs calibration data: pass --calib-data PATH or --calib-loader, or "
                                    "--calib-cache with a calibration.json from an earlier build")
         start = time.perf_counter()
-        with _progress(f"calibrating {len(tensors)} tensors", data.samples) as advance:
+        with progress(f"calibrating {len(tensors)} tensors", data.samples) as advance:
             stats = collect_histograms(model, tensors, data.batches(), progress=advance)
         amax = stats.amax(settings.method, settings.percentile)
         record = {"model_sha256": model_sha, "method": settings.method, "percentile": settings.percentile,
@@ -243,7 +228,8 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
     # a residual Add alone in INT8 changes nothing (its Q/DQ follows its convolution), so it is not ranked
     op_types = {n.name: n.op_type for n in model.graph.node}
     candidates = [n for n in quantizable_nodes(model, policy) if op_types.get(n) != "Add"]
-    return gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel), details
+    with stage_timer("INT8 accuracy gate"):
+        return gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel), details
 
 
 def _usable_cache(path: Path, model_sha: str, data: CalibrationData | None, settings: CalibrationSettings,
@@ -283,7 +269,8 @@ def _fp16(model: onnx.ModelProto, data: CalibrationData | None, eval_data: Calib
     max_abs: dict[str, float] | None = None
     if data is not None:
         names = _float_tensors(model)
-        max_abs = collect_max_abs(model, names, data.batches())
+        with progress(f"FP16 range of {len(names)} tensors", data.samples) as advance:
+            max_abs = collect_max_abs(model, names, _counted(data.batches(), advance))
         log.info("measured max |x| of %d tensors on %d samples", len(max_abs), data.samples)
     else:
         log.warning("no calibration data: FP16 conversion uses the type rules only (no overflow check)")
@@ -301,7 +288,15 @@ def _fp16(model: onnx.ModelProto, data: CalibrationData | None, eval_data: Calib
                   and n.op_type in _FP16_CANDIDATE_OPS]
     if max_abs:  # the layers with the largest values first: the likeliest to lose range
         candidates.sort(key=lambda n: -max((max_abs or {}).get(o, 0.0) for o in _outputs(model, n)))
-    return gate_with_fallback(build, candidates, evaluator, "FP16", initial=fmodel), details
+    with stage_timer("FP16 accuracy gate"):
+        return gate_with_fallback(build, candidates, evaluator, "FP16", initial=fmodel), details
+
+
+def _counted(batches: Iterator[dict[str, Any]], advance: Callable[[int], None]) -> Iterator[dict[str, Any]]:
+    """Report each batch's size to ``advance`` as it is taken."""
+    for batch in batches:
+        yield batch
+        advance(len(next(iter(batch.values()))))
 
 
 _FP16_CANDIDATE_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Softmax", "LayerNormalization",

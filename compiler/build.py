@@ -18,13 +18,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from compiler.engines import settings_to_dict
 from compiler.errors import AccuracyGateError, TensorRTNotInstalled
 from compiler.files import commit_staged, directory_lock, staging_dir
 from compiler.loading import load_model
 from compiler.manifest import MANIFEST, refuse_other_model, write_manifest
 from compiler.pipeline import FP32_ONNX, check_against_model, exported_into, resolve_spec, source_fingerprint
+from compiler.progress import stage_timer
 from compiler.settings import BuildSettings, ExportSettings
+from compiler.specs import BATCH_DIM, ModelSpec
+from compiler.verify import FeedSource
 
 __all__ = ["build_directory", "FAILED_DIR"]
 
@@ -48,12 +53,14 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
     with directory_lock(out, command):
         refuse_other_model(out, fingerprint, export.force)
         with staging_dir(out) as stage:
-            manifest = exported_into(stage, loaded, spec, export, fingerprint)
+            feeds, feeds_from = _feeds_from_calibration_data(calibration, spec, export.max_batch)
+            manifest = exported_into(stage, loaded, spec, export, fingerprint, feeds, feeds_from)
             if calibration is not None:
                 cache = calibration.calib_cache or (out / CALIBRATION_JSON)
                 if Path(cache).is_file():
                     shutil.copy2(cache, stage / CALIBRATION_JSON)
-                outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
+                with stage_timer(f"{calibration.precision.upper()} calibration"):
+                    outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
                 if not outcome.passed:
                     _keep_failed_attempt(stage, out, manifest)
                     raise AccuracyGateError(outcome.message + f"; the failed attempt is in {out / FAILED_DIR}")
@@ -64,13 +71,43 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
             if build.engine == "none":
                 manifest["engines_note"] = "not built: --engine none"
             else:
-                missing = _engines_into(stage, out, manifest, spec, build)
+                with stage_timer("engines"):
+                    missing = _engines_into(stage, out, manifest, spec, build)
             manifest["build_seconds"] = round(time.perf_counter() - start, 2)
             write_manifest(stage / MANIFEST, manifest)
             commit_staged(stage, out)
     if missing is not None:
         raise missing
     return manifest
+
+
+def _feeds_from_calibration_data(calibration: Any | None, spec: ModelSpec, max_batch: int,
+                                 ) -> tuple[FeedSource | None, str]:
+    """Export inputs from the user's calibration data: its first ``max_batch`` samples of one shape.
+
+    A batch larger than the samples read repeats them. None (the spec's example values) without
+    calibration data, with ``random`` data, or when an input has no batch dimension to stack on.
+    """
+    from calibration.data import RANDOM, calibration_data
+
+    if calibration is None or not (calibration.data or calibration.loader) or calibration.data == RANDOM:
+        return None, ""
+    if any(not i.dims or i.dims[0] != BATCH_DIM for i in spec.inputs):
+        return None, ""
+    data = calibration_data(calibration.data, spec, loader=calibration.loader, batch_size=1, max_samples=max_batch,
+                            image=calibration.image)
+    samples: list[dict[str, np.ndarray]] = []
+    for sample in data.batches():
+        if samples and any(sample[n].shape != samples[0][n].shape for n in sample):
+            break  # a new sequence length: verification batches hold one shape
+        samples.append(sample)
+    stacked = {n: np.concatenate([s[n] for s in samples]) for n in samples[0]}
+
+    def feed_at(batch: int) -> dict[str, np.ndarray]:
+        rows = np.arange(batch) % len(samples)
+        return {n: np.ascontiguousarray(v[rows]) for n, v in stacked.items()}
+
+    return feed_at, f"the first {len(samples)} sample(s) of {data.description}"
 
 
 def _engines_into(stage: Path, out: Path, manifest: dict[str, Any], spec: Any, build: BuildSettings,

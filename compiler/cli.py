@@ -19,6 +19,7 @@ import click
 from compiler.errors import EXIT_CODES, InputError, TrtcError
 from compiler.settings import HARDWARE_COMPAT_LEVELS
 from compiler.specs import DimRange, InputSpec, ModelSpec, parse_buckets, parse_dim_range, parse_input_spec
+from compiler.verify import DEFAULT_ATOL, DEFAULT_RTOL
 
 __all__ = ["cli", "main"]
 
@@ -144,7 +145,9 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--trust-pickle", is_flag=True, default=None,
                      help="Allow loading a pickled nn.Module (torch.save(model)): this runs code from the file."),
         click.option("--input", "inputs", multiple=True, type=InputSpecType(),
-                     help="An input as NAME:SHAPE[:DTYPE]; a letter marks a dynamic dim (B = batch). Repeat it."),
+                     help="An input as NAME:SHAPE[:DTYPE]; a letter marks a dynamic dim (B = batch). An integer "
+                     "DTYPE may end in [LOW,HIGH), the values example inputs take (default zeros), e.g. "
+                     "'token_type_ids:BxS:int64[0,2)'. Repeat it."),
         click.option("--dim", "dims", multiple=True, type=DimType(),
                      help="Range of a non-batch dynamic dim, NAME=MIN:OPT:MAX (e.g. S=1:128:512)."),
         click.option("--profile", type=click.Path(path_type=Path),
@@ -153,6 +156,14 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+def tolerance_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--atol and --rtol of the export check (shared by export and build)."""
+    fn = click.option("--rtol", type=float, help="Export check, relative part: an element may differ by atol x "
+                      f"max(1, output scale) + rtol x |reference| (default {DEFAULT_RTOL:g}).")(fn)
+    return click.option("--atol", type=float, help="Export check, absolute part (default "
+                        f"{DEFAULT_ATOL:g}; see --rtol).")(fn)
 
 
 def _merged(profile: dict[str, dict[str, Any]], section: str, key: str, cli_value: Any, default: Any = None) -> Any:
@@ -186,7 +197,8 @@ def export_settings_from(kw: dict[str, Any]) -> Any:
         raise InputError("no output directory: pass --out DIR (or set build.out in the profile)")
     return ExportSettings(source=source, out=Path(out), spec=spec, buckets=tuple(buckets),
                           opset=_merged(profile, "export", "opset", kw.get("opset")),
-                          rtol=float(_merged(profile, "export", "rtol", kw.get("rtol"), 1e-4)),
+                          rtol=float(_merged(profile, "export", "rtol", kw.get("rtol"), DEFAULT_RTOL)),
+                          atol=float(_merged(profile, "export", "atol", kw.get("atol"), DEFAULT_ATOL)),
                           output_names=tuple(model.get("output_names", [])), force=bool(kw.get("force"))), profile
 
 
@@ -208,7 +220,7 @@ cli.help = ("trtc: PyTorch model to verified ONNX, INT8/FP16 graphs and TensorRT
 @click.option("--buckets", type=BucketsType(), help="Batch buckets; the largest bounds the dynamic batch and is "
               "verified. Default 1,4,8,16.")
 @click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
-@click.option("--rtol", type=float, help="Verification tolerance relative to output scale (default 1e-4).")
+@tolerance_options
 @click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
 @common_options
 def export_cmd(**kw: Any) -> None:
@@ -361,7 +373,7 @@ def build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--engine", type=click.Choice(["tensorrt", "none"]),
               help="'none' stops after the ONNX and calibration artifacts, on purpose (exit 0).")
 @click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
-@click.option("--rtol", type=float, help="Export verification tolerance relative to output scale (default 1e-4).")
+@tolerance_options
 @click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
 @calibration_options
 @build_options

@@ -21,7 +21,8 @@ import onnx
 from compiler.errors import ExportError, InputError
 from compiler.loading import LoadedModel
 from compiler.onnx_io import load_onnx
-from compiler.specs import BATCH_DIM, ModelSpec
+from compiler.specs import BATCH_DIM, INTEGER_DTYPES, ModelSpec
+from compiler.verify import FeedSource
 
 __all__ = ["ExportResult", "onnx_from_torch", "example_inputs"]
 
@@ -37,23 +38,33 @@ class ExportResult:
     fallback_reason: str | None = None  # why dynamo was not used, when it was not
 
 
-def example_inputs(spec: ModelSpec, max_batch: int) -> tuple[Any, ...]:
-    """Tensors to trace with: batch 2 (not 0 or 1, which exporters specialise) and dims at opt."""
+def example_inputs(spec: ModelSpec, max_batch: int, feeds: FeedSource | None = None) -> tuple[Any, ...]:
+    """Tensors to trace with: batch 2 (not 0 or 1, which exporters specialise) and dims at opt.
+
+    With ``feeds`` (the user's calibration data), its first samples at batch 2 instead, so that
+    integer inputs hold values the model accepts.
+    """
     import torch
 
-    values = spec.opt_values(min(2, max_batch) if max_batch > 1 else 1)
-    for name, rng in spec.dims.items():
-        values[name] = max(2, rng.opt) if rng.max >= 2 else rng.opt
-    feed = spec.example_feed(batch=values[BATCH_DIM], values=values)
+    batch = min(2, max_batch) if max_batch > 1 else 1
+    if feeds is not None:
+        feed = feeds(batch)
+    else:
+        values = spec.opt_values(batch)
+        for name, rng in spec.dims.items():
+            values[name] = max(2, rng.opt) if rng.max >= 2 else rng.opt
+        feed = spec.example_feed(batch=values[BATCH_DIM], values=values)
     return tuple(torch.from_numpy(feed[i.name]) for i in spec.inputs)
 
 
 def onnx_from_torch(loaded: LoadedModel, spec: ModelSpec, max_batch: int, opset: int | None = None,
-                    output_names: list[str] | None = None, workdir: Path | None = None) -> ExportResult:
+                    output_names: list[str] | None = None, workdir: Path | None = None,
+                    feeds: FeedSource | None = None) -> ExportResult:
     """Export ``loaded`` to an in-memory ONNX model whose dynamic dims are named as in ``spec``.
 
     ``workdir`` holds the exporter's temporary files (the dynamo exporter writes weights beside
-    the graph); it must exist.
+    the graph); it must exist. ``feeds`` gives example inputs from the user's data (see
+    ``example_inputs``).
     """
     start = time.perf_counter()
     if loaded.is_onnx:
@@ -62,8 +73,8 @@ def onnx_from_torch(loaded: LoadedModel, spec: ModelSpec, max_batch: int, opset:
         _check_onnx_inputs(model, spec)
         return ExportResult(model, "onnx-input", _opset(model), time.perf_counter() - start)
     assert workdir is not None
-    args = example_inputs(spec, max_batch)
-    _check_model_accepts(loaded, spec, args)
+    args = example_inputs(spec, max_batch, feeds)
+    _check_model_accepts(loaded, spec, args, from_data=feeds is not None)
     path = workdir / "exported.onnx"
     if loaded.format == "torchscript":
         model = _torchscript_export(loaded.module, args, spec, max_batch, opset, output_names, path)
@@ -86,17 +97,49 @@ def onnx_from_torch(loaded: LoadedModel, spec: ModelSpec, max_batch: int, opset:
         return ExportResult(model, "torchscript", _opset(model), time.perf_counter() - start, reason)
 
 
-def _check_model_accepts(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...]) -> None:
-    """Run the eager model once on the example inputs, so a wrong shape spec fails clearly, early."""
+_REJECTS = (RuntimeError, TypeError, ValueError, IndexError, AssertionError)
+
+
+def _check_model_accepts(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...], from_data: bool = False,
+                         ) -> None:
+    """Run the eager model once on the example inputs, so a wrong shape spec or value range fails clearly, early."""
     import torch
 
     try:
         with torch.inference_mode():
             loaded.module(*args)
-    except (RuntimeError, TypeError, ValueError, IndexError, AssertionError) as err:
+    except _REJECTS as err:
+        culprit = None if from_data else _rejected_values(loaded, spec, args)
+        if culprit is not None:
+            raise InputError(f"the model rejects the example values of input {culprit.name!r} "
+                             f"({culprit.describe_values()}): {_first_line(err)}; give the values it accepts as "
+                             f"--input '{culprit.name}:{'x'.join(map(str, culprit.dims))}:{culprit.dtype}[LOW,HIGH)' "
+                             "or pass --calib-data with real inputs") from err
         shapes = ", ".join(f"{i.name}={tuple(a.shape)}" for i, a in zip(spec.inputs, args))
-        raise InputError(f"the model rejects inputs shaped like --input {' '.join(str(i) for i in spec.inputs)} "
-                         f"({shapes}): {_first_line(err)}; fix the --input shapes") from err
+        where = "the first samples of the calibration data" if from_data else "inputs shaped like --input " + \
+            " ".join(str(i) for i in spec.inputs)
+        values = "; ".join(f"{i.name}: {i.describe_values()}" for i in spec.inputs if i.dtype in INTEGER_DTYPES)
+        hint = "fix the calibration data" if from_data else \
+            "fix the --input shapes" + (f" or the integer inputs' value ranges ({values})" if values else "")
+        raise InputError(f"the model rejects {where} ({shapes}): {_first_line(err)}; {hint}") from err
+
+
+def _rejected_values(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...]) -> Any:
+    """The integer input whose example values the model rejects: the one that, set to zeros, lets the model run."""
+    import torch
+
+    for index, (inp, arg) in enumerate(zip(spec.inputs, args)):
+        if inp.dtype not in INTEGER_DTYPES or not bool(torch.any(arg != 0)):
+            continue
+        trial = list(args)
+        trial[index] = torch.zeros_like(arg)
+        try:
+            with torch.inference_mode():
+                loaded.module(*trial)
+        except _REJECTS:
+            continue
+        return inp
+    return None
 
 
 def _dynamo_export(loaded: LoadedModel, args: tuple[Any, ...], spec: ModelSpec, max_batch: int,
@@ -111,11 +154,25 @@ def _dynamo_export(loaded: LoadedModel, args: tuple[Any, ...], spec: ModelSpec, 
     target = loaded.exported_program if loaded.exported_program is not None else loaded.module
     kwargs: dict[str, Any] = {}
     if loaded.exported_program is None:
-        kwargs["dynamic_shapes"] = dynamic_shapes
+        kwargs["dynamic_shapes"] = _matching_parameters(loaded.module, dynamic_shapes)
     with _quiet():
         torch.onnx.export(target, args, str(path), dynamo=True, input_names=spec.input_names,
                           output_names=output_names, opset_version=opset, verbose=False, optimize=True, **kwargs)
     return _rename_dims(load_onnx(path), spec)
+
+
+def _matching_parameters(module: Any, shapes: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Dynamic shapes laid out as ``forward``'s parameters: torch.export wants a ``*args`` part as one tuple."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return shapes
+    if not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return shapes
+    named = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    return (*shapes[:named], tuple(shapes[named:]))
 
 
 def _torchscript_export(module: Any, args: tuple[Any, ...], spec: ModelSpec, max_batch: int, opset: int | None,

@@ -22,10 +22,11 @@ from compiler.loading import LoadedModel, load_model, specs_from_exported_progra
 from compiler.manifest import MANIFEST, now, onnx_entry, refuse_other_model, tool_versions, write_manifest
 from compiler.onnx_io import save_onnx
 from compiler.passes import run_passes
+from compiler.progress import stage_timer
 from compiler.runners import OrtRunner, Runner, TorchRunner
 from compiler.settings import ExportSettings
 from compiler.specs import BATCH_DIM, ModelSpec
-from compiler.verify import verify_runners
+from compiler.verify import FeedSource, verify_runners
 
 __all__ = ["export_directory", "exported_into", "source_fingerprint", "resolve_spec"]
 
@@ -74,21 +75,31 @@ def export_directory(settings: ExportSettings, command: str = "trtc export") -> 
 
 
 def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: ExportSettings,
-                  fingerprint: str) -> dict[str, Any]:
-    """Export and verify into ``stage``; returns the manifest (not yet written)."""
+                  fingerprint: str, feeds: FeedSource | None = None, feeds_from: str = "") -> dict[str, Any]:
+    """Export and verify into ``stage``; returns the manifest (not yet written).
+
+    ``feeds`` gives the example inputs at a batch size (``feeds_from`` says whence, for the
+    manifest); by default seeded values from the spec (``ModelSpec.example_feed``).
+    """
     work = stage / ".export"
     work.mkdir()
-    result: ExportResult = onnx_from_torch(loaded, spec, settings.max_batch, settings.opset,
-                                           list(settings.output_names) or None, work)
+    with stage_timer("export"):
+        result: ExportResult = onnx_from_torch(loaded, spec, settings.max_batch, settings.opset,
+                                               list(settings.output_names) or None, work, feeds)
     raw = result.model
     reference: Runner | None = _reference_runner(loaded, spec, raw)
-    verification: dict[str, Any] = {"rtol": settings.rtol, "batches": settings.verify_batches}
+    tol = settings.tolerance
+    verification: dict[str, Any] = {"rtol": tol.rtol, "atol": tol.atol, "min_cosine": tol.min_cosine,
+                                    "batches": settings.verify_batches,
+                                    "inputs": feeds_from if feeds is not None else "example values of the spec"}
     if reference is not None:
-        verification["export"] = [c.to_dict() for c in verify_runners(
-            OrtRunner(raw, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, settings.rtol,
-            "export check (ONNX Runtime vs eager PyTorch)")]
+        with stage_timer("export check"):
+            verification["export"] = [c.to_dict() for c in verify_runners(
+                OrtRunner(raw, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, tol,
+                "export check (ONNX Runtime vs eager PyTorch)", feeds=feeds)]
     start = time.perf_counter()
-    folded, passes = run_passes(raw)
+    with stage_timer("graph passes"):
+        folded, passes = run_passes(raw)
     passes_seconds = time.perf_counter() - start
     onnx_path = stage / FP32_ONNX
     save_onnx(folded, onnx_path)
@@ -96,9 +107,10 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         original = OrtRunner(raw, ["CPUExecutionProvider"])
         original.name = "onnxruntime[original ONNX]"
         reference = original
-    verification["passes"] = [c.to_dict() for c in verify_runners(
-        OrtRunner(onnx_path, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, settings.rtol,
-        "pass check (folded ONNX vs reference)")]
+    with stage_timer("pass check"):
+        verification["passes"] = [c.to_dict() for c in verify_runners(
+            OrtRunner(onnx_path, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, tol,
+            "pass check (folded ONNX vs reference)", feeds=feeds)]
     verification["reference"] = reference.name
     shutil.rmtree(work)
     return {

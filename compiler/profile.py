@@ -28,7 +28,9 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
     },
     "export": {
         "opset": ((int,), "ONNX opset (default: the exporter's)"),
-        "rtol": ((float, int), "verification tolerance, relative to output scale (default 1e-4)"),
+        "rtol": ((float, int), "verification, relative part: |got - ref| <= atol * max(1, scale) + rtol * |ref| "
+                 "(default 1e-3)"),
+        "atol": ((float, int), "verification, absolute part (default 1e-4)"),
     },
     "calibration": {
         "data": ((str,), "calibration data: .npz/.npy file or folder, image folder, or 'random' (smoke tests)"),

@@ -25,10 +25,12 @@ def print_export_summary(manifest: dict[str, Any], out: Path) -> None:
                       f"{p['initializers_before']} -> {p['initializers_after']}", f"{p['seconds']:.3f}", changes)
     console.print(table)
     ver = manifest["verification"]
-    table = Table("check", "batch", "max abs", "max rel", "cosine", title=f"verification (rtol {ver['rtol']:g})")
+    title = f"verification (atol {ver.get('atol', 0):g}, rtol {ver['rtol']:g}; inputs: {ver.get('inputs', 'random')})"
+    table = Table("check", "batch", "max abs", "max rel", "cosine", "outside", title=title)
     for key in ("export", "passes"):
         for c in ver.get(key, []):
-            table.add_row(key, str(c["batch"]), f"{c['max_abs']:.2e}", f"{c['max_rel']:.2e}", f"{c['cosine']:.6f}")
+            table.add_row(key, str(c["batch"]), f"{c['max_abs']:.2e}", f"{c['max_rel']:.2e}", f"{c['cosine']:.6f}",
+                          f"{c.get('mismatched', 0)}/{c.get('elements', 0)}")
     console.print(table)
     console.print(f"wrote {out / manifest['onnx']['fp32']['file']} and {out / 'manifest.json'}")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from compiler.errors import InputError
 from compiler.specs import ModelSpec
+from compiler.verify import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance
 
 __all__ = ["ModelSource", "ExportSettings", "BuildSettings", "DEFAULT_BUCKETS", "PRECISIONS", "HARDWARE_COMPAT_LEVELS",
            "hardware_compat_level"]
@@ -38,16 +39,20 @@ class ExportSettings:
     spec: ModelSpec | None = None  # None: read it from an ExportedProgram
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     opset: int | None = None
-    rtol: float = 1e-4
+    rtol: float = DEFAULT_RTOL  # verification: |got - ref| <= atol * max(1, scale) + rtol * |ref|, see verify.py
+    atol: float = DEFAULT_ATOL
     output_names: tuple[str, ...] = ()
     force: bool = False
     extra_verify_batches: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.rtol <= 0:
-            raise InputError(f"--rtol {self.rtol} must be positive")
+        Tolerance(atol=self.atol, rtol=self.rtol)  # raises on bad values
         if self.opset is not None and not 13 <= self.opset <= 23:
             raise InputError(f"--opset {self.opset}: trtc supports opsets 13 to 23 (Q/DQ per channel needs 13)")
+
+    @property
+    def tolerance(self) -> Tolerance:
+        return Tolerance(atol=self.atol, rtol=self.rtol)
 
     @property
     def max_batch(self) -> int:

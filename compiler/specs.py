@@ -2,7 +2,9 @@
 
 ``images:Bx3x224x224:float32`` is an input named ``images`` whose first dimension is the
 dynamic batch ``B``; any other letter (``S`` for a sequence length, say) is a dynamic
-dimension whose range comes from ``--dim S=1:128:512`` (min:opt:max).
+dimension whose range comes from ``--dim S=1:128:512`` (min:opt:max). An integer input may
+carry the range of values its example inputs take, ``token_type_ids:BxS:int64[0,2)``
+(low inclusive, high exclusive); without one its example values are zeros.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import numpy as np
 from compiler.errors import InputError
 
 __all__ = ["DimRange", "InputSpec", "ModelSpec", "parse_input_spec", "parse_dim_range", "parse_buckets",
-           "BATCH_DIM", "DTYPES"]
+           "BATCH_DIM", "DTYPES", "INTEGER_DTYPES"]
 
 BATCH_DIM = "B"
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_./\-]*$")
 _DIM = re.compile(r"^([0-9]+|[A-Za-z][A-Za-z0-9_]*)$")
+_VALUES = re.compile(r"^([a-z0-9]+)\[(-?[0-9]+),(-?[0-9]+)\)$")
+INTEGER_DTYPES = ("int64", "int32", "int8", "uint8")
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,23 @@ class InputSpec:
     name: str
     dims: tuple[int | str, ...]
     dtype: str = "float32"
+    values: tuple[int, int] | None = None  # [low, high) of example values, integer inputs only
 
     def __str__(self) -> str:
-        return f"{self.name}:{'x'.join(str(d) for d in self.dims)}:{self.dtype}"
+        values = f"[{self.values[0]},{self.values[1]})" if self.values else ""
+        return f"{self.name}:{'x'.join(str(d) for d in self.dims)}:{self.dtype}{values}"
+
+    def describe_values(self) -> str:
+        """What example values this input gets, for error messages."""
+        if self.values:
+            return f"values in [{self.values[0]}, {self.values[1]})"
+        if self.dtype == "bool" or self._is_mask:
+            return "ones"
+        return "zeros" if self.dtype in INTEGER_DTYPES else "standard normal values"
+
+    @property
+    def _is_mask(self) -> bool:
+        return self.dtype in INTEGER_DTYPES and "mask" in self.name.lower() and self.values is None
 
     @property
     def dynamic_dims(self) -> tuple[str, ...]:
@@ -94,10 +112,11 @@ class ModelSpec:
 
     def example_feed(self, batch: int, seed: int = 0, values: dict[str, int] | None = None,
                      ) -> dict[str, np.ndarray]:
-        """Seeded random inputs: normal floats, small non-negative integers, ones for masks.
+        """Seeded example inputs: normal floats; integers from the spec's range, else zeros; ones for masks.
 
-        Integer inputs get values in [0, 100) (token ids of any real vocabulary); an input whose
-        name contains ``mask`` gets ones so that attention sees every position.
+        Zeros are an index every embedding and gather accepts; a range such as ``[0,2)`` on the
+        input gives random values in it instead. An integer input whose name contains ``mask`` (and
+        that has no range) gets ones so that attention sees every position.
         """
         rng = np.random.default_rng(seed)
         values = values or self.opt_values(batch)
@@ -109,16 +128,18 @@ class ModelSpec:
                                                                     else spec.dtype)
             elif spec.dtype == "bool":
                 feed[spec.name] = np.ones(shape, dtype=bool)
-            elif "mask" in spec.name.lower():
+            elif spec.values is not None:
+                feed[spec.name] = rng.integers(spec.values[0], spec.values[1], size=shape).astype(spec.dtype)
+            elif spec._is_mask:
                 feed[spec.name] = np.ones(shape, dtype=spec.dtype)
             else:
-                feed[spec.name] = rng.integers(0, 100, size=shape).astype(spec.dtype)
+                feed[spec.name] = np.zeros(shape, dtype=spec.dtype)
         return feed
 
 
 def parse_input_spec(text: str) -> InputSpec:
-    """Parse ``NAME:SHAPE[:DTYPE]``, e.g. ``images:Bx3x224x224:float32``."""
-    how = "write NAME:SHAPE[:DTYPE], e.g. images:Bx3x224x224:float32"
+    """Parse ``NAME:SHAPE[:DTYPE[[LOW,HIGH)]]``, e.g. ``images:Bx3x224x224:float32`` or ``ids:BxS:int64[0,2)``."""
+    how = "write NAME:SHAPE[:DTYPE], e.g. images:Bx3x224x224:float32 or token_type_ids:BxS:int64[0,2)"
     parts = text.split(":")
     if len(parts) not in (2, 3):
         raise InputError(f"input spec {text!r} does not parse: {how}")
@@ -127,6 +148,20 @@ def parse_input_spec(text: str) -> InputSpec:
         raise InputError(f"input spec {text!r} does not parse: {how}")
     if not _NAME.match(name):
         raise InputError(f"input spec {text!r}: {name!r} is not a valid input name; {how}")
+    values: tuple[int, int] | None = None
+    ranged = _VALUES.match(dtype)
+    if ranged:
+        dtype, values = ranged.group(1), (int(ranged.group(2)), int(ranged.group(3)))
+        if dtype not in INTEGER_DTYPES:
+            raise InputError(f"input spec {text!r}: a value range [LOW,HIGH) applies to integer dtypes "
+                             f"({', '.join(INTEGER_DTYPES)}), not {dtype}")
+        if values[0] >= values[1]:
+            raise InputError(f"input spec {text!r}: the value range [{values[0]},{values[1]}) is empty; "
+                             "write [LOW,HIGH) with LOW < HIGH")
+        info = np.iinfo(np.dtype(dtype))
+        if values[0] < info.min or values[1] - 1 > info.max:
+            raise InputError(f"input spec {text!r}: the value range [{values[0]},{values[1]}) does not fit {dtype} "
+                             f"([{info.min},{info.max}])")
     if dtype not in DTYPES:
         raise InputError(f"input spec {text!r}: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     dims: list[int | str] = []
@@ -140,7 +175,7 @@ def parse_input_spec(text: str) -> InputSpec:
             dims.append(int(part))
         else:
             dims.append(part)
-    return InputSpec(name, tuple(dims), dtype)
+    return InputSpec(name, tuple(dims), dtype, values)
 
 
 def parse_dim_range(text: str) -> tuple[str, DimRange]:

@@ -133,3 +133,49 @@ def test_unsupported_operator_is_named(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"trtc_test::mystery"):
         onnx_from_torch(LoadedModel("factory", None, module=Odd()), ModelSpec((parse_input_spec("x:Bx4"),)), 8,
                         workdir=tmp_path)
+
+
+TOKEN_TYPES = ["--model-factory", "tests.zoo_models:token_types", "--input", "input_ids:BxS:int64", "--input",
+               "attention_mask:BxS:int64", "--dim", "S=1:8:16", "--buckets", "1,4"]
+
+
+def test_integer_inputs_get_values_a_two_row_embedding_accepts(tmp_path: Path) -> None:
+    """Issue 12: random token types in [0, 100) made a BERT's 2-row type embedding reject the export."""
+    code, output = export([*TOKEN_TYPES, "--input", "token_type_ids:BxS:int64", "--out", str(tmp_path / "zeros")])
+    assert code == 0, output
+    code, output = export([*TOKEN_TYPES, "--input", "token_type_ids:BxS:int64[0,2)", "--out", str(tmp_path / "r")])
+    assert code == 0, output
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert "token_type_ids:BxS:int64[0,2)" in manifest["inputs"]
+
+
+def test_values_the_model_rejects_are_named_with_their_range(tmp_path: Path) -> None:
+    code, output = export([*TOKEN_TYPES, "--input", "token_type_ids:BxS:int64[0,5)", "--out", str(tmp_path / "o")])
+    assert code == 2, output
+    assert "input 'token_type_ids' (values in [0, 5))" in output and "[LOW,HIGH)" in output, output
+    assert len(output.strip().splitlines()) == 1 and "Traceback" not in output
+    assert not (tmp_path / "o" / "model.onnx").exists()
+
+
+def test_build_exports_and_verifies_on_the_calibration_data(tmp_path: Path) -> None:
+    """Ids that start at 1: the default zeros are rejected, the user's calibration data is used instead."""
+    ids = np.random.default_rng(0).integers(1, 1000, (40, 8)).astype(np.int64)
+    np.savez(tmp_path / "calib.npz", input_ids=ids)
+    args = ["--model-factory", "tests.zoo_models:one_based_ids", "--input", "input_ids:BxS:int64", "--dim", "S=1:8:16",
+            "--buckets", "1,4"]
+    code, output = export([*args, "--out", str(tmp_path / "zeros")])
+    assert code == 2 and "integer inputs' value ranges (input_ids: zeros)" in output, output
+    result = CliRunner().invoke(cli, ["build", "-q", *args, "--fp16", "--calib-data", str(tmp_path / "calib.npz"),
+                                      "--engine", "none", "--out", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    verification = json.loads((tmp_path / "b" / "manifest.json").read_text())["verification"]
+    assert verification["inputs"] == f"the first 4 sample(s) of {tmp_path / 'calib.npz'}"
+    assert [c["batch"] for c in verification["export"]] == [1, 4]
+
+
+def test_a_forward_with_varargs_goes_through_the_dynamo_exporter(tmp_path: Path) -> None:
+    code, output = export(["--model-factory", "tests.zoo_models:varargs", "--input", "x:Bx8", "--input", "y:Bx6",
+                           "--input", "z:Bx4", "--buckets", "1,4", "--out", str(tmp_path / "v")])
+    assert code == 0, output
+    manifest = json.loads((tmp_path / "v" / "manifest.json").read_text())
+    assert manifest["export"]["exporter"] == "dynamo", manifest["export"]["fallback_reason"]

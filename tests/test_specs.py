@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from compiler.errors import InputError
@@ -49,3 +50,23 @@ def test_buckets_are_sorted_and_deduplicated_or_rejected() -> None:
     for bad in ("0,4", "1,x", "", "1.5", "-1"):
         with pytest.raises(InputError, match="bucket"):
             parse_buckets(bad)
+
+
+def test_integer_inputs_take_a_value_range_that_round_trips() -> None:
+    types = parse_input_spec("token_type_ids:BxS:int64[0,2)")
+    assert types == InputSpec("token_type_ids", ("B", "S"), "int64", (0, 2))
+    assert parse_input_spec(str(types)) == types  # the manifest stores str(spec)
+    ids = parse_input_spec("input_ids:BxS:int64")
+    spec = ModelSpec((ids, types, parse_input_spec("attention_mask:BxS:int64")), {"S": DimRange(1, 64, 64)})
+    feed = spec.example_feed(4, seed=3)
+    assert set(np.unique(feed["token_type_ids"])) == {0, 1}  # both rows of a 2-row embedding, nothing past them
+    assert (feed["input_ids"] == 0).all() and (feed["attention_mask"] == 1).all()
+    assert types.describe_values() == "values in [0, 2)" and ids.describe_values() == "zeros"
+
+
+@pytest.mark.parametrize(("text", "problem"), [("x:B:float32[0,2)", "integer dtypes"), ("x:B:int64[3,3)", "empty"),
+                                               ("x:B:int64[0,2]", "unknown dtype"),
+                                               ("x:B:uint8[0,300)", "does not fit uint8")])
+def test_bad_value_ranges_are_rejected(text: str, problem: str) -> None:
+    with pytest.raises(InputError, match=problem):
+        parse_input_spec(text)

@@ -1,0 +1,63 @@
+"""Progress in CI logs: one line per stage with its time, and a line every INTERVAL_S in loops."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from compiler import progress as progress_module
+from compiler.cli import cli
+from compiler.progress import progress, stage_timer
+
+
+@pytest.fixture
+def log_lines(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    monkeypatch.setattr(progress_module, "is_terminal", lambda: False)
+    monkeypatch.setattr(progress_module, "INTERVAL_S", 0.0)
+    caplog.set_level(logging.INFO, logger="compiler.progress")
+    return caplog
+
+
+def test_loops_and_stages_log_lines_off_a_terminal(log_lines: pytest.LogCaptureFixture) -> None:
+    with stage_timer("calibration"), progress("calibrating 3 tensors", 4) as advance:
+        for _ in range(4):
+            advance(1)
+    lines = [r.getMessage() for r in log_lines.records]
+    assert lines[:3] == [f"calibrating 3 tensors: {n}/4 samples ({25 * n}%), 0 s" for n in (1, 2, 3)]
+    assert lines[3].startswith("calibrating 3 tensors: 4/4 samples in ") and lines[3].endswith(" s")
+    assert lines[4].startswith("calibration: ") and lines[4].endswith(" s") and len(lines) == 5
+
+
+def test_a_failed_stage_says_so(log_lines: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ValueError), stage_timer("export"):
+        raise ValueError("boom")
+    assert log_lines.records[-1].getMessage().startswith("export: failed after ")
+
+
+def test_quiet_loops_log_nothing(log_lines: pytest.LogCaptureFixture) -> None:
+    logging.getLogger("compiler.progress").setLevel(logging.WARNING)
+    try:
+        with progress("ranking layers", 3, unit="layers") as advance:
+            advance(3)
+    finally:
+        logging.getLogger("compiler.progress").setLevel(logging.NOTSET)
+    assert not log_lines.records
+
+
+@pytest.mark.slow
+def test_a_build_logs_every_stage_with_its_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(progress_module, "is_terminal", lambda: False)
+    monkeypatch.setattr(progress_module, "INTERVAL_S", 0.0)
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32))
+    result = CliRunner().invoke(cli, ["build", "--model-factory", "examples.models:mlp", "--input", "x:Bx64", "--int8",
+                                      "--calib-data", str(tmp_path / "calib.npz"), "--calib-batch", "16",
+                                      "--buckets", "1,4", "--engine", "none", "--out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # rich wraps long lines in a log
+    for stage in ("export:", "export check:", "graph passes:", "pass check:", "INT8 calibration:"):
+        assert stage in text, (stage, result.output)
+    assert "16/48 samples (33%)" in text and "48/48 samples in" in text, result.output
