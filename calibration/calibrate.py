@@ -28,7 +28,15 @@ from calibration.qdq import QdqPolicy, qdq_model_from, quantizable_nodes, tensor
 from calibration.statistics import AMAX_METHODS, collect_histograms, collect_max_abs
 from compiler.errors import AccuracyGateError, CalibrationError
 from compiler.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
-from compiler.manifest import MANIFEST, now, onnx_entry, read_manifest, spec_from_manifest, write_manifest
+from compiler.manifest import (
+    MANIFEST,
+    now,
+    onnx_entry,
+    read_manifest,
+    spec_from_manifest,
+    verified_onnx,
+    write_manifest,
+)
 from compiler.onnx_io import load_onnx, save_onnx
 from compiler.specs import ModelSpec
 
@@ -83,7 +91,7 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
             if (directory / name).is_file():
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(directory / name, stage / name)
-        fp32 = directory / manifest["onnx"]["fp32"]["file"]
+        fp32 = verified_onnx(directory, (manifest.get("onnx") or {}).get("fp32"), "fp32")
         outcome = calibrated_into(stage, fp32, spec_from_manifest(manifest), settings)
         if outcome.passed:
             merged = merge_update(manifest, outcome.manifest_update)

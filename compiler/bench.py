@@ -57,7 +57,15 @@ import numpy as np
 
 from compiler.errors import InputError, TrtcError
 from compiler.files import atomic_write_bytes, atomic_write_json, atomic_write_text, directory_lock, read_json
-from compiler.manifest import now, read_manifest, spec_from_manifest, tool_versions
+from compiler.manifest import (
+    inside,
+    now,
+    read_manifest,
+    spec_from_manifest,
+    tool_versions,
+    verified_file,
+    verified_onnx,
+)
 from compiler.runners import CudaGraphRunner, OrtRunner, StagedRunner, TorchRunner, TrtRunner
 from compiler.settings import ExportSettings
 from compiler.specs import BATCH_DIM, ModelSpec
@@ -509,7 +517,7 @@ def _plans(target: _Target, settings: BenchSettings, device: str) -> tuple[list[
                             providers[0])
             for precision in sorted(onnx, key=lambda p: ONNX_PRECISION_ORDER.index(p)
                                     if p in ONNX_PRECISION_ORDER else 99):
-                path = target.directory / onnx[precision]["file"]
+                path = verified_onnx(target.directory, onnx[precision], precision)
                 plans.append(_Plan(backend, precision, _ort_opener(path, providers, settings.threads)))
         elif backend == "tensorrt":
             engines = manifest.get("engines") or []
@@ -523,6 +531,7 @@ def _plans(target: _Target, settings: BenchSettings, device: str) -> tuple[list[
                 continue
             by_precision: dict[str, list[dict[str, Any]]] = {}
             for entry in engines:
+                inside(target.directory, entry.get("file") if isinstance(entry, dict) else None, "engine")
                 by_precision.setdefault(_engine_precision(entry, manifest), []).append(entry)
             for precision, entries in by_precision.items():
                 plans.append(_Plan(backend, precision, _engine_opener(target.directory, entries), per_bucket=True))
@@ -547,9 +556,10 @@ def _engine_opener(directory: Path, entries: list[dict[str, Any]]) -> Callable[[
         if entry is None:
             built = ",".join(str(e.get("bucket")) for e in entries)
             raise _Unavailable(f"no engine for bucket {bucket} (engines exist for buckets {built})")
-        path = directory / entry["file"]
-        if not path.is_file():
-            raise _Unavailable(f"{path} is missing; rebuild the engines with `trtc rebuild {directory}`")
+        try:
+            path = verified_file(directory, entry, "engine")  # sha256 checked before TensorRT reads it
+        except InputError as err:
+            raise _Unavailable(str(err)) from err
         return TrtRunner(path, int(entry.get("profile") or 0))
 
     return open_engine
@@ -605,7 +615,8 @@ def _reference_outputs(target: _Target, feeds: dict[int, dict[str, np.ndarray]],
                              device)
         what = f"torch/fp32 (eager, {device})"
     else:
-        runner = OrtRunner(target.directory / target.manifest["onnx"]["fp32"]["file"], ["CPUExecutionProvider"])
+        runner = OrtRunner(verified_onnx(target.directory, target.manifest["onnx"]["fp32"], "fp32"),
+                           ["CPUExecutionProvider"])
         what = "onnxruntime/fp32 (CPUExecutionProvider): no PyTorch model to compare with"
     try:
         return {b: runner.infer(feed) for b, feed in feeds.items()}, what

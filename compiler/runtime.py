@@ -501,15 +501,16 @@ def tensorrt_available() -> bool:
 
 
 def onnx_for_precision(directory: Path, manifest: dict[str, Any]) -> Path:
+    """The build's ONNX for its precision, confined to ``directory`` and checked against its sha256."""
+    from compiler.manifest import verified_onnx
+
     precision = manifest.get("precision") or "fp32"
-    entry = (manifest.get("onnx") or {}).get(precision)
+    onnx = manifest.get("onnx")
+    entry = onnx.get(precision) if isinstance(onnx, dict) and isinstance(precision, str) else None
     if entry is None:
         raise InputError(f"{directory}: the manifest's precision is {precision} but it lists no onnx.{precision} "
                          "file; run `trtc build` into the directory again")
-    path = directory / entry["file"]
-    if not path.is_file():
-        raise InputError(f"{path}: missing; the directory is incomplete, run `trtc build` into it again")
-    return path
+    return verified_onnx(directory, entry, str(precision))
 
 
 def _source_module(manifest: dict[str, Any], trust_pickle: bool) -> Any:

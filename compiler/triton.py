@@ -155,7 +155,9 @@ def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, t
                          f"profiles of {files[0]} take batches {taken} only (e.g. not {missing[0]}); build profiles "
                          "whose batch ranges cover 1 to the largest bucket, or export with --backend onnxruntime")
     profiles = tuple(sorted({int(e.get("profile", 0)) for e in entries}))
-    return directory / files[0], profiles, largest
+    from compiler.manifest import verified_file
+
+    return verified_file(directory, entries[0], "engine"), profiles, largest
 
 
 def triton_repository(directory: str | Path, repo: str | Path, *, name: str | None = None, backend: str = "auto",
