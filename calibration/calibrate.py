@@ -103,7 +103,7 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
             os.replace(stage / CALIBRATION_JSON, stage / "report" / "calibration.failed.json")
         commit_staged(stage, directory)
     if not outcome.passed:
-        raise AccuracyGateError(outcome.message)
+        raise AccuracyGateError(f"{outcome.message}; see {directory / ACCURACY_JSON}")
     return manifest
 
 
@@ -149,8 +149,8 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
     atomic_write_json(stage / ACCURACY_JSON, {**reports, settings.precision: report})
     if result is not None and not result.result.passed:
         message = (f"the {settings.precision} model misses the accuracy gate ({result.result.summary()}) even with "
-                   f"{len(result.kept)} layer(s) kept in FP32; FP32 artifacts are kept; see {ACCURACY_JSON}; try "
-                   "more calibration data, another --calib-method, or a larger --max-fallback")
+                   f"{len(result.kept)} layer(s) kept in FP32; FP32 artifacts are kept; try more calibration data, "
+                   "another --calib-method, or a larger --max-fallback")  # the caller names where the report is
         return CalibrationOutcome({}, False, message)
     out = stage / ONNX_NAMES[settings.precision]
     final = result.model if result is not None else ungated_model
@@ -161,6 +161,8 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
         "accuracy": {settings.precision: {"metric": report["accuracy"]["metric"] if report["accuracy"] else None,
                                           "summary": result.result.summary() if result else "gate not run",
                                           "kept_in_fp32": sorted(result.kept) if result else []}},
+        # the data behind each precision (FP16 too): what it was, how many samples, whether it was random
+        "data": {settings.precision: {"calibration": report["calibration_data"], "eval": report["eval_data"]}},
     }
     if settings.precision == "int8":
         update["calibration"] = {k: report[k] for k in ("calibration_data",)} | details["calibration"]

@@ -567,15 +567,16 @@ def _engine_opener(directory: Path, entries: list[dict[str, Any]]) -> Callable[[
 
 # --- the source model and the reference ---------------------------------------------------------------------
 
-def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: bool = False) -> tuple[Any, str]:
-    """The source model from the manifest's ``source`` (``{path, format}``), or None and the reason.
+def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: bool = False,
+                directory: Path | None = None) -> tuple[Any, str]:
+    """The source model as the build in ``directory`` exported it (its ``source.snapshot``), or None and the reason.
 
-    A factory source is recorded as ``pkg.module:fn`` or ``pkg.module:fn + WEIGHTS``. Paths are as the
-    export command was given them (relative to where it ran). An ExportedProgram is moved to the device
-    with torch's ``move_to_device_pass``, since its graph names devices literally.
+    The snapshot is the state dict a factory gave at build time, or a copy of the model file, read
+    inside the directory after its sha256 matches: bench runs the weights the build exported, not a
+    factory called again. An ExportedProgram is moved to the device with torch's
+    ``move_to_device_pass``, since its graph names devices literally.
     """
-    from compiler.loading import load_model
-    from compiler.pipeline import source_fingerprint
+    from compiler.loading import load_snapshot
 
     source = manifest.get("source") or {}
     fmt, text = source.get("format"), str(source.get("path") or "")
@@ -584,20 +585,12 @@ def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: boo
     if fmt == "pickle" and not trust_pickle:
         return None, ("the source is a pickled nn.Module: pass --trust-pickle to load it (this runs code from "
                       "the file)")
+    if directory is None:
+        return None, "no build directory to read the source model's snapshot from"
     try:
-        if fmt == "factory":
-            factory, _, weights = text.partition(" + ")
-            loaded = load_model(factory=factory.strip(), weights=weights.strip() or None)
-        else:
-            if not Path(text).is_file():
-                return None, (f"the source model {text} is not here (the manifest records the path trtc export "
-                              "was given); run trtc bench from that directory")
-            loaded = load_model(text, trust_pickle=trust_pickle)
+        loaded = load_snapshot(directory, manifest, trust_pickle)
     except InputError as err:
         return None, f"the source model does not load: {err}"
-    if source.get("sha256") and source_fingerprint(loaded) != source["sha256"]:
-        log.warning("the source model %s changed since the build (sha256 differs): the torch rows and the accuracy "
-                    "reference are the new model's", text)
     module = loaded.module
     if loaded.exported_program is not None and device != "cpu":
         from torch.export.passes import move_to_device_pass
@@ -812,7 +805,7 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
     baseline = _read_baseline(settings.baseline, manifest) if settings.baseline else None
     results: list[BenchResult] = []
     with _torch_bench_mode():
-        model, model_note = eager_model(manifest, device, settings.trust_pickle)
+        model, model_note = eager_model(manifest, device, settings.trust_pickle, directory)
         target = _Target(directory, manifest, spec, model, model_note, model_mode)
         reference, reference_name = _reference_outputs(target, feeds, device)
         plans, skipped = _plans(target, settings, device)

@@ -21,7 +21,7 @@ from typing import Any
 from compiler.errors import DirectoryLocked, InputError
 
 __all__ = ["sha256_file", "sha256_files", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
-           "staging_dir", "commit_staged", "directory_lock", "read_json", "file_mode", "current_umask",
+           "staging_dir", "commit_staged", "directory_lock", "read_json", "file_mode", "current_umask", "settle_modes",
            "require_directory"]
 
 LOCK_NAME = ".trtc.lock"
@@ -117,9 +117,12 @@ def staging_dir(out_dir: Path) -> Iterator[Path]:
 def commit_staged(staged: Path, out_dir: Path, last: str = "manifest.json") -> list[str]:
     """Move every file of ``staged`` into ``out_dir`` (subfolders kept), ``last`` at the very end.
 
-    Each move is an atomic rename. Returns the relative paths moved.
+    Each move is an atomic rename. Every file gets the usual mode under the umask first (0644 under
+    022), whatever wrote it: temporary files and onnx's external data are created 0600, and a build
+    directory is read by other users (a Triton container, a CI job). Returns the relative paths moved.
     """
     files = sorted(p for p in staged.rglob("*") if p.is_file())
+    settle_modes(files)
     files.sort(key=lambda p: p.relative_to(staged).as_posix() == last)
     moved = []
     for src in files:
@@ -129,6 +132,13 @@ def commit_staged(staged: Path, out_dir: Path, last: str = "manifest.json") -> l
         os.replace(src, dst)
         moved.append(rel.as_posix())
     return moved
+
+
+def settle_modes(files: list[Path]) -> None:
+    """Give each file the mode ``open()`` would give it under the current umask."""
+    mode = file_mode()
+    for path in files:
+        os.chmod(path, mode)
 
 
 def _lock_holder(lock_path: Path) -> str:

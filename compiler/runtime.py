@@ -513,20 +513,11 @@ def onnx_for_precision(directory: Path, manifest: dict[str, Any]) -> Path:
     return verified_onnx(directory, entry, str(precision))
 
 
-def _source_module(manifest: dict[str, Any], trust_pickle: bool) -> Any:
-    from compiler.loading import load_model
+def _source_module(directory: Path, manifest: dict[str, Any], trust_pickle: bool) -> Any:
+    """The build's own snapshot of its source model: the weights that were exported, not the factory's again."""
+    from compiler.loading import load_snapshot
 
-    source = manifest.get("source") or {}
-    text = str(source.get("path") or "")
-    if source.get("format") == "factory":
-        factory, _, weights = text.partition(" + ")
-        loaded = load_model(factory=factory, weights=weights or None)
-    elif source.get("format") == "onnx":
-        raise InputError("the directory was exported from an ONNX file: there is no PyTorch model to run; use "
-                         "backend='onnxruntime'")
-    else:
-        loaded = load_model(text, trust_pickle=trust_pickle)
-    return loaded.module
+    return load_snapshot(directory, manifest, trust_pickle).module
 
 
 def load(directory: str | Path, backend: str = "auto", *, device: str | None = None, contexts: int = 2,
@@ -566,8 +557,8 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
     else:
         if manifest.get("precision", "fp32") != "fp32":
             log.info("backend torch runs the FP32 source model, not the %s graph", manifest["precision"])
-        impl = _TorchBackend(_source_module(manifest, trust_pickle), spec, buckets, manifest.get("output_names"),
-                             device, cuda_graphs)
+        impl = _TorchBackend(_source_module(directory, manifest, trust_pickle), spec, buckets,
+                             manifest.get("output_names"), device, cuda_graphs)
     engines = Engines(impl, contexts)
     log.info("serving %s with %s on %s: buckets %s, up to %d concurrent contexts", directory, engines.backend,
              engines.device, ",".join(map(str, engines.buckets)), contexts)
