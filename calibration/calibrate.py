@@ -145,7 +145,7 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
         report["accuracy"] = result.result.to_dict()
         report["kept_in_fp32"] = result.kept
         report["gate_history"] = result.history
-    reports = read_json(stage / ACCURACY_JSON) if (stage / ACCURACY_JSON).is_file() else {}
+    reports = _earlier_reports(stage / ACCURACY_JSON)
     atomic_write_json(stage / ACCURACY_JSON, {**reports, settings.precision: report})
     if result is not None and not result.result.passed:
         message = (f"the {settings.precision} model misses the accuracy gate ({result.result.summary()}) even with "
@@ -169,6 +169,18 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
     else:
         update["fp16"] = {"fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"]}
     return CalibrationOutcome(update, True, "")
+
+
+def _earlier_reports(path: Path) -> dict[str, Any]:
+    """The other precisions' entries of an existing report/accuracy.json; a damaged one is replaced, with a note."""
+    if not path.is_file():
+        return {}
+    try:
+        reports = read_json(path)
+    except ValueError as err:
+        log.warning("%s is damaged (%s); writing a new one", path.name, err)
+        return {}
+    return reports if isinstance(reports, dict) else {}
 
 
 def _open_data(source: str | None, settings: CalibrationSettings, spec: ModelSpec,

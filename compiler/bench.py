@@ -48,6 +48,8 @@ import platform
 import socket
 import tempfile
 import time
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -308,8 +310,8 @@ def input_feeds(spec: ModelSpec, buckets: tuple[int, ...], seed: int = 0, data: 
     try:
         with np.load(data) as npz:
             arrays = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError) as err:
-        raise InputError(f"--data {data}: not a readable .npz file ({err})") from err
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # what np.load raises on damage
+        raise InputError(f"--data {data}: not a readable .npz file ({err or err.__class__.__name__})") from err
     missing = [n for n in spec.input_names if n not in arrays]
     if missing:
         raise InputError(f"--data {data} has no array for input(s) {', '.join(missing)} (it has "

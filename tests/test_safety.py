@@ -25,7 +25,7 @@ import compiler
 from compiler.check import rebuild_directory
 from compiler.cli import cli
 from compiler.errors import DirectoryLocked, InputError
-from compiler.files import directory_lock, sha256_file
+from compiler.files import directory_lock
 from compiler.manifest import write_manifest
 from compiler.settings import BuildSettings
 from tests.conftest import H200_ENV, fake_engine_build_step_for_tests
@@ -211,10 +211,9 @@ def test_bench_leaves_no_lock_behind(copy: Path) -> None:
 
 
 def test_the_lock_still_excludes_a_second_writer_and_is_gone_after(tmp_path: Path) -> None:
-    with directory_lock(tmp_path, "first"):
-        with pytest.raises(DirectoryLocked, match=r"pid \d+ .*\(first\)"):
-            with directory_lock(tmp_path, "second"):
-                pass
+    with directory_lock(tmp_path, "first"), pytest.raises(DirectoryLocked, match=r"pid \d+ .*\(first\)"), \
+            directory_lock(tmp_path, "second"):
+        pass
     assert list(tmp_path.iterdir()) == []
     with directory_lock(tmp_path, "third"):
         assert (tmp_path / ".trtc.lock").is_file()
