@@ -37,7 +37,7 @@ from compiler.bench import (
 )
 from compiler.cli import cli
 from compiler.errors import InputError
-from compiler.manifest import read_manifest
+from compiler.manifest import onnx_entry, read_manifest, write_manifest
 from compiler.onnx_io import load_onnx, save_onnx
 from compiler.pipeline import export_directory
 from compiler.settings import ExportSettings, ModelSource
@@ -117,6 +117,9 @@ def test_a_perturbed_model_shows_its_error(build: Path, tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     head.CopyFrom(numpy_helper.from_array(rng.standard_normal((10, 64)).astype(np.float32), head.name))
     save_onnx(model, broken / "model.onnx")
+    manifest = read_manifest(broken)  # as if the build had produced this model: bench reads only verified files
+    manifest["onnx"]["fp32"] = onnx_entry(broken, broken / "model.onnx")
+    write_manifest(broken / "manifest.json", manifest)
     data = bench_directory(broken, BenchSettings(**FAST, backends=("onnxruntime",), buckets=(4,),  # type: ignore[arg-type]
                                                  plot=False)).data
     acc = rows(data)[("onnxruntime/fp32", 4)]["accuracy"]
