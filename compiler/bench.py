@@ -58,7 +58,14 @@ from typing import Any
 import numpy as np
 
 from compiler.errors import InputError, TrtcError
-from compiler.files import atomic_write_bytes, atomic_write_json, atomic_write_text, directory_lock, read_json
+from compiler.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    directory_lock,
+    read_json,
+    require_directory,
+)
 from compiler.manifest import (
     inside,
     now,
@@ -798,6 +805,7 @@ def bench_model(export: ExportSettings, settings: BenchSettings) -> BenchReport:
 
 def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, model_mode: bool,
            report_dir: Path) -> BenchReport:
+    require_directory(report_dir, "--report-dir")  # before minutes of measurements, not after
     spec = spec_from_manifest(manifest)
     buckets = tuple(sorted(set(settings.buckets or manifest.get("buckets") or (1,))))
     device = settings.device or ("cuda" if _cuda_available() else "cpu")

@@ -149,15 +149,15 @@ def _lock_holder(lock_path: Path) -> str:
         return "another process"
 
 
-def require_directory(path: Path) -> None:
+def require_directory(path: Path, option: str = "--out") -> None:
     """InputError unless ``path`` is a directory or does not exist yet (an output directory to create)."""
     if path.exists() and not path.is_dir():
-        raise InputError(f"{path} exists and is not a directory; choose a directory for the output (--out)")
+        raise InputError(f"{path} exists and is not a directory; choose a directory for the output ({option})")
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise InputError(f"{parent} is a file, so {path} cannot be created; choose another output "
-                                 "directory (--out)")
+                                 f"directory ({option})")
             break
 
 

@@ -169,6 +169,7 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     reason). ``name`` defaults to the directory's name. An existing ``repo/NAME`` is replaced only
     with ``force``; the new folder appears whole (staged beside ``repo``, then renamed).
     """
+    from compiler.files import require_directory
     from compiler.manifest import read_manifest
     from compiler.onnx_io import onnx_files
     from compiler.runtime import onnx_for_precision
@@ -209,6 +210,7 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     target = repo / name
     if target.exists() and not force:
         raise InputError(f"{target} exists; pass --force to replace it")
+    require_directory(repo, "--repo")
     repo.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".trtc-triton-{name}-", dir=repo.resolve().parent))
     try:

@@ -229,6 +229,19 @@ def test_out_naming_a_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert existing.read_text() == "mine"
 
 
+def test_other_outputs_naming_a_file_are_one_line_and_exit_2(copy: Path, tmp_path: Path) -> None:
+    existing = tmp_path / "notes.txt"
+    existing.write_text("mine")
+    for args, option in ((["export-triton", str(copy), "--repo", str(existing)], "--repo"),
+                         (["bench", str(copy), "--report-dir", str(existing), "-n", "1"], "--report-dir"),
+                         (["build", "--model-factory", FACTORY, "--input", "x:Bx16", "--out", str(existing / "m")],
+                          "--out")):
+        result = trtc(*args)
+        assert result.exit_code == 2, result.output
+        assert one_line_error(result).endswith(f"({option})")
+    assert existing.read_text() == "mine"
+
+
 # --- 5. the same weights everywhere ---------------------------------------------------------------------------------
 
 def test_torch_backend_and_bench_run_the_weights_the_build_exported(built: Path) -> None:
