@@ -21,7 +21,8 @@ from compiler.errors import InputError
 from tests.test_safety import built, other_job, trtc  # noqa: F401  (built is the module's fixture)
 
 ARTIFACTS = ("manifest.json", "calibration.json", "model.onnx", "model.onnx.data", "model.int8.onnx",
-             "engines/b1.engine", "engines/b1.layers.json", "source/state_dict.pt", "report/accuracy.json")
+             "engines/b1.engine", "engines/b1.layers.json", "source/state_dict.pt", "report/accuracy.json",
+             "timing.cache")
 MUTATIONS = ("half", "flip", "garbage")  # truncated, a few bytes changed, not the file at all
 BENCH = ("--backends", "onnxruntime", "-n", "1", "--min-seconds", "0", "--warmup", "0", "--warmup-seconds",
          "0", "--no-plot")

@@ -156,6 +156,16 @@ def test_rebuild_never_deletes_a_file_outside_the_directory(copy: Path, tmp_path
     assert victim.read_text() == "keep me"
 
 
+def test_a_timing_cache_symlinked_out_of_the_directory_is_not_read(copy: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not for this build")
+    (copy / "timing.cache").unlink()
+    (copy / "timing.cache").symlink_to(secret)
+    with pytest.raises(InputError, match="timing cache 'timing.cache'"):
+        rebuild_directory(copy, if_stale=False, settings_override=BuildSettings(buckets=(1,), precision="int8"),
+                          build_step=fake_engine_build_step_for_tests, env=H200_ENV)
+
+
 def test_an_onnx_is_read_only_after_its_sha256_matches(copy: Path) -> None:
     graph = copy / "model.int8.onnx"
     data = bytearray(graph.read_bytes())
