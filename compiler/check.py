@@ -290,6 +290,8 @@ def rebuild_directory(directory: Path, if_stale: bool, settings_override: BuildS
         with staging_dir(directory) as stage:
             entries = build_engine_files(directory, stage, onnx["file"], spec, settings, build_step, env=here)
             rebuilt = {**manifest, **manifest_engine_keys(settings, here, entries), "engines_built": now()}
+            if entries:
+                rebuilt.pop("engines_note", None)  # "not built: ..." no longer describes the directory
             write_manifest(stage / MANIFEST, rebuilt)
             commit_staged(stage, directory)
         for name in sorted(_engine_files(old_entries) - _engine_files(entries)):
