@@ -119,3 +119,43 @@ def test_damaged_data_and_profiles_are_one_line_errors(built: Path, tmp_path: Pa
             assert result.exit_code == 2, f"{args[0]} {how}: {result.output}"
             errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
             assert len(errors) == 1, result.stderr
+
+
+# keys commands read, each set to values of the wrong type: a hand-edited or damaged manifest that is still JSON
+KEY_PATHS = (("inputs",), ("inputs", 0), ("dims",), ("output_names",), ("output_names", 0), ("buckets",),
+             ("precision",), ("source",), ("source", "snapshot"), ("source", "snapshot", "file"), ("onnx",),
+             ("onnx", "int8"), ("onnx", "int8", "files"), ("build",), ("build", "buckets"), ("engines",),
+             ("engines", 0), ("engines", 0, "file"), ("engines", 0, "profile"), ("engines", 0, "shapes"),
+             ("engines", 0, "layers"), ("environment",))
+WRONG = (None, 7, "x", [])
+
+
+@pytest.mark.parametrize("key", KEY_PATHS, ids=lambda k: ".".join(map(str, k)))
+def test_a_manifest_with_a_wrong_type_is_one_line(built: Path, tmp_path: Path, key: tuple[str | int, ...],  # noqa: F811
+                                                   ) -> None:
+    import json
+
+    base = json.loads((built / "manifest.json").read_text())
+    for value in WRONG:
+        manifest = json.loads(json.dumps(base))
+        parent = manifest
+        for part in key[:-1]:
+            parent = parent[part]
+        parent[key[-1]] = value
+        directory = tmp_path / f"v{WRONG.index(value)}"
+        shutil.copytree(built, directory)
+        (directory / "manifest.json").write_text(json.dumps(manifest))
+        for args in (["check", str(directory)], ["export-triton", str(directory), "--repo", str(tmp_path / "repo"),
+                                                 "--force"]):
+            result = trtc(*args)
+            where = f"{'.'.join(map(str, key))}={value!r} {args[0]}"
+            assert isinstance(result.exception, (SystemExit, type(None))), f"{where}: {result.exception!r}"
+            if result.exit_code not in (0, 1):
+                errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+                assert len(errors) == 1, f"{where}: {result.stderr}"
+        for backend in ("onnxruntime", "torch"):
+            try:
+                with compiler.load(directory, backend=backend, device="cpu") as engines:
+                    engines(np.zeros((1, 16), np.float32))
+            except (InputError, ValueError):
+                pass
