@@ -27,7 +27,15 @@ from calibration.qdq import QdqPolicy, qdq_model_from, quantizable_nodes, tensor
 from calibration.statistics import AMAX_METHODS, collect_histograms, collect_max_abs
 from compiler.errors import AccuracyGateError, CalibrationError
 from compiler.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
-from compiler.manifest import MANIFEST, now, onnx_entry, read_manifest, spec_from_manifest, write_manifest
+from compiler.manifest import (
+    MANIFEST,
+    now,
+    onnx_entry,
+    read_manifest,
+    spec_from_manifest,
+    verified_onnx,
+    write_manifest,
+)
 from compiler.onnx_io import load_onnx, save_onnx
 from compiler.progress import progress, stage_timer
 from compiler.specs import ModelSpec
@@ -83,7 +91,7 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
             if (directory / name).is_file():
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(directory / name, stage / name)
-        fp32 = directory / manifest["onnx"]["fp32"]["file"]
+        fp32 = verified_onnx(directory, (manifest.get("onnx") or {}).get("fp32"), "fp32")
         with stage_timer(f"{settings.precision.upper()} calibration"):
             outcome = calibrated_into(stage, fp32, spec_from_manifest(manifest), settings)
         if outcome.passed:
@@ -96,7 +104,7 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
             os.replace(stage / CALIBRATION_JSON, stage / "report" / "calibration.failed.json")
         commit_staged(stage, directory)
     if not outcome.passed:
-        raise AccuracyGateError(outcome.message)
+        raise AccuracyGateError(f"{outcome.message}; see {directory / ACCURACY_JSON}")
     return manifest
 
 
@@ -138,12 +146,12 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
         report["accuracy"] = result.result.to_dict()
         report["kept_in_fp32"] = result.kept
         report["gate_history"] = result.history
-    reports = read_json(stage / ACCURACY_JSON) if (stage / ACCURACY_JSON).is_file() else {}
+    reports = _earlier_reports(stage / ACCURACY_JSON)
     atomic_write_json(stage / ACCURACY_JSON, {**reports, settings.precision: report})
     if result is not None and not result.result.passed:
         message = (f"the {settings.precision} model misses the accuracy gate ({result.result.summary()}) even with "
-                   f"{len(result.kept)} layer(s) kept in FP32; FP32 artifacts are kept; see {ACCURACY_JSON}; try "
-                   "more calibration data, another --calib-method, or a larger --max-fallback")
+                   f"{len(result.kept)} layer(s) kept in FP32; FP32 artifacts are kept; try more calibration data, "
+                   "another --calib-method, or a larger --max-fallback")  # the caller names where the report is
         return CalibrationOutcome({}, False, message)
     out = stage / ONNX_NAMES[settings.precision]
     final = result.model if result is not None else ungated_model
@@ -154,12 +162,26 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
         "accuracy": {settings.precision: {"metric": report["accuracy"]["metric"] if report["accuracy"] else None,
                                           "summary": result.result.summary() if result else "gate not run",
                                           "kept_in_fp32": sorted(result.kept) if result else []}},
+        # the data behind each precision (FP16 too): what it was, how many samples, whether it was random
+        "data": {settings.precision: {"calibration": report["calibration_data"], "eval": report["eval_data"]}},
     }
     if settings.precision == "int8":
         update["calibration"] = {k: report[k] for k in ("calibration_data",)} | details["calibration"]
     else:
         update["fp16"] = {"fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"]}
     return CalibrationOutcome(update, True, "")
+
+
+def _earlier_reports(path: Path) -> dict[str, Any]:
+    """The other precisions' entries of an existing report/accuracy.json; a damaged one is replaced, with a note."""
+    if not path.is_file():
+        return {}
+    try:
+        reports = read_json(path)
+    except ValueError as err:
+        log.warning("%s is damaged (%s); writing a new one", path.name, err)
+        return {}
+    return reports if isinstance(reports, dict) else {}
 
 
 def _open_data(source: str | None, settings: CalibrationSettings, spec: ModelSpec,

@@ -60,6 +60,8 @@ import platform
 import socket
 import tempfile
 import time
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,8 +70,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from compiler.errors import InputError, TrtcError
-from compiler.files import atomic_write_bytes, atomic_write_json, atomic_write_text, directory_lock, read_json
-from compiler.manifest import now, read_manifest, spec_from_manifest, tool_versions
+from compiler.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    directory_lock,
+    read_json,
+    require_directory,
+)
+from compiler.manifest import now, read_manifest, spec_from_manifest, tool_versions, verified_onnx
 from compiler.runners import OrtRunner, TorchRunner
 from compiler.settings import ExportSettings
 from compiler.specs import BATCH_DIM, ModelSpec
@@ -317,8 +326,8 @@ def input_feeds(spec: ModelSpec, buckets: tuple[int, ...], seed: int = 0, data: 
     try:
         with np.load(data) as npz:
             arrays = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError) as err:
-        raise InputError(f"--data {data}: not a readable .npz file ({err})") from err
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # what np.load raises on damage
+        raise InputError(f"--data {data}: not a readable .npz file ({err or err.__class__.__name__})") from err
     missing = [n for n in spec.input_names if n not in arrays]
     if missing:
         raise InputError(f"--data {data} has no array for input(s) {', '.join(missing)} (it has "
@@ -510,8 +519,8 @@ def is_classifier(directory: Path, manifest: dict[str, Any]) -> bool:
     import onnx
 
     try:
-        graph = onnx.load(str(directory / entry["file"]), load_external_data=False).graph
-    except (OSError, ValueError) as err:
+        graph = onnx.load(str(verified_onnx(directory, entry, "fp32")), load_external_data=False).graph
+    except (OSError, ValueError, InputError) as err:
         log.debug("no graph to tell a classifier by: %s", err)
         return False
     producers = {out: node for node in graph.node for out in node.output}
@@ -692,7 +701,7 @@ def _plans(target: _Target, settings: BenchSettings, device: str, buckets: tuple
             ort_device = _ort_device(settings.ort_providers)
             for precision in sorted(onnx, key=lambda p: ONNX_PRECISION_ORDER.index(p)
                                     if p in ONNX_PRECISION_ORDER else 99):
-                path = target.directory / onnx[precision]["file"]
+                path = verified_onnx(target.directory, onnx[precision], precision)
                 plans.append(_Plan(backend, precision, ort_runner(path, ort_device)))
         elif backend == "tensorrt":
             engines = manifest.get("engines") or []
@@ -733,15 +742,16 @@ def _engine_precision(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
 
 # --- the source model and the reference ---------------------------------------------------------------------
 
-def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: bool = False) -> tuple[Any, str]:
-    """The source model from the manifest's ``source`` (``{path, format}``), or None and the reason.
+def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: bool = False,
+                directory: Path | None = None) -> tuple[Any, str]:
+    """The source model as the build in ``directory`` exported it (its ``source.snapshot``), or None and the reason.
 
-    A factory source is recorded as ``pkg.module:fn`` or ``pkg.module:fn + WEIGHTS``. Paths are as the
-    export command was given them (relative to where it ran). An ExportedProgram is moved to the device
-    with torch's ``move_to_device_pass``, since its graph names devices literally.
+    The snapshot is the state dict a factory gave at build time, or a copy of the model file, read
+    inside the directory after its sha256 matches: bench runs the weights the build exported, not a
+    factory called again. An ExportedProgram is moved to the device with torch's
+    ``move_to_device_pass``, since its graph names devices literally.
     """
-    from compiler.loading import load_model
-    from compiler.pipeline import source_fingerprint
+    from compiler.loading import load_snapshot
 
     source = manifest.get("source") or {}
     fmt, text = source.get("format"), str(source.get("path") or "")
@@ -750,20 +760,12 @@ def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: boo
     if fmt == "pickle" and not trust_pickle:
         return None, ("the source is a pickled nn.Module: pass --trust-pickle to load it (this runs code from "
                       "the file)")
+    if directory is None:
+        return None, "no build directory to read the source model's snapshot from"
     try:
-        if fmt == "factory":
-            factory, _, weights = text.partition(" + ")
-            loaded = load_model(factory=factory.strip(), weights=weights.strip() or None)
-        else:
-            if not Path(text).is_file():
-                return None, (f"the source model {text} is not here (the manifest records the path trtc export "
-                              "was given); run trtc bench from that directory")
-            loaded = load_model(text, trust_pickle=trust_pickle)
+        loaded = load_snapshot(directory, manifest, trust_pickle)
     except InputError as err:
         return None, f"the source model does not load: {err}"
-    if source.get("sha256") and source_fingerprint(loaded) != source["sha256"]:
-        log.warning("the source model %s changed since the build (sha256 differs): the torch rows and the accuracy "
-                    "reference are the new model's", text)
     module = loaded.module
     if loaded.exported_program is not None and device != "cpu":
         from torch.export.passes import move_to_device_pass
@@ -781,7 +783,8 @@ def _reference_outputs(target: _Target, feeds: dict[int, dict[str, np.ndarray]],
                              device)
         what = f"torch/fp32 (eager, {device})"
     else:
-        runner = OrtRunner(target.directory / target.manifest["onnx"]["fp32"]["file"], ["CPUExecutionProvider"])
+        runner = OrtRunner(verified_onnx(target.directory, target.manifest["onnx"]["fp32"], "fp32"),
+                           ["CPUExecutionProvider"])
         what = "onnxruntime/fp32 (CPUExecutionProvider): no PyTorch model to compare with"
     try:
         return {b: runner.infer(feed) for b, feed in feeds.items()}, what
@@ -958,6 +961,7 @@ def bench_model(export: ExportSettings, settings: BenchSettings) -> BenchReport:
 
 def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, model_mode: bool,
            report_dir: Path) -> BenchReport:
+    require_directory(report_dir, "--report-dir")  # before minutes of measurements, not after
     spec = spec_from_manifest(manifest)
     buckets = tuple(sorted(set(settings.buckets or manifest.get("buckets") or (1,))))
     device = settings.device or ("cuda" if _cuda_available() else "cpu")
@@ -973,7 +977,7 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
     baseline = _read_baseline(settings.baseline, manifest) if settings.baseline else None
     results: list[BenchResult] = []
     with _torch_bench_mode(tf32):
-        model, model_note = eager_model(manifest, device, settings.trust_pickle)
+        model, model_note = eager_model(manifest, device, settings.trust_pickle, directory)
         target = _Target(directory, manifest, spec, model, model_note, model_mode)
         reference, reference_name = _reference_outputs(target, feeds, device)
         plans, skipped = _plans(target, settings, device, buckets, tf32)

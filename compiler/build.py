@@ -22,7 +22,7 @@ import numpy as np
 
 from compiler.engines import settings_to_dict
 from compiler.errors import AccuracyGateError, TensorRTNotInstalled
-from compiler.files import commit_staged, directory_lock, staging_dir
+from compiler.files import commit_staged, directory_lock, settle_modes, staging_dir
 from compiler.loading import load_model
 from compiler.manifest import MANIFEST, refuse_other_model, write_manifest
 from compiler.pipeline import FP32_ONNX, check_against_model, exported_into, resolve_spec, source_fingerprint
@@ -41,7 +41,7 @@ FAILED_DIR = "failed"
 def build_directory(export: ExportSettings, calibration: Any | None, build: BuildSettings,
                     command: str = "trtc build") -> dict[str, Any]:
     """Run the whole chain; returns the manifest written. ``calibration`` is a CalibrationSettings or None (FP32)."""
-    from calibration.calibrate import CALIBRATION_JSON, calibrated_into, merge_update
+    from calibration.calibrate import ACCURACY_JSON, CALIBRATION_JSON, calibrated_into, merge_update
 
     start = time.perf_counter()
     out = export.out
@@ -63,7 +63,8 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
                     outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
                 if not outcome.passed:
                     _keep_failed_attempt(stage, out, manifest)
-                    raise AccuracyGateError(outcome.message + f"; the failed attempt is in {out / FAILED_DIR}")
+                    raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "
+                                            f"attempt is in {out / FAILED_DIR})")
                 manifest = merge_update(manifest, outcome.manifest_update)
             manifest["build"] = settings_to_dict(build)
             manifest["engines"] = []
@@ -138,4 +139,5 @@ def _keep_failed_attempt(stage: Path, out: Path, manifest: dict[str, Any]) -> No
         if path.name not in (".failed", ".export"):
             os.replace(path, kept / path.name)
     write_manifest(kept / MANIFEST, {**manifest, "failed": "accuracy gate"})
+    settle_modes([p for p in kept.rglob("*") if p.is_file()])
     os.replace(kept, failed)

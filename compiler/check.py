@@ -33,8 +33,8 @@ from compiler.engines import (
     settings_from_dict,
 )
 from compiler.errors import InputError
-from compiler.files import commit_staged, directory_lock, sha256_file, sha256_files, staging_dir
-from compiler.manifest import MANIFEST, now, read_manifest, spec_from_manifest, write_manifest
+from compiler.files import commit_staged, directory_lock, sha256_file, staging_dir
+from compiler.manifest import MANIFEST, inside, now, read_manifest, spec_from_manifest, verified_onnx, write_manifest
 from compiler.settings import BuildSettings, hardware_compat_level
 
 __all__ = ["Staleness", "CheckResult", "RebuildResult", "stale_engines", "check_directory", "rebuild_directory",
@@ -169,14 +169,21 @@ def _engine_entries(manifest: dict[str, Any], directory: Path) -> list[dict[str,
     if not isinstance(engines, list):
         raise InputError(f"{directory / MANIFEST}: 'engines' is not a list; rebuild with `trtc rebuild {directory}`")
     for index, entry in enumerate(engines):
-        if not isinstance(entry, dict) or not all(k in entry for k in ("bucket", "file", "sha256")):
+        if not isinstance(entry, dict) or not all(k in entry for k in ("bucket", "file", "sha256")) \
+                or not isinstance(entry["bucket"], int) or not isinstance(entry["sha256"], str):
             raise InputError(f"{directory / MANIFEST}: engines[{index}] lacks bucket, file or sha256; rebuild "
                              f"with `trtc rebuild {directory}`")
+        inside(directory, entry["file"], "engine")
+        layers = entry.get("layers")
+        if isinstance(layers, dict) and layers.get("file"):
+            inside(directory, layers["file"], "layer file")
     return engines
 
 
 def _onnx_entry(manifest: dict[str, Any], precision: str, directory: Path) -> dict[str, Any]:
     entries = manifest.get("onnx") or {}
+    if not isinstance(entries, dict):
+        raise InputError(f"{directory / MANIFEST}: 'onnx' is not an object; rebuild the directory with `trtc build`")
     entry = entries.get(precision)
     if not isinstance(entry, dict) or "file" not in entry or "sha256" not in entry:
         have = ", ".join(sorted(entries)) or "none"
@@ -186,16 +193,8 @@ def _onnx_entry(manifest: dict[str, Any], precision: str, directory: Path) -> di
 
 
 def _verify_onnx(directory: Path, entry: dict[str, Any]) -> None:
-    """Refuse to build from an ONNX whose files no longer match the digest the manifest recorded."""
-    files = [directory / name for name in entry.get("files") or [entry["file"]]]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise InputError(f"{', '.join(missing)} missing: the directory's ONNX is incomplete; restore it or "
-                         "re-run `trtc build`")
-    if sha256_files(files) != entry["sha256"]:
-        raise InputError(f"{directory / entry['file']} does not match the sha256 in the manifest: it was changed "
-                         "after export, so engines built from it would not be the verified model; restore it or "
-                         "re-run `trtc build` to re-export")
+    """Refuse to build from an ONNX outside the directory or whose files no longer match the recorded digest."""
+    verified_onnx(directory, entry)
 
 
 def _stale_in(directory: Path, manifest: dict[str, Any], here: dict[str, Any]) -> list[Staleness]:
@@ -204,13 +203,16 @@ def _stale_in(directory: Path, manifest: dict[str, Any], here: dict[str, Any]) -
     if not engines:
         reason = "engines never built (built with --engine none)" if build.get("engine") == "none" else NEVER_BUILT
         return [Staleness(None, None, reason)]
+    if not isinstance(build, dict) or not isinstance(manifest.get("environment") or {}, dict):
+        raise InputError(f"{directory / MANIFEST}: 'build' or 'environment' is not an object; rebuild with "
+                         f"`trtc rebuild {directory}`")
     shared = _environment_reasons(manifest.get("environment") or {}, here, build)
     digests: dict[str, str | None] = {}
     onnx_digests = {e.get("file"): e.get("sha256") for e in (manifest.get("onnx") or {}).values()
                     if isinstance(e, dict)}
     stale = []
     for entry in engines:
-        path = directory / entry["file"]
+        path = inside(directory, entry["file"], "engine")
         if entry["file"] not in digests:
             digests[entry["file"]] = sha256_file(path) if path.is_file() else None
         reasons = []
@@ -304,10 +306,12 @@ def rebuild_directory(directory: Path, if_stale: bool, settings_override: BuildS
         with staging_dir(directory) as stage:
             entries = build_engine_files(directory, stage, onnx["file"], spec, settings, build_step, env=here)
             rebuilt = {**manifest, **manifest_engine_keys(settings, here, entries), "engines_built": now()}
+            if entries:
+                rebuilt.pop("engines_note", None)  # "not built: ..." no longer describes the directory
             write_manifest(stage / MANIFEST, rebuilt)
             commit_staged(stage, directory)
         for name in sorted(_engine_files(old_entries) - _engine_files(entries)):
-            (directory / name).unlink(missing_ok=True)
+            inside(directory, name).unlink(missing_ok=True)
         log.info("rebuilt %d engine(s) in %s", len(entries), directory)
         return RebuildResult(directory, True, stale, entries)
 
@@ -365,14 +369,16 @@ def merge_manifests(directory: Path, others: list[Path]) -> dict[str, Any]:
                     log.info("bucket %s: keeping the engine met first, skipping the one of %s", entry["bucket"],
                              source_dir)
                     continue
-                path = source_dir / entry["file"]
+                path = inside(source_dir, entry["file"], "engine")
                 if not path.is_file() or sha256_file(path) != entry["sha256"]:
                     raise InputError(f"{path} is missing or differs from its manifest; rebuild it before merging")
                 merged[entry["bucket"]] = entry
                 if source_dir != directory:
-                    copies += [(source_dir / name, name) for name in sorted(_engine_files([entry]))]
+                    copies += [(inside(source_dir, name), name) for name in sorted(_engine_files([entry]))]
         with staging_dir(directory) as stage:
             for source, name in copies:
+                if not source.is_file():
+                    raise InputError(f"{source} is missing; rebuild its directory before merging")
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, stage / name)
             engines = [merged[b] for b in sorted(merged)]

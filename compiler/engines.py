@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from compiler.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.files import atomic_write_bytes, atomic_write_text, read_json, sha256_file, sha256_files
+from compiler.manifest import inside
 from compiler.onnx_io import onnx_files
 from compiler.settings import BuildSettings
 from compiler.specs import BATCH_DIM, ModelSpec
@@ -553,7 +554,7 @@ def _seed_timing_cache(directory: Path, stage_cache: Path, settings: BuildSettin
     ``build_engine_files`` merges the new timings into it after a successful build.
     """
     stage_cache.unlink(missing_ok=True)  # this policy decides, whatever a caller copied in before
-    own = directory / TIMING_CACHE
+    own = inside(directory, TIMING_CACHE, "timing cache")  # a symlink out of the directory is refused
     if own.is_file():
         try:
             built = (read_json(directory / "manifest.json") or {}).get("environment") or {}

@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from compiler.errors import DirectoryLocked
+from compiler.errors import DirectoryLocked, InputError
 
 __all__ = ["sha256_file", "sha256_files", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
-           "staging_dir", "commit_staged", "directory_lock", "read_json"]
+           "staging_dir", "commit_staged", "directory_lock", "read_json", "file_mode", "current_umask", "settle_modes",
+           "require_directory"]
 
 LOCK_NAME = ".trtc.lock"
 
@@ -43,11 +44,36 @@ def sha256_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (``os.umask`` sets it to read it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode ``open()`` gives a new file under the current umask (0644 under 022)."""
+    return 0o666 & ~current_umask()
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed into place, with the usual file mode.
+
+    ``mkstemp`` creates its file 0600; the final file gets what ``open()`` would give it under the
+    umask, so a build directory is readable by the users and containers it is shared with.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -79,6 +105,7 @@ def staging_dir(out_dir: Path) -> Iterator[Path]:
     It is removed on exit whether or not the work succeeded; call ``commit_staged`` inside
     the block to move the results into ``out_dir``.
     """
+    require_directory(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir))
     try:
@@ -90,9 +117,12 @@ def staging_dir(out_dir: Path) -> Iterator[Path]:
 def commit_staged(staged: Path, out_dir: Path, last: str = "manifest.json") -> list[str]:
     """Move every file of ``staged`` into ``out_dir`` (subfolders kept), ``last`` at the very end.
 
-    Each move is an atomic rename. Returns the relative paths moved.
+    Each move is an atomic rename. Every file gets the usual mode under the umask first (0644 under
+    022), whatever wrote it: temporary files and onnx's external data are created 0600, and a build
+    directory is read by other users (a Triton container, a CI job). Returns the relative paths moved.
     """
     files = sorted(p for p in staged.rglob("*") if p.is_file())
+    settle_modes(files)
     files.sort(key=lambda p: p.relative_to(staged).as_posix() == last)
     moved = []
     for src in files:
@@ -104,6 +134,13 @@ def commit_staged(staged: Path, out_dir: Path, last: str = "manifest.json") -> l
     return moved
 
 
+def settle_modes(files: list[Path]) -> None:
+    """Give each file the mode ``open()`` would give it under the current umask."""
+    mode = file_mode()
+    for path in files:
+        os.chmod(path, mode)
+
+
 def _lock_holder(lock_path: Path) -> str:
     try:
         info = json.loads(lock_path.read_text())
@@ -112,33 +149,64 @@ def _lock_holder(lock_path: Path) -> str:
         return "another process"
 
 
+def require_directory(path: Path, option: str = "--out") -> None:
+    """InputError unless ``path`` is a directory or does not exist yet (an output directory to create)."""
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{path} exists and is not a directory; choose a directory for the output ({option})")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"{parent} is a file, so {path} cannot be created; choose another output "
+                                 f"directory ({option})")
+            break
+
+
+def _locked(lock_path: Path, out_dir: Path) -> int:
+    """An fd holding ``flock`` on ``lock_path``, the file that is at that path now.
+
+    The holder removes the lock file when it finishes, so a waiter may have opened a file that is
+    no longer there; it then opens the new one (the usual check of flock on files that get unlinked).
+    """
+    import fcntl
+
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DirectoryLocked(f"{out_dir} is being written by {_lock_holder(lock_path)}; "
+                                  "wait for it to finish or choose another --out directory") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def directory_lock(out_dir: Path, command: str) -> Iterator[None]:
     """Hold an exclusive lock on ``out_dir`` for the duration of a build.
 
     Uses ``fcntl.flock`` on ``DIR/.trtc.lock``, so a killed process releases it. The lock file
-    records who holds it, so the second process can say so.
+    records who holds it, so the second process can say so; it is removed when the command ends,
+    so a finished directory holds only its artifacts. ``out_dir`` naming a file is an InputError.
     """
-    import fcntl
-
+    require_directory(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     lock_path = out_dir / LOCK_NAME
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _locked(lock_path, out_dir)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DirectoryLocked(f"{out_dir} is being written by {_lock_holder(lock_path)}; "
-                                  "wait for it to finish or choose another --out directory") from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command}).encode())
         for leftover in out_dir.glob(".staging-*"):  # from a run that was killed; only the lock holder stages
             shutil.rmtree(leftover, ignore_errors=True)
         yield
     finally:
-        if created and [p.name for p in out_dir.iterdir()] == [LOCK_NAME]:
-            # a run that failed before writing anything leaves no trace, not even the directory
-            lock_path.unlink()
-            out_dir.rmdir()
+        lock_path.unlink(missing_ok=True)  # still held: a waiter that opened it sees it is gone and retries
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # a run that failed before writing anything leaves no trace, not even the directory
         os.close(fd)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import pickle
+import shutil
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -21,10 +22,12 @@ from typing import Any
 from compiler.errors import InputError
 from compiler.specs import BATCH_DIM, DimRange, InputSpec
 
-__all__ = ["LoadedModel", "load_model", "detect_format", "specs_from_exported_program"]
+__all__ = ["LoadedModel", "load_model", "detect_format", "specs_from_exported_program", "snapshot_into",
+           "load_snapshot", "SNAPSHOT_DIR"]
 
 log = logging.getLogger(__name__)
 
+SNAPSHOT_DIR = "source"  # DIR/source/: the exact model a build exported (state dict or model file)
 SAVE_HINT = ("save the model with torch.export.save (.pt2) or torch.jit.save, export it to ONNX, or pass "
              "--model-factory pkg.module:make_model")
 
@@ -183,6 +186,56 @@ def _from_factory(spec: str, weights: Path | None) -> LoadedModel:
             raise InputError(f"{weights}: does not fit {spec} ({_first_line(err)})") from err
     source = weights
     return LoadedModel("factory", source, module=module.eval())
+
+
+def snapshot_into(directory: Path, loaded: LoadedModel) -> dict[str, Any] | None:
+    """Keep the model a build exports in ``directory/source/``; returns its manifest record, None for ONNX.
+
+    A factory's module is kept as its state dict (``source/state_dict.pt``, read back with
+    ``weights_only=True``), so a factory that initialises randomly still gives bench and the
+    ``torch`` serving backend the weights that were exported; a model file is copied as it is.
+    """
+    import torch
+
+    from compiler.files import sha256_file
+
+    if loaded.is_onnx or loaded.module is None:
+        return None
+    folder = directory / SNAPSHOT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    if loaded.format == "factory" or loaded.source is None:
+        path = folder / "state_dict.pt"
+        torch.save({k: v.detach().cpu().contiguous() for k, v in loaded.module.state_dict().items()}, path)
+    else:
+        path = folder / ("model" + (loaded.source.suffix or ".pt"))
+        shutil.copyfile(loaded.source, path)
+    return {"file": path.relative_to(directory).as_posix(), "sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def load_snapshot(directory: Path, manifest: dict[str, Any], trust_pickle: bool = False) -> LoadedModel:
+    """The source model exactly as the build in ``directory`` exported it, from ``source.snapshot``.
+
+    The snapshot is read only inside ``directory`` and after its sha256 matches the manifest. A
+    factory is called for its architecture and gets the snapshot's state dict. InputError for an
+    ONNX source (no PyTorch model), a build without a snapshot (made by an older trtc) or a bad one.
+    """
+    from compiler.manifest import verified_file
+
+    source = manifest.get("source")
+    fmt = source.get("format") if isinstance(source, dict) else None
+    if fmt == "onnx":
+        raise InputError("the directory was exported from an ONNX file: there is no PyTorch model to run; use "
+                         "backend='onnxruntime'")
+    snapshot = source.get("snapshot") if isinstance(source, dict) else None
+    if not isinstance(snapshot, dict):
+        raise InputError(f"{directory}: the build keeps no snapshot of its source model (made by an older trtc); "
+                         "run `trtc build` again so that bench and the torch backend run the exported weights")
+    path = verified_file(directory, snapshot, "source model snapshot")
+    if fmt == "factory":
+        assert isinstance(source, dict)
+        factory = str(source.get("factory") or str(source.get("path") or "").partition(" + ")[0]).strip()
+        return _from_factory(factory, path)
+    return load_model(path, trust_pickle=trust_pickle)
 
 
 def program_ranges(program: Any) -> dict[str, tuple[int, int | None]]:

@@ -69,7 +69,10 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike[str]) -> list[Path
 def onnx_files(path: str | os.PathLike[str]) -> list[Path]:
     """The graph file and every external data file it references."""
     path = Path(path)
-    model = onnx.load(str(path), load_external_data=False)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError) as err:
+        raise InputError(f"{path}: not a valid ONNX file ({err.__class__.__name__}); pass an .onnx model") from err
     locations: set[str] = set()
     tensors: list[Any] = list(model.graph.initializer)
     for node in model.graph.node:
@@ -78,6 +81,10 @@ def onnx_files(path: str | os.PathLike[str]) -> list[Path]:
         for entry in t.external_data:
             if entry.key == "location":
                 locations.add(entry.value)
+    for loc in locations:  # external data stays beside the graph (onnx refuses anything else when loading too)
+        if not loc or loc.startswith(("/", "\\")) or ".." in loc.replace("\\", "/").split("/") or ":" in loc:
+            raise InputError(f"{path}: external data location {loc!r} leaves the model's folder; keep the data "
+                             "files beside the .onnx file")
     return [path] + [path.parent / loc for loc in sorted(locations)]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from compiler.errors import InputError
 from compiler.export import ExportResult, onnx_from_torch
 from compiler.files import commit_staged, directory_lock, sha256_file, staging_dir
-from compiler.loading import LoadedModel, load_model, specs_from_exported_program
+from compiler.loading import LoadedModel, load_model, snapshot_into, specs_from_exported_program
 from compiler.manifest import MANIFEST, now, onnx_entry, refuse_other_model, tool_versions, write_manifest
 from compiler.onnx_io import save_onnx
 from compiler.passes import run_passes
@@ -113,10 +113,16 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
             "pass check (folded ONNX vs reference)", feeds=feeds)]
     verification["reference"] = reference.name
     shutil.rmtree(work)
+    source: dict[str, Any] = {"path": settings.source.describe(), "format": loaded.format, "sha256": fingerprint}
+    if settings.source.factory:
+        source["factory"] = settings.source.factory
+    snapshot = snapshot_into(stage, loaded)
+    if snapshot is not None:
+        source["snapshot"] = snapshot
     return {
         "trtc_version": tool_versions()["trtc"],
         "created": now(),
-        "source": {"path": settings.source.describe(), "format": loaded.format, "sha256": fingerprint},
+        "source": source,
         "inputs": [str(i) for i in spec.inputs],
         "dims": {name: str(r) for name, r in spec.dims.items()},
         "output_names": [o.name for o in folded.graph.output],

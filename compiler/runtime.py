@@ -553,31 +553,24 @@ def tf32_policy(manifest: dict[str, Any]) -> bool:
 
 
 def onnx_for_precision(directory: Path, manifest: dict[str, Any], precision: str | None = None) -> Path:
+    """The build's ONNX for ``precision`` (default: the build's), confined to ``directory`` and checked
+    against its sha256."""
+    from compiler.manifest import verified_onnx
+
     precision = precision or manifest.get("precision") or "fp32"
-    entry = (manifest.get("onnx") or {}).get(precision)
+    onnx = manifest.get("onnx")
+    entry = onnx.get(precision) if isinstance(onnx, dict) and isinstance(precision, str) else None
     if entry is None:
         raise InputError(f"{directory}: the manifest's precision is {precision} but it lists no onnx.{precision} "
                          "file; run `trtc build` into the directory again")
-    path = directory / entry["file"]
-    if not path.is_file():
-        raise InputError(f"{path}: missing; the directory is incomplete, run `trtc build` into it again")
-    return path
+    return verified_onnx(directory, entry, str(precision))
 
 
-def _source_module(manifest: dict[str, Any], trust_pickle: bool) -> Any:
-    from compiler.loading import load_model
+def _source_module(directory: Path, manifest: dict[str, Any], trust_pickle: bool) -> Any:
+    """The build's own snapshot of its source model: the weights that were exported, not the factory's again."""
+    from compiler.loading import load_snapshot
 
-    source = manifest.get("source") or {}
-    text = str(source.get("path") or "")
-    if source.get("format") == "factory":
-        factory, _, weights = text.partition(" + ")
-        loaded = load_model(factory=factory, weights=weights or None)
-    elif source.get("format") == "onnx":
-        raise InputError("the directory was exported from an ONNX file: there is no PyTorch model to run; use "
-                         "backend='onnxruntime'")
-    else:
-        loaded = load_model(text, trust_pickle=trust_pickle)
-    return loaded.module
+    return load_snapshot(directory, manifest, trust_pickle).module
 
 
 def load(directory: str | Path, backend: str = "auto", *, device: str | None = None, contexts: int = 2,
@@ -624,8 +617,8 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
     else:
         if manifest.get("precision", "fp32") != "fp32":
             log.info("backend torch runs the FP32 source model, not the %s graph", manifest["precision"])
-        impl = _TorchBackend(_source_module(manifest, trust_pickle), spec, buckets, manifest.get("output_names"),
-                             device, cuda_graphs)
+        impl = _TorchBackend(_source_module(directory, manifest, trust_pickle), spec, buckets,
+                             manifest.get("output_names"), device, cuda_graphs)
     engines = Engines(impl, contexts)
     log.info("serving %s with %s on %s: buckets %s, up to %d concurrent contexts", directory, engines.backend,
              engines.device, ",".join(map(str, engines.buckets)), contexts)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from compiler.errors import InputError, TrtcError
+from compiler.manifest import verified_file
 from compiler.runtime_contexts import CheckedFeed, _call_values, _capture, _ComputeOrder, _GpuContext, _max_values
 from compiler.specs import ModelSpec
 
@@ -85,7 +86,8 @@ class _TensorRTBackend:
             for entry in manifest["engines"]:
                 file = str(entry["file"])
                 if file not in engines:
-                    engine = self.runtime.deserialize_cuda_engine((directory / file).read_bytes())
+                    path = verified_file(directory, entry, "engine")  # confined, sha256 checked before reading
+                    engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
                     if engine is None:
                         raise EnginesNotRunnable(f"{directory / file}: TensorRT cannot load this engine (see its log "
                                                  f"above); run `trtc rebuild {directory}`")

@@ -162,7 +162,9 @@ def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, t
                          f"profiles of {files[0]} take batches {taken} only (e.g. not {missing[0]}); build profiles "
                          "whose batch ranges cover 1 to the largest bucket, or export with --backend onnxruntime")
     profiles = tuple(sorted({int(e.get("profile", 0)) for e in entries}))
-    return directory / files[0], profiles, largest
+    from compiler.manifest import verified_file
+
+    return verified_file(directory, entries[0], "engine"), profiles, largest
 
 
 def plan_requirement(manifest: dict[str, Any]) -> tuple[str, str]:
@@ -187,6 +189,7 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     reason). ``name`` defaults to the directory's name. An existing ``repo/NAME`` is replaced only
     with ``force``; the new folder appears whole (staged beside ``repo``, then renamed).
     """
+    from compiler.files import require_directory
     from compiler.manifest import read_manifest
     from compiler.onnx_io import onnx_files
     from compiler.runtime import onnx_for_precision
@@ -227,6 +230,7 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     target = repo / name
     if target.exists() and not force:
         raise InputError(f"{target} exists; pass --force to replace it")
+    require_directory(repo, "--repo")
     repo.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".trtc-triton-{name}-", dir=repo.resolve().parent))
     try:

@@ -39,7 +39,7 @@ from compiler.bench import (
 )
 from compiler.cli import cli
 from compiler.errors import InputError
-from compiler.manifest import read_manifest
+from compiler.manifest import onnx_entry, read_manifest, write_manifest
 from compiler.onnx_io import load_onnx, save_onnx
 from compiler.pipeline import export_directory
 from compiler.settings import ExportSettings, ModelSource
@@ -119,6 +119,9 @@ def test_a_perturbed_model_shows_its_error(build: Path, tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     head.CopyFrom(numpy_helper.from_array(rng.standard_normal((10, 64)).astype(np.float32), head.name))
     save_onnx(model, broken / "model.onnx")
+    manifest = read_manifest(broken)  # as if the build had produced this model: bench reads only verified files
+    manifest["onnx"]["fp32"] = onnx_entry(broken, broken / "model.onnx")
+    write_manifest(broken / "manifest.json", manifest)
     data = bench_directory(broken, BenchSettings(**FAST, backends=("onnxruntime",), buckets=(4,),  # type: ignore[arg-type]
                                                  plot=False)).data
     acc = rows(data)[("onnxruntime/fp32", 4)]["accuracy"]
@@ -260,14 +263,20 @@ def test_feeds_are_seeded_or_read_from_npz(tmp_path: Path) -> None:
         input_feeds(spec, (1,), data=tmp_path / "partial.npz")
 
 
-def test_the_eager_model_loads_from_a_factory_source(tmp_path: Path) -> None:
-    module, note = eager_model({"source": {"format": "factory", "path": "examples.models:mlp"}})
+def test_the_eager_model_loads_from_the_build_snapshot_of_a_factory_source(tmp_path: Path) -> None:
+    from compiler.loading import LoadedModel, snapshot_into
+
+    zeros = models.mlp()
+    for tensor in zeros.state_dict().values():
+        tensor.zero_()
+    snapshot = snapshot_into(tmp_path, LoadedModel("factory", None, module=zeros))
+    manifest = {"source": {"format": "factory", "path": "examples.models:mlp", "factory": "examples.models:mlp",
+                           "snapshot": snapshot}}
+    module, note = eager_model(manifest, directory=tmp_path)
     assert isinstance(module, torch.nn.Module) and "examples.models:mlp" in note
-    weights = tmp_path / "w.pt"
-    state = {k: torch.zeros_like(v) for k, v in models.mlp().state_dict().items()}
-    torch.save(state, weights)
-    module, _ = eager_model({"source": {"format": "factory", "path": f"examples.models:mlp + {weights}"}})
-    assert float(module(torch.ones(1, 64)).abs().sum()) == 0.0  # the recorded weights were loaded
+    assert float(module(torch.ones(1, 64)).abs().sum()) == 0.0  # the snapshot's weights, not the factory's
+    none, why = eager_model(manifest)
+    assert none is None and "snapshot" in why
     assert eager_model({"source": {"format": "onnx", "path": "m.onnx"}})[0] is None
     none, why = eager_model({"source": {"format": "pickle", "path": "m.pt"}})
     assert none is None and "--trust-pickle" in why

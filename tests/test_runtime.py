@@ -22,6 +22,7 @@ import torch
 import compiler
 from compiler import runtime
 from compiler.errors import InputError, TensorRTNotInstalled
+from compiler.loading import LoadedModel, snapshot_into
 from compiler.manifest import onnx_entry, write_manifest
 from compiler.onnx_io import load_onnx, ort_session, save_onnx
 from compiler.runtime import EnginesNotRunnable, FeedError, engines_from_module, load
@@ -46,13 +47,15 @@ def build_directory(out: Path, name: str, buckets: list[int] = BUCKETS, **extra:
     dynamic = {i.name: {axis: d for axis, d in enumerate(i.dims) if isinstance(d, str)} for i in spec.inputs}
     out.mkdir(parents=True, exist_ok=True)
     raw = out / "raw.onnx"
-    torch.onnx.export(factory(), tuple(torch.from_numpy(feed[n]) for n in spec.input_names), str(raw), dynamo=False,
+    model = factory()
+    torch.onnx.export(model, tuple(torch.from_numpy(feed[n]) for n in spec.input_names), str(raw), dynamo=False,
                       input_names=spec.input_names, output_names=["out"], dynamic_axes={**dynamic, "out": {0: "B"}},
                       opset_version=17)
     save_onnx(load_onnx(raw), out / "model.onnx")
     raw.unlink()
     manifest = {"inputs": inputs, "dims": dims, "output_names": ["out"], "buckets": buckets,
-                "source": {"path": f"examples.models:{name}", "format": "factory"},
+                "source": {"path": f"examples.models:{name}", "format": "factory", "factory": f"examples.models:{name}",
+                           "snapshot": snapshot_into(out, LoadedModel("factory", None, module=model))},
                 "onnx": {"fp32": onnx_entry(out, out / "model.onnx")}, "precision": "fp32", **extra}
     write_manifest(out / "manifest.json", manifest)
     return out

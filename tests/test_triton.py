@@ -22,6 +22,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 
 from compiler.cli import cli
 from compiler.errors import InputError
+from compiler.files import sha256_file
 from compiler.manifest import write_manifest
 from compiler.onnx_io import ort_session
 from compiler.triton import triton_repository
@@ -117,7 +118,8 @@ def with_engines(source: Path, target: Path, ranged: bool, one_file: bool = True
         low = (buckets[profile - 1] + 1 if profile else 1) if ranged else bucket
         file = "engines/profiles_b1_4_8_16.engine" if one_file else f"engines/b{bucket}.engine"
         (target / file).write_bytes(b"plan bytes " + file.encode())
-        entries.append({"bucket": bucket, "file": file, "profile": profile if one_file else 0, "sha256": "0" * 64,
+        entries.append({"bucket": bucket, "file": file, "profile": profile if one_file else 0,
+                        "sha256": sha256_file(target / file),
                         "shapes": {"x": {"min": [low, 64], "opt": [bucket, 64], "max": [bucket, 64]}}})
     manifest = json.loads((target / "manifest.json").read_text())
     manifest["engines"] = entries
