@@ -100,6 +100,12 @@ def _trtc(cli: Any, args: list[str]) -> None:
 def feed_of(engines: Any, model: Model, rows: int, seed: int) -> dict[str, np.ndarray]:
     values = {**engines.spec.opt_values(rows), **model.values}
     feed: dict[str, np.ndarray] = engines.spec.example_feed(rows, seed=seed, values=values)
+    # token ids that differ per row (example feeds give zeros, the same for every row), so that each client's
+    # answer is its own and a misrouted row shows
+    rng = np.random.default_rng(seed)
+    for name, array in feed.items():
+        if np.issubdtype(array.dtype, np.integer) and "mask" not in name:
+            feed[name] = rng.integers(0, 100, size=array.shape).astype(array.dtype)
     return feed
 
 

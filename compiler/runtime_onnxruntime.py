@@ -223,8 +223,9 @@ class _OrtCpuContext(_HostContext):
 
 class _OrtCudaContext(_GpuContext):
     """ONNX Runtime's CUDA provider on device buffers bound by pointer, in a session of the context's own that
-    computes on the context's stream. Its run returns when the stream is done, so the contexts are not ordered
-    by a lock (that would hold the lock for the whole run); the GPU interleaves them."""
+    computes on the context's stream. Its run only queues the kernels (no synchronization at the end of the
+    run) when the session computes on our stream into our buffers; otherwise it returns when the stream is
+    done. The contexts are not ordered by a lock (a blocking run would hold it); the GPU interleaves them."""
 
     def __init__(self, backend: _OrtBackend) -> None:
         import torch
@@ -239,6 +240,15 @@ class _OrtCudaContext(_GpuContext):
                     dtype = torch.from_numpy(np.empty(0, np_dtype)).dtype
                     self._out_flat[b, name] = torch.empty(numel, dtype=dtype, device=self.device)
         self._bindings: dict[tuple[int, tuple[int, ...]], tuple[Any, dict[str, Any] | None]] = {}
+        # On our stream with outputs in our own buffers, the run only queues its kernels: ONNX Runtime does not
+        # wait for the stream at the end of the run, so the host is free while the GPU computes (map overlaps the
+        # next batch's copy with this one's compute) and ``wait`` is the one synchronization, as with TensorRT.
+        self._queue_only: Any = None
+        if self._on_our_stream and backend.outputs_resolvable:
+            import onnxruntime as ort
+
+            self._queue_only = ort.RunOptions()
+            self._queue_only.add_run_config_entry("disable_synchronize_execution_providers", "1")
 
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
         import torch
@@ -268,7 +278,10 @@ class _OrtCudaContext(_GpuContext):
         binding, outputs = entry
         if not self._on_our_stream:
             self.stream.synchronize()  # the inputs were copied on our stream; ONNX Runtime reads them on its own
-        self._session.run_with_iobinding(binding)  # returns when the stream is done
+        if self._queue_only is not None:
+            self._session.run_with_iobinding(binding, self._queue_only)  # returns once the kernels are queued
+        else:
+            self._session.run_with_iobinding(binding)  # returns when the stream is done
         if outputs is not None:
             return outputs
         return {name: torch.from_numpy(a).to(self.device)
