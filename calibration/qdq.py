@@ -470,7 +470,7 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
 
     report = QdqReport(quantized_nodes=list(plan.inputs), skipped_nodes=dict(plan.skipped),
                        qdq_pairs=len(plan.activations), quantized_weights=len(weight_dq))
-    log.info("INT8 Q/DQ: %d nodes quantized, %d activation Q/DQ pairs, %d INT8 weights, %d nodes kept in higher "
+    log.debug("INT8 Q/DQ: %d nodes quantized, %d activation Q/DQ pairs, %d INT8 weights, %d nodes kept in higher "
              "precision", len(report.quantized_nodes), report.qdq_pairs, report.quantized_weights,
              len(report.skipped_nodes))
     for name, reason in plan.skipped.items():

@@ -339,13 +339,14 @@ def test_gate_failure_exits_3_keeps_fp32_and_reports_the_fallback(
     assert result.exit_code == 3, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.output
-    assert "misses the accuracy gate" in errors[0] and "2 layer(s) kept in FP32" in errors[0]
+    assert "misses the accuracy gate" in errors[0] and "2 layer(s) kept in FP16" in errors[0]
     assert "--max-fallback" in errors[0] and "report/accuracy.json" in errors[0]
 
     entry = read(workdir / "report" / "accuracy.json")["int8"]
     assert entry["accuracy"]["metric"] == metric and entry["accuracy"]["passed"] is False
     kept = entry["kept_in_fp32"]
-    assert len(kept) == 2 and all("kept in FP32 by the accuracy gate: sensitivity rank" in why for why in kept.values())
+    assert entry["kept_as"] == "fp16"  # INT8's remainder is FP16, so layers the gate takes out of INT8 go there
+    assert len(kept) == 2 and all("kept in FP16 by the accuracy gate: sensitivity rank" in why for why in kept.values())
     history = entry["gate_history"]
     assert [row["excluded"] for row in history] == [[], list(kept)[:1], list(kept)]
     assert not any(row["passed"] for row in history)
