@@ -277,6 +277,9 @@ def _kept_as(settings: CalibrationSettings) -> str:
 def _log_precisions(precisions: dict[str, Any]) -> None:
     counts = precisions["counts"]
     log.info("INT8 model: %d nodes in INT8, %d in FP16, %d in FP32", counts["int8"], counts["fp16"], counts["fp32"])
+    if counts["fp16"]:  # with an FP32 remainder every other node is FP32: no list
+        for name, why in precisions["fp32"].items():
+            log.info("kept %s in FP32: %s", name, why)
 
 
 def _float_ranges(model: onnx.ModelProto, record: dict[str, Any], data: CalibrationData | None,
@@ -343,6 +346,8 @@ def _fp16(model: onnx.ModelProto, data: CalibrationData | None, eval_data: Calib
     fmodel, report = fp16_model_from(model, base, max_abs)
     log.info("FP16 model: %d nodes in FP16, %d kept in FP32, %d Casts", report.fp16_nodes, len(report.fp32_nodes),
              report.casts_inserted)
+    for name, why in report.fp32_nodes.items():
+        log.info("kept %s in FP32: %s", name, why)
     details: dict[str, Any] = {"fp16": report.to_dict(), "_model": fmodel}
     evaluator = _evaluator(model, eval_data, settings)
     if evaluator is None:

@@ -194,7 +194,7 @@ def node_precisions(model: onnx.ModelProto, int8_nodes: Iterable[str], report: F
 
     ``int8_nodes`` are the nodes given Q/DQ inputs; ``report`` is the FP16 pass's report, or None when the
     remainder stays FP32. Q/DQ, Cast, Shape and Constant nodes are not counted. Returns
-    ``{"counts": {"int8": n, "fp16": n, "fp32": n}, "int8": [...], "fp16": [...], "fp32": [...]}``.
+    ``{"counts": {"int8": n, "fp16": n, "fp32": n}, "int8": [...], "fp16": [...], "fp32": {name: why}}``.
     """
     skip = _QDQ_OPS | {"Constant", "Shape", "Size", "Cast"}
     names = [node.name or f"{node.op_type}_{i}" for i, node in enumerate(model.graph.node)
@@ -202,11 +202,11 @@ def node_precisions(model: onnx.ModelProto, int8_nodes: Iterable[str], report: F
     int8 = [n for n in int8_nodes if n in set(names)]
     high = [n for n in names if n not in set(int8)]
     if report is None:
-        fp16, fp32 = [], high
+        fp16, fp32 = [], dict.fromkeys(high, "FP32 remainder (--fp32-rest)")
     else:
         in_fp16 = set(report.fp16_node_names)
         fp16 = [n for n in high if n in in_fp16]
-        fp32 = [n for n in high if n in report.fp32_nodes]
+        fp32 = {n: report.fp32_nodes[n] for n in high if n in report.fp32_nodes}
     return {"counts": {"int8": len(int8), "fp16": len(fp16), "fp32": len(fp32)}, "int8": int8, "fp16": fp16,
             "fp32": fp32}
 
