@@ -24,7 +24,7 @@ import onnx
 from calibration.accuracy import Evaluator, GateOutcome, GateSettings, gate_with_fallback
 from calibration.data import RANDOM, CalibrationData, ImagePreprocessing, calibration_data
 from calibration.fp16 import Fp16Policy, Fp16Report, fp16_model_from, int8_fp16_model_from, node_precisions
-from calibration.qdq import QdqPolicy, qdq_model_from, quantizable_nodes, tensors_to_calibrate
+from calibration.qdq import PLACEMENT, QdqPolicy, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.statistics import AMAX_METHODS, collect_histograms, collect_max_abs
 from compiler.errors import AccuracyGateError, CalibrationError
 from compiler.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
@@ -259,9 +259,9 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
         details["node_precisions"] = node_precisions(model, *reduced(frozenset())[1:])
         _log_precisions(details["node_precisions"])
         return None, details
-    # a residual Add alone in INT8 changes nothing (its Q/DQ follows its convolution), so it is not ranked
+    # residual adds, pools and concats follow the layers around them, so only weighted layers are ranked
     op_types = {n.name: n.op_type for n in model.graph.node}
-    candidates = [n for n in quantizable_nodes(model, policy) if op_types.get(n) != "Add"]
+    candidates = [n for n in quantizable_nodes(model, policy) if PLACEMENT[op_types[n]].kind == "weighted"]
     outcome = gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel, reference=model,
                                  kept_as=_kept_as(settings))
     details["node_precisions"] = node_precisions(model, *reduced(frozenset(outcome.kept))[1:])
