@@ -128,6 +128,57 @@ def test_percentile_keeps_rare_massive_activations() -> None:
     assert clipping[0] <= rounding[0] and values.max() >= amax
 
 
+def _reference_entropy_bins(counts: np.ndarray) -> int:
+    """TensorRT's KL search written plainly (as ModelOpt's ``_compute_amax_entropy``), with scipy's KL."""
+    from scipy.stats import entropy
+
+    nonzero = np.flatnonzero(counts)
+    filled = int(nonzero[-1]) + 1
+    bins = counts[:filled].astype(np.float64)
+    bins[0] = bins[1]
+    if filled <= 128:
+        return filled
+    best, best_kl = filled, np.inf
+    for i in range(128, filled + 1):
+        p = bins[:i].copy()
+        p[-1] += bins[i:].sum()
+        levels = (np.arange(i) * 128) // i
+        used = bins[:i] > 0
+        sums = np.bincount(levels, weights=bins[:i], minlength=128)
+        members = np.bincount(levels, weights=used, minlength=128)
+        q = np.where(used, sums[levels] / np.maximum(members[levels], 1), 0.0)  # spread over the used bins
+        kl = entropy(p, q) if q.sum() > 0 else np.inf
+        if kl <= best_kl:
+            best, best_kl = i, kl
+    return best
+
+
+@pytest.mark.parametrize("case", ["digits-0.3-0.4", "digits-0.3-0.3255", "digits-per-pixel", "laplace-wide",
+                                  "relu-gaussian"])
+def test_entropy_picks_the_kl_minimum_and_keeps_few_level_inputs_whole(case: str) -> None:
+    """The threshold is the KL minimum (the largest one on ties), checked against a plain reimplementation.
+
+    Inputs with few distinct values (the digits pixels, 17 levels) lose nothing at their max, so their KL
+    minimum is the max: entropy must not clip them.
+    """
+    from sklearn.datasets import load_digits
+
+    rng = np.random.default_rng(5)
+    images = load_digits().images[:300].astype(np.float32)
+    data = {
+        "digits-0.3-0.4": (images / 16 - 0.3) / 0.4,
+        "digits-0.3-0.3255": (images / 16 - 0.3) / 0.3255,  # max |x| 2.15, the background at 0.92
+        "digits-per-pixel": np.nan_to_num((images - images.mean(0)) / (images.std(0) + 1e-6)),
+        "laplace-wide": rng.laplace(0.0, 1.0, 400_000) * np.where(rng.random(400_000) < 1e-3, 50.0, 1.0),
+        "relu-gaussian": np.maximum(rng.standard_normal(400_000), 0.0),
+    }[case]
+    hist = _filled(np.array_split(data.ravel(), 19))
+    amax = amax_from_histogram(hist, "entropy")
+    assert amax == pytest.approx(min(_reference_entropy_bins(hist.counts) * hist.bin_width, hist.amax))
+    if case.startswith("digits-0.3"):
+        assert amax == pytest.approx(hist.amax)
+
+
 def test_unknown_method_and_bad_percentile_raise() -> None:
     hist = _filled([np.arange(10.0)])
     with pytest.raises(ValueError, match="unknown amax method 'minmax'"):
