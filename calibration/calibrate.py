@@ -262,8 +262,10 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
     # residual adds, pools and concats follow the layers around them, so only weighted layers are ranked
     op_types = {n.name: n.op_type for n in model.graph.node}
     candidates = [n for n in quantizable_nodes(model, policy) if PLACEMENT[op_types[n]].kind == "weighted"]
+    gate_start = time.perf_counter()
     outcome = gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel, reference=model,
                                  kept_as=_kept_as(settings))
+    details["gate_seconds"] = round(time.perf_counter() - gate_start, 2)
     details["node_precisions"] = node_precisions(model, *reduced(frozenset(outcome.kept))[1:])
     _log_precisions(details["node_precisions"])
     return outcome, details
@@ -356,7 +358,10 @@ def _fp16(model: onnx.ModelProto, data: CalibrationData | None, eval_data: Calib
                   and n.op_type in _FP16_CANDIDATE_OPS]
     if max_abs:  # the layers with the largest values first: the likeliest to lose range
         candidates.sort(key=lambda n: -max((max_abs or {}).get(o, 0.0) for o in _outputs(model, n)))
-    return gate_with_fallback(build, candidates, evaluator, "FP16", initial=fmodel, reference=model), details
+    gate_start = time.perf_counter()
+    outcome = gate_with_fallback(build, candidates, evaluator, "FP16", initial=fmodel, reference=model)
+    details["gate_seconds"] = round(time.perf_counter() - gate_start, 2)
+    return outcome, details
 
 
 _FP16_CANDIDATE_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Softmax", "LayerNormalization",

@@ -414,12 +414,19 @@ def test_gate_failure_exits_3_keeps_fp32_and_reports_the_fallback(
     assert not list(workdir.glob(".staging-*"))
 
 
-def test_gate_fallback_keeps_exactly_the_layer_with_the_outlier_channel(outlier_mlp: Exported,
-                                                                        tmp_path: Path) -> None:
+def test_gate_fallback_keeps_exactly_the_layer_with_the_outlier_channel(outlier_mlp: Exported, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     directory = tmp_path / "mlp"
     shutil.copytree(outlier_mlp.directory, directory)
+    evaluations: list[int] = []
+    evaluate = calibrate_module.Evaluator.evaluate
+    monkeypatch.setattr(calibrate_module.Evaluator, "evaluate",
+                        lambda self, *a, **k: evaluations.append(1) or evaluate(self, *a, **k))
     result = calibrate(directory, "--int8", "--calib-data", outlier_mlp.calib, "--eval-data", outlier_mlp.eval)
     assert result.exit_code == 0, result.output
+    # one-pass ranking: the gate ran the full model and then the model with one layer out, and no model per
+    # layer (the ranking's single run measures every layer beside its FP32 twin)
+    assert len(evaluations) == 2
 
     fp32 = load_onnx(directory / "model.onnx")
     linears = [n for n in fp32.graph.node if n.op_type in ("Gemm", "MatMul")]
