@@ -145,8 +145,8 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
     atomic_write_json(stage / ACCURACY_JSON, {**reports, settings.precision: report})
     if result is not None and not result.result.passed:
         message = (f"the {settings.precision} model misses the accuracy gate ({result.result.summary()}) even with "
-                   f"{len(result.kept)} layer(s) kept in {_kept_as(settings)}; FP32 artifacts are kept; see {ACCURACY_JSON}; try "
-                   "more calibration data, another --calib-method, or a larger --max-fallback")
+                   f"{len(result.kept)} layer(s) kept in {_kept_as(settings)}; FP32 artifacts are kept; see "
+                   f"{ACCURACY_JSON}; try more calibration data, another --calib-method, or a larger --max-fallback")
         return CalibrationOutcome({}, False, message)
     out = stage / ONNX_NAMES[settings.precision]
     final = result.model if result is not None else ungated_model

@@ -47,8 +47,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler.onnx_io import MAX_IR_VERSION
 
-__all__ = ["PLACEMENT", "OpRule", "QDQ_OPS", "RESIDUAL_ADD", "WEIGHT_CHANNEL_AXIS", "QdqPolicy", "QdqReport", "tensors_to_calibrate",
-           "quantizable_nodes", "qdq_model_from"]
+__all__ = ["PLACEMENT", "OpRule", "QDQ_OPS", "RESIDUAL_ADD", "WEIGHT_CHANNEL_AXIS", "QdqPolicy", "QdqReport",
+           "tensors_to_calibrate", "quantizable_nodes", "qdq_model_from"]
 
 log = logging.getLogger(__name__)
 

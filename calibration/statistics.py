@@ -315,9 +315,10 @@ def amax_from_histogram(hist: AbsHistogram, method: str, percentile: float = 99.
     """The clipping threshold (amax, in the tensor's units) that ``method`` picks from ``hist``.
 
     Methods: ``max`` (exact max |x|), ``percentile`` (upper edge of the bin where ``percentile`` % of the
-    values is reached, raised where clipping there costs more squared error than INT8 rounding below it), ``entropy`` (TensorRT's KL-divergence calibration), ``mse`` (least expected squared
-    INT8 error). The result lies in [AMAX_FLOOR, hist.amax]: positive even for an all-zero or empty
-    histogram. Raises ValueError for an unknown method or a percentile outside (0, 100].
+    values is reached, raised where clipping there costs more squared error than INT8 rounding below it),
+    ``entropy`` (TensorRT's KL-divergence calibration), ``mse`` (least expected squared INT8 error). The
+    result lies in [AMAX_FLOOR, hist.amax]: positive even for an all-zero or empty histogram. Raises
+    ValueError for an unknown method or a percentile outside (0, 100].
     """
     if method not in AMAX_METHODS:
         raise ValueError(f"unknown amax method {method!r}; use one of {', '.join(AMAX_METHODS)}")

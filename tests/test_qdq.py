@@ -340,8 +340,8 @@ def test_layers_under_16_channels_stay_in_higher_precision(op: str, shape: list[
         x, y = tensor("x", ["N", shape[0]]), tensor("y", ["N", shape[1]])
         node = helper.make_node("MatMul", ["x", "w"], ["y"], name="layer")
     after = helper.make_node("Relu", ["y"], ["z"], name="after")  # not a head: the output is the Relu's
-    model = make_model([node, after], [x], [tensor("z", [d.dim_param or d.dim_value for d in y.type.tensor_type.shape.dim])],
-                       initializers={"w": _weight(shape)}, opset=19)
+    z = tensor("z", [d.dim_param or d.dim_value for d in y.type.tensor_type.shape.dim])
+    model = make_model([node, after], [x], [z], initializers={"w": _weight(shape)}, opset=19)
     assert (quantizable_nodes(model) == ["layer"]) is quantized
     assert quantizable_nodes(model, QdqPolicy(min_channels=False)) == ["layer"]
 
