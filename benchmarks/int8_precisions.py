@@ -102,6 +102,7 @@ def _run(model: dict[str, Any], work: Path, name: str, args: list[str]) -> dict[
             "fp32_bytes": sum(p.stat().st_size for p in model["fp32"].glob("model.onnx*")),
             "nodes": counts, "seconds_total": round(wall, 2), "seconds_in_calibrate": report["seconds"],
             "calibration_seconds": calibration.get("seconds"), "gate_seconds": report.get("gate_seconds"),
+            "ranking_seconds": report.get("ranking_seconds"),
             "gate_steps": len(report.get("gate_history", []))}
 
 
@@ -133,7 +134,7 @@ def main() -> None:
                           else f"cosine {acc['cosine_mean']:.5f}")
                 print(f"{name:7s} {row['variant']:32s} exit {row['exit_code']} {metric:22s} "
                       f"{(row['bytes'] or 0) / 1e6:7.2f} MB  nodes {row['nodes']}  calib {row['calibration_seconds']} s"
-                      f"  gate {row['gate_seconds']} s", flush=True)
+                      f"  gate {row['gate_seconds']} s (ranking {row['ranking_seconds']} s)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -131,6 +131,7 @@ class GateOutcome:
     result: AccuracyResult
     kept: dict[str, str] = field(default_factory=dict)  # layer -> why it stayed in higher precision
     history: list[dict[str, Any]] = field(default_factory=list)  # one row per gate evaluation
+    ranking_seconds: float | None = None  # the one-pass layer ranking, when the fallback ran
 
 
 def gate_with_fallback(build: Callable[[frozenset[str]], onnx.ModelProto], layers: list[str], evaluator: Evaluator,
@@ -155,6 +156,7 @@ def gate_with_fallback(build: Callable[[frozenset[str]], onnx.ModelProto], layer
     start = time.perf_counter()
     errors = layer_errors(model, reference, layers, _limited(evaluator.batches, settings.sensitivity_samples))
     ranked = sorted(errors.items(), key=lambda item: -item[1])
+    outcome.ranking_seconds = round(time.perf_counter() - start, 2)
     log.info("ranked %d layers by their own %s error in one pass (%.1f s); worst: %s", len(ranked), what,
              time.perf_counter() - start, ", ".join(f"{n} ({e:.2e})" for n, e in ranked[:3]))
     excluded: list[str] = []

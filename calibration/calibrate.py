@@ -141,6 +141,7 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
         report["kept_in_fp32"] = result.kept  # the key predates the FP16 remainder: see kept_as
         report["kept_as"] = _kept_as(settings).lower()
         report["gate_history"] = result.history
+        report["ranking_seconds"] = result.ranking_seconds
     reports = read_json(stage / ACCURACY_JSON) if (stage / ACCURACY_JSON).is_file() else {}
     atomic_write_json(stage / ACCURACY_JSON, {**reports, settings.precision: report})
     if result is not None and not result.result.passed:

@@ -7,6 +7,7 @@ Runtime session (Q/DQ executed exactly, as TensorRT does) and scores it on the h
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections import Counter
 from collections.abc import Iterator
@@ -412,6 +413,25 @@ def test_gate_failure_exits_3_keeps_fp32_and_reports_the_fallback(
     assert {k: after[k] for k in before} == before, "manifest and FP32 files must not change"
     assert set(after) - set(before) == {"calibration.json", "report/accuracy.json"}
     assert not list(workdir.glob(".staging-*"))
+
+
+def test_fallback_search_logs_one_ranking_line_and_one_summary(cnn: Exported, workdir: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """No line per trial (they read as if the final model were unquantized): the ranking, then a summary."""
+    from calibration.accuracy import GateSettings
+    from calibration.calibrate import CalibrationSettings, calibrate_directory
+    from compiler.errors import AccuracyGateError
+
+    settings = CalibrationSettings("int8", data=str(cnn.calib), eval_data=str(cnn.eval),
+                                   gate=GateSettings(max_accuracy_drop=-1.0, max_fallback=3))
+    with caplog.at_level(logging.INFO, logger="calibration"), pytest.raises(AccuracyGateError):
+        calibrate_directory(workdir, settings)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert not [m for m in lines if "nodes quantized" in m or "kept in higher precision" in m]
+    assert len([m for m in lines if m.startswith("ranked ")]) == 1
+    summaries = [m for m in lines if m.startswith("INT8 with 3 layer(s) kept in FP16")]
+    assert len(summaries) == 1 and summaries[0].endswith("FAIL")
+    assert len(lines) < 20, lines
 
 
 def test_gate_fallback_keeps_exactly_the_layer_with_the_outlier_channel(outlier_mlp: Exported, tmp_path: Path,
