@@ -24,7 +24,7 @@ import onnx
 from calibration.accuracy import Evaluator, GateOutcome, GateSettings, gate_with_fallback
 from calibration.data import RANDOM, CalibrationData, ImagePreprocessing, calibration_data
 from calibration.fp16 import Fp16Policy, Fp16Report, fp16_model_from, int8_fp16_model_from, node_precisions
-from calibration.qdq import PLACEMENT, QdqPolicy, qdq_model_from, quantizable_nodes, tensors_to_calibrate
+from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.statistics import AMAX_METHODS, collect_histograms, collect_max_abs
 from compiler.errors import AccuracyGateError, CalibrationError
 from compiler.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
@@ -232,20 +232,20 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
     atomic_write_json(stage / CALIBRATION_JSON, record)
     fp16_policy = Fp16Policy(keep_fp32=frozenset(settings.keep_fp32))
 
-    def reduced(excluded: frozenset[str]) -> tuple[onnx.ModelProto, list[str], Fp16Report | None]:
+    def reduced(excluded: frozenset[str]) -> tuple[onnx.ModelProto, QdqReport, Fp16Report | None]:
+        """The INT8 model with ``excluded`` layers out of INT8, and what the Q/DQ and FP16 passes did."""
         p = QdqPolicy(quantize_attention_matmuls=policy.quantize_attention_matmuls,
                       exclude_nodes=policy.exclude_nodes | excluded, exclude_op_types=policy.exclude_op_types)
         qdq, qdq_report = qdq_model_from(model, amax, p)
         if settings.fp32_rest:
-            return qdq, qdq_report.quantized_nodes, None
+            return qdq, qdq_report, None
         combined, fp16_report = int8_fp16_model_from(qdq, fp16_policy, max_abs)
-        return combined, qdq_report.quantized_nodes, fp16_report
+        return combined, qdq_report, fp16_report
 
     def build(excluded: frozenset[str]) -> onnx.ModelProto:
         return reduced(excluded)[0]
 
-    qmodel, _, _ = reduced(frozenset())
-    qreport = qdq_model_from(model, amax, policy)[1]
+    qmodel, qreport, freport = reduced(frozenset())
     details: dict[str, Any] = {
         "qdq": qreport.to_dict(),
         "remainder": "fp32" if settings.fp32_rest else "fp16",
@@ -256,8 +256,8 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
         "_model": qmodel,
     }
     evaluator = _evaluator(model, eval_data, settings)
+    details["node_precisions"] = node_precisions(model, qreport.quantized_nodes, freport)
     if evaluator is None:
-        details["node_precisions"] = node_precisions(model, *reduced(frozenset())[1:])
         _log_precisions(details["node_precisions"])
         return None, details
     # residual adds, pools and concats follow the layers around them, so only weighted layers are ranked
@@ -267,7 +267,9 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
     outcome = gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel, reference=model,
                                  kept_as=_kept_as(settings))
     details["gate_seconds"] = round(time.perf_counter() - gate_start, 2)
-    details["node_precisions"] = node_precisions(model, *reduced(frozenset(outcome.kept))[1:])
+    if outcome.kept:
+        _, qreport, freport = reduced(frozenset(outcome.kept))
+        details["node_precisions"] = node_precisions(model, qreport.quantized_nodes, freport)
     _log_precisions(details["node_precisions"])
     return outcome, details
 
@@ -357,8 +359,6 @@ def _fp16(model: onnx.ModelProto, data: CalibrationData | None, eval_data: Calib
         return None, details
     candidates = [n.name for n in model.graph.node if n.name not in report.fp32_nodes
                   and n.op_type in _FP16_CANDIDATE_OPS]
-    if max_abs:  # the layers with the largest values first: the likeliest to lose range
-        candidates.sort(key=lambda n: -max((max_abs or {}).get(o, 0.0) for o in _outputs(model, n)))
     gate_start = time.perf_counter()
     outcome = gate_with_fallback(build, candidates, evaluator, "FP16", initial=fmodel, reference=model)
     details["gate_seconds"] = round(time.perf_counter() - gate_start, 2)
@@ -367,10 +367,6 @@ def _fp16(model: onnx.ModelProto, data: CalibrationData | None, eval_data: Calib
 
 _FP16_CANDIDATE_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Softmax", "LayerNormalization",
                                  "Add", "Mul", "Div", "Sub", "Gelu", "ReduceMean", "Sqrt", "Erf", "Tanh", "Sigmoid"})
-
-
-def _outputs(model: onnx.ModelProto, node_name: str) -> list[str]:
-    return [o for n in model.graph.node if n.name == node_name for o in n.output] or [""]
 
 
 def _float_tensors(model: onnx.ModelProto) -> list[str]:
