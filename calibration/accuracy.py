@@ -2,26 +2,28 @@
 
 With labels the gate is on top-1 accuracy (drop in percentage points); without, on the mean
 cosine similarity between candidate and FP32 outputs, row by row over the last axis (one
-logits vector or one token embedding per row). When the candidate misses the gate, every
-candidate layer is scored alone (only it in reduced precision, all else FP32) on a subset,
-and the most sensitive layers are kept in higher precision one at a time until the gate
-passes or ``max_fallback`` is reached.
+logits vector or one token embedding per row). When the candidate misses the gate, the
+candidate layers are ranked in one pass: each runs beside an FP32 twin that reads the same
+inputs, so one ONNX Runtime run per batch measures every layer's own error; then the most
+sensitive layers are kept in higher precision one at a time until the gate passes or
+``max_fallback`` is reached.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx
 
-from compiler.progress import progress
 from compiler.runners import OrtRunner
 
-__all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback"]
+__all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors"]
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +131,18 @@ class GateOutcome:
     result: AccuracyResult
     kept: dict[str, str] = field(default_factory=dict)  # layer -> why it stayed in higher precision
     history: list[dict[str, Any]] = field(default_factory=list)  # one row per gate evaluation
+    ranking_seconds: float | None = None  # the one-pass layer ranking, when the fallback ran
 
 
 def gate_with_fallback(build: Callable[[frozenset[str]], onnx.ModelProto], layers: list[str], evaluator: Evaluator,
-                       what: str, initial: onnx.ModelProto | None = None) -> GateOutcome:
+                       what: str, initial: onnx.ModelProto | None = None, reference: onnx.ModelProto | None = None,
+                       kept_as: str = "FP32") -> GateOutcome:
     """Evaluate ``build(frozenset())``; while the gate fails, keep the most sensitive layer out of ``what``.
 
-    ``build(excluded)`` returns the candidate model with the ``excluded`` layers left in FP32;
-    ``initial`` is ``build(frozenset())`` when the caller already has it.
+    ``build(excluded)`` returns the candidate model with the ``excluded`` layers left in higher precision
+    (``kept_as`` names it in the report); ``initial`` is ``build(frozenset())`` when the caller already has it.
+    Layers are ranked in one pass (:func:`layer_errors`) against ``reference``, the FP32 model whose nodes
+    ``layers`` names; then they are kept out one at a time, most sensitive first, up to ``max_fallback``.
     """
     settings = evaluator.settings
     model = initial if initial is not None else build(frozenset())
@@ -145,33 +151,127 @@ def gate_with_fallback(build: Callable[[frozenset[str]], onnx.ModelProto], layer
     log.info("%s accuracy: %s -> %s", what, result.summary(), "pass" if result.passed else "FAIL")
     if result.passed or not layers or settings.max_fallback == 0:
         return outcome
-    ranked = _rank_by_sensitivity(build, layers, evaluator)
+    if reference is None:
+        raise ValueError("gate_with_fallback needs the FP32 reference model to rank layers")
+    start = time.perf_counter()
+    errors = layer_errors(model, reference, layers, _limited(evaluator.batches, settings.sensitivity_samples))
+    ranked = sorted(errors.items(), key=lambda item: -item[1])
+    outcome.ranking_seconds = round(time.perf_counter() - start, 2)
+    log.info("ranked %d layers by their own %s error in one pass (%.1f s); worst: %s", len(ranked), what,
+             time.perf_counter() - start, ", ".join(f"{n} ({e:.2e})" for n, e in ranked[:3]))
     excluded: list[str] = []
-    for layer, score in ranked[: settings.max_fallback]:
+    for layer, error in ranked[: settings.max_fallback]:
         excluded.append(layer)
-        outcome.kept[layer] = (f"kept in FP32 by the accuracy gate: sensitivity rank {len(excluded)} "
-                               f"(alone in {what}: cosine {score:.5f} vs FP32)")
+        outcome.kept[layer] = (f"kept in {kept_as} by the accuracy gate: sensitivity rank {len(excluded)} "
+                               f"(relative squared error of its own output in {what}: {error:.3g})")
         model = build(frozenset(excluded))
         result = evaluator.evaluate(model)
         outcome.history.append({"excluded": list(excluded), **result.to_dict()})
-        log.info("%s with %d layer(s) kept in FP32 (+%s): %s -> %s", what, len(excluded), layer, result.summary(),
-                 "pass" if result.passed else "FAIL")
+        log.debug("%s with %d layer(s) kept in %s (+%s): %s", what, len(excluded), kept_as, layer,
+                  result.summary())
         outcome.model, outcome.result = model, result
         if result.passed:
             break
+    log.info("%s with %d layer(s) kept in %s (%s): %s -> %s", what, len(excluded), kept_as, ", ".join(excluded),
+             result.summary(), "pass" if result.passed else "FAIL")
     return outcome
 
 
-def _rank_by_sensitivity(build: Callable[[frozenset[str]], onnx.ModelProto], layers: list[str],
-                         evaluator: Evaluator) -> list[tuple[str, float]]:
-    """Each layer alone in reduced precision, scored by mean cosine against FP32; worst first."""
-    everything = frozenset(layers)
-    scores = []
-    with progress("ranking layers by sensitivity", len(layers), unit="layers") as advance:
-        for layer in layers:
-            result = evaluator.evaluate(build(everything - {layer}), limit=evaluator.settings.sensitivity_samples)
-            scores.append((layer, result.cosine_mean))
-            advance(1)
-    scores.sort(key=lambda item: item[1])
-    log.info("most sensitive layers: %s", ", ".join(f"{n} ({c:.5f})" for n, c in scores[:5]))
-    return scores
+def _limited(batches: Iterable[dict[str, np.ndarray]], samples: int) -> Iterator[dict[str, np.ndarray]]:
+    seen = 0
+    for batch in batches:
+        if seen >= samples:
+            return
+        yield batch
+        seen += len(next(iter(batch.values())))
+
+
+def layer_errors(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers: list[str],
+                 batches: Iterable[dict[str, np.ndarray]]) -> dict[str, float]:
+    """Each layer's own error in ``candidate``, all layers measured in one ONNX Runtime run per batch.
+
+    Beside each layer of ``candidate`` (INT8 or FP16) runs an FP32 twin: the layer as ``reference`` has it
+    (FP32 weights) reading the very inputs the candidate layer reads before their Q/DQ or Cast. The error is
+    sum |y - y_fp32|^2 / sum |y_fp32|^2 over ``batches``: what the layer itself loses, not what it inherits
+    from the layers before it. ``layers`` names nodes present in both models (the passes keep node names).
+    """
+    shadow, pairs = _with_fp32_twins(candidate, reference, layers)
+    runner = OrtRunner(shadow, ["CPUExecutionProvider"], exact_qdq=True)
+    wanted = [name for pair in pairs.values() for name in pair]
+    num = dict.fromkeys(pairs, 0.0)
+    den = dict.fromkeys(pairs, 0.0)
+    for batch in batches:
+        outputs = dict(zip(wanted, runner.session.run(wanted, batch)))
+        for layer, (got, want) in pairs.items():
+            y, ref = outputs[got].astype(np.float64), outputs[want].astype(np.float64)
+            num[layer] += float(np.square(y - ref).sum())
+            den[layer] += float(np.square(ref).sum())
+    return {layer: (num[layer] / den[layer] if den[layer] > 0 else (0.0 if num[layer] == 0 else math.inf))
+            for layer in pairs}
+
+
+def _with_fp32_twins(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers: list[str],
+                     ) -> tuple[onnx.ModelProto, dict[str, tuple[str, str]]]:
+    """``candidate`` plus, per layer, an FP32 copy of the reference node and both outputs as graph outputs.
+
+    Returns the model and ``{layer: (candidate output, twin output)}``, both FLOAT.
+    """
+    ref_nodes = {n.name: n for n in reference.graph.node if n.name}
+    ref_inits = {t.name: t for t in reference.graph.initializer}
+    cand_nodes = {n.name: n for n in candidate.graph.node if n.name}
+    out = onnx.ModelProto()
+    out.CopyFrom(candidate)
+    graph = out.graph
+    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input}
+    taken |= {name for node in graph.node for name in [*node.input, *node.output, node.name]}
+    available = {i.name for i in graph.input} | {o for node in graph.node for o in node.output}
+
+    def fresh(base: str) -> str:
+        name, k = base, 1
+        while name in taken:
+            name, k = f"{base}_{k}", k + 1
+        taken.add(name)
+        return name
+
+    def as_float(tensor: str) -> str:
+        cast = fresh(f"{tensor}_twin_fp32")
+        graph.node.append(onnx.helper.make_node("Cast", [tensor], [cast], name=fresh(f"{cast}_cast"),
+                                                to=onnx.TensorProto.FLOAT))
+        return cast
+
+    pairs: dict[str, tuple[str, str]] = {}
+    copied: dict[str, str] = {}
+    for layer in layers:
+        original, node = ref_nodes.get(layer), cand_nodes.get(layer)
+        if original is None or node is None or not node.output:
+            continue
+        inputs = []
+        for tensor in original.input:
+            if not tensor:
+                inputs.append("")
+            elif tensor in ref_inits:
+                if tensor not in copied:
+                    copied[tensor] = fresh(f"{tensor}_twin")
+                    init = onnx.TensorProto()
+                    init.CopyFrom(ref_inits[tensor])
+                    init.name = copied[tensor]
+                    graph.initializer.append(init)
+                inputs.append(copied[tensor])
+            elif tensor in available:
+                inputs.append(as_float(tensor))
+            else:
+                break
+        else:
+            twin = onnx.NodeProto()
+            twin.CopyFrom(original)
+            twin.name = fresh(f"{layer}_twin")
+            del twin.input[:]
+            twin.input.extend(inputs)
+            del twin.output[:]
+            twin.output.extend([fresh(f"{o}_twin") if o else "" for o in original.output])
+            graph.node.append(twin)
+            pairs[layer] = (as_float(node.output[0]), twin.output[0])
+    for got, want in pairs.values():
+        graph.output.extend([onnx.helper.make_tensor_value_info(got, onnx.TensorProto.FLOAT, None),
+                             onnx.helper.make_tensor_value_info(want, onnx.TensorProto.FLOAT, None)])
+    return out, pairs

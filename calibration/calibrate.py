@@ -22,8 +22,8 @@ import onnx
 
 from calibration.accuracy import Evaluator, GateOutcome, GateSettings, gate_with_fallback
 from calibration.data import RANDOM, CalibrationData, ImagePreprocessing, calibration_data
-from calibration.fp16 import Fp16Policy, fp16_model_from
-from calibration.qdq import QdqPolicy, qdq_model_from, quantizable_nodes, tensors_to_calibrate
+from calibration.fp16 import Fp16Policy, Fp16Report, fp16_model_from, int8_fp16_model_from, node_precisions
+from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.statistics import AMAX_METHODS, collect_histograms, collect_max_abs
 from compiler.errors import AccuracyGateError, CalibrationError
 from compiler.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
@@ -64,6 +64,7 @@ class CalibrationSettings:
     gate: GateSettings = field(default_factory=GateSettings)
     keep_fp32: tuple[str, ...] = ()
     quantize_attention: bool = False
+    fp32_rest: bool = False  # INT8 only: leave what is not quantized in FP32 instead of FP16
     calib_cache: Path | None = None
     image: ImagePreprocessing | None = None
 
@@ -74,6 +75,8 @@ class CalibrationSettings:
             raise CalibrationError(f"--calib-method {self.method!r}: use one of {', '.join(AMAX_METHODS)}")
         if not 50 < self.percentile <= 100:
             raise CalibrationError(f"--percentile {self.percentile}: use a value in (50, 100], e.g. 99.99")
+        if self.fp32_rest and self.precision != "int8":
+            raise CalibrationError("--fp32-rest applies to --int8 only (it keeps what INT8 leaves in FP32); drop it")
 
 
 @dataclass
@@ -144,14 +147,17 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
         log.warning("no evaluation data: the %s accuracy gate did not run", settings.precision)
     else:
         report["accuracy"] = result.result.to_dict()
-        report["kept_in_fp32"] = result.kept
+        report["kept_in_fp32"] = result.kept  # the key predates the FP16 remainder: see kept_as
+        report["kept_as"] = _kept_as(settings).lower()
         report["gate_history"] = result.history
+        report["ranking_seconds"] = result.ranking_seconds
     reports = _earlier_reports(stage / ACCURACY_JSON)
     atomic_write_json(stage / ACCURACY_JSON, {**reports, settings.precision: report})
     if result is not None and not result.result.passed:
+        # the caller names where the report is
         message = (f"the {settings.precision} model misses the accuracy gate ({result.result.summary()}) even with "
-                   f"{len(result.kept)} layer(s) kept in FP32; FP32 artifacts are kept; try more calibration data, "
-                   "another --calib-method, or a larger --max-fallback")  # the caller names where the report is
+                   f"{len(result.kept)} layer(s) kept in {_kept_as(settings)}; FP32 artifacts are kept; try more "
+                   "calibration data, another --calib-method, or a larger --max-fallback")
         return CalibrationOutcome({}, False, message)
     out = stage / ONNX_NAMES[settings.precision]
     final = result.model if result is not None else ungated_model
@@ -167,6 +173,8 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
     }
     if settings.precision == "int8":
         update["calibration"] = {k: report[k] for k in ("calibration_data",)} | details["calibration"]
+        update["calibration"]["remainder"] = details["remainder"]
+        update["calibration"]["node_precisions"] = report["node_precisions"]["counts"]
     else:
         update["fp16"] = {"fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"]}
     return CalibrationOutcome(update, True, "")
@@ -228,16 +236,27 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
                   "amax": amax}
         log.info("calibrated %d tensors on %d samples in %.1f s (%s)", len(amax), data.samples,
                  record["seconds"], settings.method)
+    max_abs = None if settings.fp32_rest else _float_ranges(model, record, data)
     atomic_write_json(stage / CALIBRATION_JSON, record)
+    fp16_policy = Fp16Policy(keep_fp32=frozenset(settings.keep_fp32))
 
-    def build(excluded: frozenset[str]) -> onnx.ModelProto:
+    def reduced(excluded: frozenset[str]) -> tuple[onnx.ModelProto, QdqReport, Fp16Report | None]:
+        """The INT8 model with ``excluded`` layers out of INT8, and what the Q/DQ and FP16 passes did."""
         p = QdqPolicy(quantize_attention_matmuls=policy.quantize_attention_matmuls,
                       exclude_nodes=policy.exclude_nodes | excluded, exclude_op_types=policy.exclude_op_types)
-        return qdq_model_from(model, amax, p)[0]
+        qdq, qdq_report = qdq_model_from(model, amax, p)
+        if settings.fp32_rest:
+            return qdq, qdq_report, None
+        combined, fp16_report = int8_fp16_model_from(qdq, fp16_policy, max_abs)
+        return combined, qdq_report, fp16_report
 
-    qmodel, qreport = qdq_model_from(model, amax, policy)
+    def build(excluded: frozenset[str]) -> onnx.ModelProto:
+        return reduced(excluded)[0]
+
+    qmodel, qreport, freport = reduced(frozenset())
     details: dict[str, Any] = {
         "qdq": qreport.to_dict(),
+        "remainder": "fp32" if settings.fp32_rest else "fp16",
         "calibration": {"method": record["method"], "percentile": record["percentile"],
                         "samples": record["data"]["samples"], "data_sha256": record["data"]["sha256"],
                         "random_data": record["data"]["random"], "tensors": len(amax),
@@ -245,13 +264,51 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
         "_model": qmodel,
     }
     evaluator = _evaluator(model, eval_data, settings)
+    details["node_precisions"] = node_precisions(model, qreport.quantized_nodes, freport)
     if evaluator is None:
+        _log_precisions(details["node_precisions"])
         return None, details
-    # a residual Add alone in INT8 changes nothing (its Q/DQ follows its convolution), so it is not ranked
+    # residual adds, pools and concats follow the layers around them, so only weighted layers are ranked
     op_types = {n.name: n.op_type for n in model.graph.node}
-    candidates = [n for n in quantizable_nodes(model, policy) if op_types.get(n) != "Add"]
+    candidates = [n for n in quantizable_nodes(model, policy) if PLACEMENT[op_types[n]].kind == "weighted"]
+    gate_start = time.perf_counter()
     with stage_timer("INT8 accuracy gate"):
-        return gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel), details
+        outcome = gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel, reference=model,
+                                     kept_as=_kept_as(settings))
+    details["gate_seconds"] = round(time.perf_counter() - gate_start, 2)
+    if outcome.kept:
+        _, qreport, freport = reduced(frozenset(outcome.kept))
+        details["node_precisions"] = node_precisions(model, qreport.quantized_nodes, freport)
+    _log_precisions(details["node_precisions"])
+    return outcome, details
+
+
+def _kept_as(settings: CalibrationSettings) -> str:
+    """The precision of a layer the gate keeps out of the reduced one: FP16 under INT8 with an FP16 rest."""
+    return "FP16" if settings.precision == "int8" and not settings.fp32_rest else "FP32"
+
+
+def _log_precisions(precisions: dict[str, Any]) -> None:
+    counts = precisions["counts"]
+    log.info("INT8 model: %d nodes in INT8, %d in FP16, %d in FP32", counts["int8"], counts["fp16"], counts["fp32"])
+    if counts["fp16"]:  # with an FP32 remainder every other node is FP32: no list
+        for name, why in precisions["fp32"].items():
+            log.info("kept %s in FP32: %s", name, why)
+
+
+def _float_ranges(model: onnx.ModelProto, record: dict[str, Any], data: CalibrationData | None,
+                  ) -> dict[str, float] | None:
+    """max |x| of every float tensor, for the FP16 remainder's range rule; stored in calibration.json."""
+    if isinstance(record.get("max_abs"), dict):
+        return {k: float(v) for k, v in record["max_abs"].items()}
+    if data is None:
+        log.warning("no calibration data and no max |x| in the calibration cache: the FP16 remainder uses the "
+                    "type rules only (no overflow check); pass --calib-data to measure ranges")
+        return None
+    max_abs = collect_max_abs(model, _float_tensors(model), data.batches())
+    record["max_abs"] = max_abs
+    log.info("measured max |x| of %d tensors for the FP16 remainder", len(max_abs))
+    return max_abs
 
 
 def _usable_cache(path: Path, model_sha: str, data: CalibrationData | None, settings: CalibrationSettings,
@@ -302,16 +359,21 @@ def _fp16(model: onnx.ModelProto, data: CalibrationData | None, eval_data: Calib
         return fp16_model_from(model, Fp16Policy(keep_fp32=base.keep_fp32 | excluded), max_abs)[0]
 
     fmodel, report = fp16_model_from(model, base, max_abs)
+    log.info("FP16 model: %d nodes in FP16, %d kept in FP32, %d Casts", report.fp16_nodes, len(report.fp32_nodes),
+             report.casts_inserted)
+    for name, why in report.fp32_nodes.items():
+        log.info("kept %s in FP32: %s", name, why)
     details: dict[str, Any] = {"fp16": report.to_dict(), "_model": fmodel}
     evaluator = _evaluator(model, eval_data, settings)
     if evaluator is None:
         return None, details
     candidates = [n.name for n in model.graph.node if n.name not in report.fp32_nodes
                   and n.op_type in _FP16_CANDIDATE_OPS]
-    if max_abs:  # the layers with the largest values first: the likeliest to lose range
-        candidates.sort(key=lambda n: -max((max_abs or {}).get(o, 0.0) for o in _outputs(model, n)))
+    gate_start = time.perf_counter()
     with stage_timer("FP16 accuracy gate"):
-        return gate_with_fallback(build, candidates, evaluator, "FP16", initial=fmodel), details
+        outcome = gate_with_fallback(build, candidates, evaluator, "FP16", initial=fmodel, reference=model)
+    details["gate_seconds"] = round(time.perf_counter() - gate_start, 2)
+    return outcome, details
 
 
 def _counted(batches: Iterator[dict[str, Any]], advance: Callable[[int], None]) -> Iterator[dict[str, Any]]:
@@ -323,10 +385,6 @@ def _counted(batches: Iterator[dict[str, Any]], advance: Callable[[int], None]) 
 
 _FP16_CANDIDATE_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Softmax", "LayerNormalization",
                                  "Add", "Mul", "Div", "Sub", "Gelu", "ReduceMean", "Sqrt", "Erf", "Tanh", "Sigmoid"})
-
-
-def _outputs(model: onnx.ModelProto, node_name: str) -> list[str]:
-    return [o for n in model.graph.node if n.name == node_name for o in n.output] or [""]
 
 
 def _float_tensors(model: onnx.ModelProto) -> list[str]:

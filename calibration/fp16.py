@@ -42,7 +42,8 @@ from onnx.external_data_helper import uses_external_data
 from compiler.errors import InputError
 from compiler.onnx_io import MAX_IR_VERSION
 
-__all__ = ["FP32_OPS", "FP16_MAX", "Fp16Policy", "Fp16Report", "fp16_model_from"]
+__all__ = ["FP32_OPS", "FP16_MAX", "FP16_MIN_NORMAL", "Fp16Policy", "Fp16Report", "fp16_model_from",
+           "int8_fp16_model_from", "node_precisions"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ FLOAT = TensorProto.FLOAT
 FLOAT16 = TensorProto.FLOAT16
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-24  # smallest positive FP16 subnormal
+FP16_MIN_NORMAL = 2.0**-14  # below it FP16 keeps fewer than 11 significant bits
+_QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 # Op types kept in FP32 by default, and why. Deliberately absent:
 # * Softmax and LayerNormalization: TensorRT takes FP16 in and out but computes internally in FP32 (Softmax
@@ -128,6 +131,7 @@ class Fp16Report:
 
     fp32_nodes: dict[str, str] = field(default_factory=dict)  # node name -> reason
     fp16_nodes: int = 0
+    fp16_node_names: list[str] = field(default_factory=list)
     casts_inserted: int = 0
     clipped_initializers: list[str] = field(default_factory=list)
 
@@ -153,9 +157,58 @@ def fp16_model_from(model: onnx.ModelProto, policy: Fp16Policy | None = None,
     out = _Rewriter(plan).model()
     _check_types(out)
     report = plan.report
-    log.info("FP16: %d nodes in FP16, %d kept in FP32, %d Casts inserted, %d constants clipped", report.fp16_nodes,
+    log.debug("FP16: %d nodes in FP16, %d kept in FP32, %d Casts inserted, %d constants clipped", report.fp16_nodes,
              len(report.fp32_nodes), report.casts_inserted, len(report.clipped_initializers))
     return out, report
+
+
+def int8_fp16_model_from(qdq_model: onnx.ModelProto, policy: Fp16Policy | None = None,
+                         max_abs: dict[str, float] | None = None) -> tuple[onnx.ModelProto, Fp16Report]:
+    """INT8 where ``qdq_model`` has Q/DQ, FP16 for the rest: ModelOpt's ``high_precision_dtype="fp16"``.
+
+    ``qdq_model`` comes from ``calibration.qdq.qdq_model_from``; the float region then goes through
+    :func:`fp16_model_from` with the same data-driven FP32 keeps (``max_abs`` of the FP32 model's tensors,
+    ``FP32_OPS``, ``policy.keep_fp32``). Q/DQ nodes take FP16 scales where the opset allows it (>= 19), so
+    TensorRT sees FP16 on both sides of every INT8 layer; a Q/DQ whose scale is below FP16's smallest normal
+    number (6.1e-5, an amax under 0.0078) would lose scale bits as a subnormal and stays FP32 behind Casts.
+    Graph inputs and outputs keep their types.
+    """
+    policy = policy or Fp16Policy()
+    constants = {t.name: t for t in qdq_model.graph.initializer}
+    tiny = set()
+    for node in qdq_model.graph.node:
+        if node.op_type in _QDQ_OPS and len(node.input) > 1 and node.input[1] in constants:
+            scale = numpy_helper.to_array(constants[node.input[1]])
+            if scale.size and float(np.min(np.abs(scale))) < FP16_MIN_NORMAL:
+                tiny.add(node.name)
+    if tiny:
+        log.info("%d Q/DQ node(s) keep FP32 scales: a scale below %.3g is subnormal in FP16", len(tiny),
+                 FP16_MIN_NORMAL)
+    keep = Fp16Policy(keep_fp32=policy.keep_fp32 | tiny, keep_io_types=policy.keep_io_types,
+                      overflow_threshold=policy.overflow_threshold, fp32_ops=policy.fp32_ops)
+    return fp16_model_from(qdq_model, keep, max_abs)
+
+
+def node_precisions(model: onnx.ModelProto, int8_nodes: Iterable[str], report: Fp16Report | None) -> dict[str, Any]:
+    """Which compute nodes of the FP32 ``model`` run in INT8, FP16 and FP32 once reduced.
+
+    ``int8_nodes`` are the nodes given Q/DQ inputs; ``report`` is the FP16 pass's report, or None when the
+    remainder stays FP32. Q/DQ, Cast, Shape and Constant nodes are not counted. Returns
+    ``{"counts": {"int8": n, "fp16": n, "fp32": n}, "int8": [...], "fp16": [...], "fp32": {name: why}}``.
+    """
+    skip = _QDQ_OPS | {"Constant", "Shape", "Size", "Cast"}
+    names = [node.name or f"{node.op_type}_{i}" for i, node in enumerate(model.graph.node)
+             if node.op_type not in skip]
+    int8 = [n for n in int8_nodes if n in set(names)]
+    high = [n for n in names if n not in set(int8)]
+    if report is None:
+        fp16, fp32 = [], dict.fromkeys(high, "FP32 remainder (--fp32-rest)")
+    else:
+        in_fp16 = set(report.fp16_node_names)
+        fp16 = [n for n in high if n in in_fp16]
+        fp32 = {n: report.fp32_nodes[n] for n in high if n in report.fp32_nodes}
+    return {"counts": {"int8": len(int8), "fp16": len(fp16), "fp32": len(fp32)}, "int8": int8, "fp16": fp16,
+            "fp32": fp32}
 
 
 @dataclass
@@ -248,9 +301,10 @@ class _Plan:
                                  f"{info.stuck_output!r} is set by an attribute fp16_model_from cannot switch to "
                                  f"FP16; keep it in FP32 with --keep-fp32 {info.node.op_type}")
             self.report.fp16_nodes += 1
+            self.report.fp16_node_names.append(info.name)
             return
         self.report.fp32_nodes[info.name] = reason
-        log.info("kept %s %s in FP32: %s", info.node.op_type, info.name, reason)
+        log.debug("kept %s %s in FP32: %s", info.node.op_type, info.name, reason)
 
     def _fp32_reason(self, info: _NodeInfo) -> str | None:
         node, policy = info.node, self.policy

@@ -1,22 +1,27 @@
 """Insert INT8 QuantizeLinear/DequantizeLinear (Q/DQ) pairs where TensorRT can fuse them.
 
 TensorRT 11 is strongly typed: INT8 exists only where the ONNX graph says so with explicit
-Q/DQ nodes. This stage turns a folded FP32 graph plus one calibrated ``amax`` per activation
-tensor into such a graph, following TensorRT's Q/DQ placement recommendations:
+Q/DQ nodes. This stage turns a folded FP32 graph plus one calibrated ``amax`` per activation tensor into such a graph.
+Every placement decision is one entry of ``PLACEMENT`` (op type -> rule and why), in the spirit of ONNX
+Runtime's quantization registry, following TensorRT's Q/DQ placement guide and ModelOpt:
 
-* Quantize the *inputs* of weighted operators (Conv, ConvTranspose, Gemm, MatMul with a
-  constant weight): the activation per tensor, the weight per output channel. Outputs are
-  not quantized; a following layer's input Q/DQ does that where it helps.
-* Symmetric INT8: zero point 0, ``scale = amax / 127``.
-* One Q/DQ pair per activation tensor, shared by every quantized consumer, so TensorRT sees
-  one scale per tensor.
-* On a ResNet residual ``Add(conv_output, shortcut)`` quantize the shortcut, so that TensorRT
-  can fuse the add into the convolution (INT8 residual input), as ModelOpt does.
-* Nothing before Relu, Softmax, LayerNormalization, Gelu, bias adds or other element-wise
-  operators, nothing on biases and nothing on graph outputs: TensorRT cannot fuse Q/DQ there
-  and would run extra reformat kernels.
-* Attention score products (MatMul of two activations, ``Q·K^T`` and ``attn·V``) stay in
-  higher precision unless :attr:`QdqPolicy.quantize_attention_matmuls` says otherwise.
+* Weighted ops (Conv, ConvTranspose, Gemm, MatMul with a constant weight): Q/DQ on the *inputs*, the
+  activation per tensor, the weight per output channel; outputs are not quantized. Layers with fewer than
+  16 input or output channels (a 1- or 3-channel stem conv, a GEMV-like MatMul) stay in higher precision:
+  INT8 gains nothing there and only adds error. The head (a Gemm/MatMul whose result is a graph output)
+  stays in higher precision unless :attr:`QdqPolicy.quantize_output_layer`.
+* On a ResNet residual ``Add(conv_output, shortcut)`` quantize the shortcut, so that TensorRT can fuse the
+  add into the convolution (INT8 residual input), as ModelOpt does. Transformer residual and bias adds get
+  nothing.
+* MaxPool/AveragePool/GlobalAveragePool: the input, when it comes from a quantized layer, so TensorRT pools
+  in INT8 instead of dequantizing and requantizing.
+* Concat whose output is quantized: every input too, with one scale shared by inputs and output.
+* Symmetric INT8: zero point 0, ``scale = amax / 127``; one Q/DQ pair per activation tensor, shared by
+  every quantized consumer, so TensorRT sees one scale per tensor, and only quantized consumers read it.
+* Nothing before Relu, Softmax, LayerNormalization, Gelu or other element-wise operators, nothing on
+  biases and nothing on graph outputs: TensorRT cannot fuse Q/DQ there and would run extra reformat kernels.
+* Attention score products (MatMul of two activations, ``Q·K^T`` and ``attn·V``) stay in higher precision
+  unless :attr:`QdqPolicy.quantize_attention_matmuls` says otherwise.
 
 Weights are stored as INT8 initializers followed by a DequantizeLinear only (no
 QuantizeLinear): TensorRT accepts pre-quantized weights behind a DQ layer (its explicit
@@ -42,37 +47,64 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler.onnx_io import MAX_IR_VERSION
 
-__all__ = ["QDQ_OPS", "RESIDUAL_ADD", "WEIGHT_CHANNEL_AXIS", "QdqPolicy", "QdqReport", "tensors_to_calibrate",
-           "quantizable_nodes", "qdq_model_from"]
+__all__ = ["PLACEMENT", "OpRule", "QDQ_OPS", "RESIDUAL_ADD", "WEIGHT_CHANNEL_AXIS", "QdqPolicy", "QdqReport",
+           "tensors_to_calibrate", "quantizable_nodes", "qdq_model_from"]
 
 log = logging.getLogger(__name__)
 
-# Operator type -> indices of the inputs that get Q/DQ. Input 1 is the weight (quantized per
-# output channel when it is a constant initializer); input 0 is the activation (per tensor).
-# Biases (Conv/Gemm input 2) are never quantized: TensorRT folds them into the fused kernel.
-QDQ_OPS: dict[str, tuple[int, ...]] = {
-    "Conv": (0, 1),
-    "ConvTranspose": (0, 1),
-    "Gemm": (0, 1),
-    "MatMul": (0, 1),
+@dataclass(frozen=True)
+class OpRule:
+    """How one operator type gets Q/DQ: which inputs, the kind of rule, and why (one line).
+
+    ``kind``: ``"weighted"`` (activation per tensor + constant weight per output channel, ``weight_axis``),
+    ``"residual"`` (the shortcut of an add TensorRT fuses into a ``fuses_into`` producer), ``"pool"``
+    (the input, only where its producer is quantized, so TensorRT stays in INT8 through the pooling),
+    ``"concat"`` (every input, with one scale shared by the inputs and the output, only where the output
+    is quantized). ``min_channels``: a weighted op whose weight has fewer input or output channels (or a
+    MatMul/Gemm with a dimension under it) stays in higher precision: INT8 kernels gain nothing there.
+    """
+
+    kind: str
+    inputs: tuple[int, ...]
+    why: str
+    weight_axis: int | None = None  # weighted ops: the output-channel axis of the weight (None: by attribute)
+    fuses_into: frozenset[str] = frozenset()  # residual: producer types the add fuses into
+    min_channels: int = 0
+
+
+# The placement policy: every operator type that can get Q/DQ, its rule and why. Anything else gets none.
+# Not quantized, by design: Relu, Softmax, LayerNormalization, Gelu, bias adds and other element-wise ops
+# (TensorRT fuses Q/DQ into them or cannot use INT8 there, and would run reformat kernels); graph outputs.
+PLACEMENT: dict[str, OpRule] = {
+    "Conv": OpRule("weighted", (0, 1), "TensorRT runs INT8 convolutions with the Q/DQ pair fused in",
+                   weight_axis=0, min_channels=16),  # weight [K, C/g, kh, kw]
+    "ConvTranspose": OpRule("weighted", (0, 1), "INT8 deconvolution, as Conv",
+                            weight_axis=1, min_channels=16),  # [C, K/g, ...]: per tensor when group > 1
+    "Gemm": OpRule("weighted", (0, 1), "INT8 GEMM; weight channels along transB", min_channels=16),
+    "MatMul": OpRule("weighted", (0, 1), "INT8 GEMM with a constant weight [..., K, N]; attention score "
+                     "products only with quantize_attention_matmuls", weight_axis=-1, min_channels=16),
+    "Add": OpRule("residual", (0, 1), "a residual add fused into its convolution's epilogue (INT8 shortcut), "
+                  "as ModelOpt; bias and transformer residual adds stay unquantized",
+                  fuses_into=frozenset({"Conv", "ConvTranspose"})),
+    "MaxPool": OpRule("pool", (0,), "INT8 pooling after a quantized layer saves a dequantize and a requantize"),
+    "AveragePool": OpRule("pool", (0,), "INT8 pooling after a quantized layer, as MaxPool"),
+    "GlobalAveragePool": OpRule("pool", (0,), "INT8 pooling after a quantized layer, as MaxPool"),
+    "Concat": OpRule("concat", (), "one scale for all inputs and the output lets TensorRT concatenate in INT8 "
+                     "without requantizing (every input index: the op is variadic)"),
 }
 
-# The residual rule: a join operator -> producer types whose output TensorRT fuses the join
-# into. ``Add(conv_output, shortcut)`` gets Q/DQ on ``shortcut`` only, so the convolution
-# runs with an INT8 residual input and the add disappears into its epilogue.
-RESIDUAL_ADD: dict[str, frozenset[str]] = {
-    "Add": frozenset({"Conv", "ConvTranspose"}),
-}
-
-# Weight input -> its output-channel axis. Conv [K, C/g, kh, kw]: 0; ConvTranspose
-# [C, K/g, kh, kw]: 1 (per tensor when group > 1, where axis 1 is not the output channel);
-# Gemm B: 0 if transB=1 else 1; MatMul constant B [..., K, N]: the last axis (-1 here).
-WEIGHT_CHANNEL_AXIS: dict[str, int | None] = {
-    "Conv": 0,
-    "ConvTranspose": 1,
-    "Gemm": None,  # depends on transB, see _weight_axis
-    "MatMul": -1,
-}
+# Views of PLACEMENT kept for callers that read them.
+QDQ_OPS: dict[str, tuple[int, ...]] = {op: r.inputs for op, r in PLACEMENT.items() if r.kind == "weighted"}
+RESIDUAL_ADD: dict[str, frozenset[str]] = {op: r.fuses_into for op, r in PLACEMENT.items() if r.kind == "residual"}
+WEIGHT_CHANNEL_AXIS: dict[str, int | None] = {op: r.weight_axis for op, r in PLACEMENT.items()
+                                              if r.kind == "weighted"}
+# A Gemm/MatMul whose result is a graph output (directly or through a bias Add, Reshape, Flatten...) is the
+# model's head: kept in higher precision by default (ModelOpt and TensorRT's guide), it is one small layer
+# whose error lands on the outputs unfiltered.
+_HEAD_OPS = frozenset({"Gemm", "MatMul"})
+_TO_OUTPUT_OPS = frozenset({"Add", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose"})
+# producers a pooling input may come from, through these unary ops, for the pool rule to apply
+_THROUGH_OPS = frozenset({"Relu", "Clip", "LeakyRelu"})
 
 _INT8_MAX = 127.0
 _MIN_OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear
@@ -95,6 +127,8 @@ class QdqPolicy:
 
     quantize_attention_matmuls: bool = False
     quantize_residual_add: bool = True
+    quantize_output_layer: bool = False  # the Gemm/MatMul feeding a graph output
+    min_channels: bool = True  # apply PLACEMENT's min_channels (False: quantize small layers too)
     exclude_nodes: frozenset[str] = frozenset()
     exclude_op_types: frozenset[str] = frozenset()
 
@@ -138,6 +172,7 @@ class _Plan:
     inputs: dict[str, tuple[_QuantizedInput, ...]]
     skipped: dict[str, str]
     activations: list[str]  # in the order the graph produces them, no duplicates
+    scale_groups: dict[str, frozenset[str]] = field(default_factory=dict)  # tensors that share one scale
 
 
 def _node_names(graph: onnx.GraphProto) -> list[str]:
@@ -189,9 +224,46 @@ def _weighted_inputs(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorPr
     w = constants[weight]
     if w.data_type != TensorProto.FLOAT:
         return (), f"weight is {TensorProto.DataType.Name(w.data_type)}, not FLOAT"
+    small = _small_dimension(node, w) if policy.min_channels else ""
+    if small:
+        return (), small
     planned = [_QuantizedInput(i, node.input[i]) for i in indices if i != 1]
     planned.append(_QuantizedInput(1, weight, is_weight=True, axis=_weight_axis(node, w)))
     return tuple(sorted(planned, key=lambda q: q.index)), ""
+
+
+def _small_dimension(node: onnx.NodeProto, weight: onnx.TensorProto) -> str:
+    """Why the layer is too small for INT8 to pay (a dimension under PLACEMENT's min_channels), or ""."""
+    limit = PLACEMENT[node.op_type].min_channels
+    dims = list(weight.dims)
+    if len(dims) < 2 or not limit:
+        return ""
+    if node.op_type in ("Conv", "ConvTranspose"):
+        group = _attr(node, "group", 1)
+        out_ch, in_ch = (dims[0], dims[1] * group) if node.op_type == "Conv" else (dims[1] * group, dims[0])
+        if min(in_ch, out_ch) < limit:
+            return (f"{in_ch} input / {out_ch} output channels: under {limit}, INT8 gains nothing and only "
+                    "adds error")
+        return ""
+    k, n = dims[-2], dims[-1]
+    if node.op_type == "Gemm" and _attr(node, "transB", 0):
+        k, n = n, k
+    if min(k, n) < limit:
+        return f"weight {k}x{n}: a dimension under {limit} (a GEMV in effect), INT8 gains nothing"
+    return ""
+
+
+def _head(node: onnx.NodeProto, consumers: Mapping[str, list[onnx.NodeProto]], graph_outputs: set[str]) -> bool:
+    """True if ``node``'s output reaches a graph output through shape ops and bias adds only."""
+    tensor, seen = node.output[0] if node.output else "", 0
+    while tensor and seen < 8:
+        if tensor in graph_outputs:
+            return True
+        readers = consumers.get(tensor, [])
+        if len(readers) != 1 or readers[0].op_type not in _TO_OUTPUT_OPS or not readers[0].output:
+            return False
+        tensor, seen = readers[0].output[0], seen + 1
+    return False
 
 
 def _depths(graph: onnx.GraphProto) -> dict[str, int]:
@@ -245,6 +317,11 @@ def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] |
             return f"op type {node.op_type} excluded by policy.exclude_op_types"
         return ""
 
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for t in dict.fromkeys(node.input):
+            readers.setdefault(t, []).append(node)
+    graph_outputs = {o.name for o in graph.output}
     inputs: dict[str, tuple[_QuantizedInput, ...]] = {}
     skipped: dict[str, str] = {}
     for node, name in zip(graph.node, names):
@@ -252,6 +329,9 @@ def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] |
             continue
         reason = excluded(node, name)
         planned: tuple[_QuantizedInput, ...] = ()
+        if not reason and node.op_type in _HEAD_OPS and not policy.quantize_output_layer \
+                and _head(node, readers, graph_outputs):
+            reason = "output layer (feeds a graph output) kept in higher precision (policy.quantize_output_layer)"
         if not reason:
             planned, reason = _weighted_inputs(node, constants, policy)
         if planned:
@@ -266,7 +346,6 @@ def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] |
         for t in set(node.input):
             consumers[t] = consumers.get(t, 0) + 1
     depth = _depths(graph)
-    graph_outputs = {o.name for o in graph.output}
     for node, name in zip(graph.node, names):
         found = _residual_shortcut(node, producers, producer_names, consumers, depth, constants, graph_outputs)
         if found is None:
@@ -286,11 +365,52 @@ def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] |
         else:
             inputs[name] = (_QuantizedInput(index, shortcut),)
 
+    for node, name in zip(graph.node, names):  # pooling after a quantized layer
+        rule = PLACEMENT.get(node.op_type)
+        if rule is None or rule.kind != "pool" or not node.input or node.input[0] in constants:
+            continue
+        source = producers.get(node.input[0])
+        while source is not None and source.op_type in _THROUGH_OPS and source.input:
+            source = producers.get(source.input[0])
+        quantized_source = source is not None and producer_names[source.output[0]] in inputs
+        reason = excluded(node, name)
+        if not reason and not quantized_source:
+            reason = "its input does not come from a quantized layer: INT8 pooling would add a Q/DQ, not save one"
+        if reason:
+            skipped[name] = reason
+        else:
+            inputs[name] = (_QuantizedInput(0, node.input[0]),)
+
     wanted = {q.tensor for qs in inputs.values() for q in qs if not q.is_weight}
+    shared: list[tuple[str, ...]] = []
+    for node, name in zip(graph.node, names):  # concatenation of quantized tensors: one scale for all
+        rule = PLACEMENT.get(node.op_type)
+        if rule is None or rule.kind != "concat" or not node.output or node.output[0] not in wanted:
+            continue
+        reason = excluded(node, name)
+        if not reason and any(t in constants or not t for t in node.input):
+            reason = "a constant input: its values would set the shared scale"
+        if reason:
+            skipped[name] = reason
+            continue
+        inputs[name] = tuple(_QuantizedInput(i, t) for i, t in enumerate(node.input))
+        shared.append(tuple(dict.fromkeys([*node.input, node.output[0]])))
+        wanted.update(node.input)
+
     produced = [i.name for i in graph.input] + [out for node in graph.node for out in node.output]
     activations = list(dict.fromkeys(t for t in produced if t in wanted))
     ordered = {name: inputs[name] for name in names if name in inputs}
-    return _Plan(ordered, skipped, activations)
+    return _Plan(ordered, skipped, activations, _scale_groups(shared))
+
+
+def _scale_groups(shared: list[tuple[str, ...]]) -> dict[str, frozenset[str]]:
+    """Tensor -> every tensor that must share its scale (concats that chain merge into one group)."""
+    groups: dict[str, frozenset[str]] = {}
+    for members in shared:
+        group = frozenset(members).union(*(groups.get(t, frozenset()) for t in members))
+        for t in group:
+            groups[t] = group
+    return groups
 
 
 def tensors_to_calibrate(model: onnx.ModelProto, policy: QdqPolicy | None = None) -> list[str]:
@@ -320,6 +440,8 @@ def _check_amax(plan: _Plan, amax: Mapping[str, float]) -> dict[str, float]:
     bad = [f"{t}={v!r}" for t, v in values.items() if not np.isfinite(v) or v < 0]
     if bad:
         raise ValueError(f"amax must be finite and >= 0: {', '.join(bad)}")
+    for t, group in plan.scale_groups.items():  # a concat's inputs and output: the widest range for all
+        values[t] = max(values[m] for m in group)
     return values
 
 
@@ -470,7 +592,7 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
 
     report = QdqReport(quantized_nodes=list(plan.inputs), skipped_nodes=dict(plan.skipped),
                        qdq_pairs=len(plan.activations), quantized_weights=len(weight_dq))
-    log.info("INT8 Q/DQ: %d nodes quantized, %d activation Q/DQ pairs, %d INT8 weights, %d nodes kept in higher "
+    log.debug("INT8 Q/DQ: %d nodes quantized, %d activation Q/DQ pairs, %d INT8 weights, %d nodes kept in higher "
              "precision", len(report.quantized_nodes), report.qdq_pairs, report.quantized_weights,
              len(report.skipped_nodes))
     for name, reason in plan.skipped.items():

@@ -251,7 +251,8 @@ def calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--calib-samples", type=int, help="Use at most N samples (default 512)."),
         click.option("--calib-batch", type=int, help="Samples per calibration batch (default 16)."),
         click.option("--calib-method", type=click.Choice(["percentile", "max", "entropy", "mse"]),
-                     help="How the INT8 range is chosen (default percentile)."),
+                     help="How the INT8 range is chosen (default percentile: the --percentile quantile of |x|, "
+                     "raised where clipping would cost more than INT8 rounding saves)."),
         click.option("--percentile", type=float, help="Percentile of |x| for --calib-method percentile (99.99)."),
         click.option("--calib-cache", type=click.Path(path_type=Path), help="Reuse this calibration.json when model, "
                      "data and method match (no recalibration)."),
@@ -263,7 +264,9 @@ def calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-fallback", type=int, help="Layers the gate may keep in FP32 (default 8)."),
         click.option("--keep-fp32", multiple=True, help="Node name or op type to keep in FP32 (repeat)."),
         click.option("--quantize-attention", is_flag=True, default=None,
-                     help="Also quantize attention score products (kept in FP32 by default)."),
+                     help="Also quantize attention score products (kept in higher precision by default)."),
+        click.option("--fp32-rest", is_flag=True, default=None,
+                     help="With --int8: run what is not INT8 in FP32 instead of FP16 (the default, as ModelOpt)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -288,12 +291,14 @@ def calibration_settings_from(kw: dict[str, Any], precision: str, profile: dict[
         method=pick("calib_method", "method", "percentile"), percentile=float(pick("percentile", "percentile", 99.99)),
         eval_data=pick("eval_data", "eval_data"), labels=pick("labels", "labels"), gate=gate,
         keep_fp32=tuple(pick("keep_fp32", "keep_fp32", ())), quantize_attention=bool(kw.get("quantize_attention")),
+        fp32_rest=bool(pick("fp32_rest", "fp32_rest", False)),
         calib_cache=kw.get("calib_cache"), image=ImagePreprocessing.from_profile(image) if image else None)
 
 
 @cli.command("calibrate")
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ (needs calibration data).")
+@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
+              "calibration data; --fp32-rest for an FP32 rest).")
 @click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
 @calibration_options
 @common_options
@@ -367,7 +372,8 @@ def build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @model_options
 @click.option("--out", type=click.Path(path_type=Path), help="Output directory (default build/<model name>).")
 @click.option("--buckets", type=BucketsType(), help="Batch buckets, one engine each (default 1,4,8,16).")
-@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ (needs --calib-data).")
+@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
+              "--calib-data; --fp32-rest for an FP32 rest).")
 @click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
 @click.option("--fp32", "precision", flag_value="fp32", help="FP32 (the default).")
 @click.option("--engine", type=click.Choice(["tensorrt", "none"]),

@@ -45,6 +45,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
         "min_cosine": ((float, int), "cosine floor against FP32 without labels (default 0.99)"),
         "max_fallback": ((int,), "layers the gate may keep in FP32 (default 8)"),
         "keep_fp32": ((list,), "node names or op types kept in FP32"),
+        "fp32_rest": ((bool,), "int8: run what is not INT8 in FP32 instead of FP16 (default false)"),
         "image": ((dict,), "image preprocessing: size, crop, mean, std, layout (NCHW/NHWC), input"),
     },
     "build": {

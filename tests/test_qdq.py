@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -88,9 +89,14 @@ def _true_amax(model: onnx.ModelProto, feeds: dict[str, np.ndarray], tensors: li
     return {t: float(np.abs(values[t]).max()) for t in tensors}
 
 
+# The mechanics below are shown on tiny models, whose layers are under PLACEMENT's 16-channel minimum and
+# whose heads feed graph outputs: these tests switch those two rules off; tests further down show them.
+EVERY: dict[str, Any] = {"quantize_output_layer": True, "min_channels": False}
+
+
 def _quantize(model: onnx.ModelProto, policy: QdqPolicy | None = None,
               feeds: dict[str, np.ndarray] | None = None) -> tuple[onnx.ModelProto, QdqReport]:
-    policy = policy or QdqPolicy()
+    policy = policy or QdqPolicy(**EVERY)
     amax = _true_amax(model, feeds or _feeds(model), tensors_to_calibrate(model, policy))
     return qdq_model_from(model, amax, policy)
 
@@ -165,7 +171,7 @@ def test_cnn_convs_gemm_and_residual_shortcuts_get_qdq(cnn: onnx.ModelProto) -> 
         for name in _names(qdq, op):
             assert _dq_inputs(qdq, _node(qdq, name)) == [], name
     _no_qdq_on_outputs(qdq)
-    assert report.quantized_nodes == quantizable_nodes(cnn, QdqPolicy())
+    assert report.quantized_nodes == quantizable_nodes(cnn, QdqPolicy(**EVERY))
     assert sorted(report.quantized_nodes) == sorted(convs + gemms + adds)
     assert report.skipped_nodes == {}
 
@@ -202,13 +208,13 @@ def test_cnn_runs_in_ort_close_to_fp32_at_any_batch(cnn: onnx.ModelProto) -> Non
 
 
 def test_cnn_tensors_to_calibrate(cnn: onnx.ModelProto) -> None:
-    tensors = tensors_to_calibrate(cnn, QdqPolicy())
+    tensors = tensors_to_calibrate(cnn, QdqPolicy(**EVERY))
     constants = {t.name for t in cnn.graph.initializer}
     assert len(tensors) == len(set(tensors)) == 10
     assert tensors[0] == "images" and not constants & set(tensors)
     produced = [i.name for i in cnn.graph.input] + [o for n in cnn.graph.node for o in n.output]
     assert tensors == sorted(tensors, key=produced.index)
-    assert len(tensors_to_calibrate(cnn, QdqPolicy(quantize_residual_add=False))) == 8
+    assert len(tensors_to_calibrate(cnn, QdqPolicy(**EVERY, quantize_residual_add=False))) == 8
 
 
 # --- the transformer ---------------------------------------------------------------------------------------------
@@ -244,7 +250,7 @@ def test_transformer_linear_matmuls_only(transformer: onnx.ModelProto) -> None:
 
 def test_transformer_attention_matmuls_by_policy(transformer: onnx.ModelProto) -> None:
     linear, attention = _linear_and_attention_matmuls(transformer)
-    qdq, report = _quantize(transformer, QdqPolicy(quantize_attention_matmuls=True))
+    qdq, report = _quantize(transformer, QdqPolicy(**EVERY, quantize_attention_matmuls=True))
     assert _ops(qdq)["QuantizeLinear"] == 8 + 2 * 4  # plus both operands of each attention product
     assert _ops(qdq)["DequantizeLinear"] == 16 + 8
     for name in attention:
@@ -275,15 +281,116 @@ def test_mlp_every_gemm_quantized_and_close(mlp: onnx.ModelProto) -> None:
 
 
 def test_two_input_both_branches_and_head(two_input: onnx.ModelProto) -> None:
+    """Both branches quantized, and the concat before the head in INT8 with one scale."""
     feeds = _feeds(two_input)
     qdq, report = _quantize(two_input, feeds=feeds)
-    assert (_ops(qdq)["QuantizeLinear"], _ops(qdq)["DequantizeLinear"]) == (3, 6)  # image, features, concat
-    assert tensors_to_calibrate(two_input, QdqPolicy()) == ["image", "features", _node(two_input, _names(
-        two_input, "Concat")[0]).output[0]]
-    assert sorted(report.quantized_nodes) == sorted(_names(two_input, "Conv") + _names(two_input, "Gemm"))
-    assert _dq_inputs(qdq, _node(qdq, _names(qdq, "Concat")[0])) == []
+    concat = _node(two_input, _names(two_input, "Concat")[0])
+    # image, features, both concat inputs and the concat output (dynamo writes the pooling as ReduceMean)
+    assert (_ops(qdq)["QuantizeLinear"], _ops(qdq)["DequantizeLinear"]) == (5, 8)
+    assert tensors_to_calibrate(two_input, QdqPolicy(**EVERY)) == ["image", "features", *concat.input,
+                                                                   concat.output[0]]
+    assert sorted(report.quantized_nodes) == sorted(_names(two_input, "Conv") + _names(two_input, "Gemm")
+                                                    + [concat.name])
+    assert _dq_inputs(qdq, _node(qdq, concat.name)) == [0, 1]
+    scales = {_scale_of(qdq, t) for t in [*concat.input, concat.output[0]]}
+    assert len(scales) == 1  # one scale shared by the concat's inputs and its output
     _no_qdq_on_outputs(qdq)
     assert _cosine(ort_session(qdq).run(None, feeds)[0], ort_session(two_input).run(None, feeds)[0]) > 0.99
+
+
+def _scale_of(model: onnx.ModelProto, tensor: str) -> float:
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor)
+    return float(inits[q.input[1]])
+
+
+# --- PLACEMENT's rules on small graphs ---------------------------------------------------------------------------
+
+def _weight(shape: list[int], seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def test_head_feeding_a_graph_output_stays_in_higher_precision() -> None:
+    body = helper.make_node("MatMul", ["x", "w1"], ["h"], name="body")
+    relu = helper.make_node("Relu", ["h"], ["r"], name="relu")
+    head = helper.make_node("MatMul", ["r", "w2"], ["hb"], name="head")
+    bias = helper.make_node("Add", ["hb", "b"], ["y"], name="bias")
+    model = make_model([body, relu, head, bias], [tensor("x", ["N", 32])], [tensor("y", ["N", 32])],
+                       initializers={"w1": _weight([32, 32]), "w2": _weight([32, 32], 1), "b": _weight([32], 2)},
+                       opset=19)
+    assert quantizable_nodes(model) == ["body"]
+    _, report = qdq_model_from(model, {"x": 3.0}, QdqPolicy())
+    assert "output layer" in report.skipped_nodes["head"]
+    assert quantizable_nodes(model, QdqPolicy(quantize_output_layer=True)) == ["body", "head"]
+
+
+@pytest.mark.parametrize(("op", "shape", "quantized"), [
+    ("Conv", [16, 3, 3, 3], False),  # a 3-channel stem
+    ("Conv", [8, 32, 1, 1], False),  # 8 output channels
+    ("Conv", [16, 16, 3, 3], True),
+    ("MatMul", [64, 4], False),  # a GEMV-like projection to 4 values
+    ("MatMul", [64, 16], True),
+])
+def test_layers_under_16_channels_stay_in_higher_precision(op: str, shape: list[int], quantized: bool) -> None:
+    if op == "Conv":
+        x = tensor("x", ["N", shape[1], 8, 8])
+        node = helper.make_node("Conv", ["x", "w"], ["y"], name="layer", pads=[shape[2] // 2] * 4)
+        y = tensor("y", ["N", shape[0], 8, 8])
+    else:
+        x, y = tensor("x", ["N", shape[0]]), tensor("y", ["N", shape[1]])
+        node = helper.make_node("MatMul", ["x", "w"], ["y"], name="layer")
+    after = helper.make_node("Relu", ["y"], ["z"], name="after")  # not a head: the output is the Relu's
+    z = tensor("z", [d.dim_param or d.dim_value for d in y.type.tensor_type.shape.dim])
+    model = make_model([node, after], [x], [z], initializers={"w": _weight(shape)}, opset=19)
+    assert (quantizable_nodes(model) == ["layer"]) is quantized
+    assert quantizable_nodes(model, QdqPolicy(min_channels=False)) == ["layer"]
+
+
+def test_pooling_after_a_quantized_conv_gets_qdq_and_not_elsewhere() -> None:
+    conv = helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1])
+    relu = helper.make_node("Relu", ["c"], ["r"], name="relu")
+    pool = helper.make_node("MaxPool", ["r"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2])
+    raw_pool = helper.make_node("AveragePool", ["x"], ["q"], name="raw_pool", kernel_shape=[2, 2], strides=[2, 2])
+    model = make_model([conv, relu, pool, raw_pool], [tensor("x", ["N", 16, 8, 8])],
+                       [tensor("p", ["N", 16, 4, 4]), tensor("q", ["N", 16, 4, 4])],
+                       initializers={"w": _weight([16, 16, 3, 3])}, opset=19)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 16, 8, 8)).astype(np.float32)}
+    qdq, report = _quantize(model, QdqPolicy(), feeds)
+    assert report.quantized_nodes == ["conv", "pool"]
+    assert _dq_inputs(qdq, _node(qdq, "pool")) == [0]
+    assert "does not come from a quantized layer" in report.skipped_nodes["raw_pool"]
+    assert _dq_inputs(qdq, _node(qdq, "raw_pool")) == []
+    got, want = ort_session(qdq).run(None, feeds), ort_session(model).run(None, feeds)
+    assert _cosine(got[0], want[0]) > 0.999 and np.array_equal(got[1], want[1])
+
+
+def test_concat_inputs_share_the_widest_scale() -> None:
+    a = helper.make_node("Relu", ["x"], ["a"], name="a")
+    b = helper.make_node("Mul", ["x", "k"], ["b"], name="b")  # 4x the range of a
+    cat = helper.make_node("Concat", ["a", "b"], ["c"], name="cat", axis=1)
+    mm = helper.make_node("MatMul", ["c", "w"], ["y"], name="mm")
+    relu = helper.make_node("Relu", ["y"], ["z"], name="out")
+    model = make_model([a, b, cat, mm, relu], [tensor("x", ["N", 16])], [tensor("z", ["N", 16])],
+                       initializers={"k": np.array(4.0, np.float32), "w": _weight([32, 16])}, opset=19)
+    assert tensors_to_calibrate(model) == ["a", "b", "c"]
+    qdq, report = qdq_model_from(model, {"a": 1.0, "b": 4.0, "c": 4.0}, QdqPolicy())
+    assert report.quantized_nodes == ["cat", "mm"]
+    assert {_scale_of(qdq, t) for t in "abc"} == {np.float32(4.0 / 127)}
+    # a constant input would set the shared scale: that concat stays unquantized
+    const_cat = helper.make_node("Concat", ["a", "k16"], ["c"], name="cat", axis=1)  # [N, 16] + [1, 16]: axis 0
+    model2 = make_model([a, const_cat, mm, relu], [tensor("x", ["N", 16])], [tensor("z", ["N", 16])],
+                        initializers={"k16": _weight([1, 16]), "w": _weight([32, 16])}, opset=19)
+    _, report2 = qdq_model_from(model2, {"c": 4.0}, QdqPolicy())
+    assert report2.quantized_nodes == ["mm"] and "constant input" in report2.skipped_nodes["cat"]
+
+
+def test_placement_table_holds_every_rule() -> None:
+    from calibration.qdq import PLACEMENT
+
+    assert {op for op, rule in PLACEMENT.items() if rule.kind == "weighted"} == set(QDQ_OPS)
+    assert {"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "MaxPool", "AveragePool", "GlobalAveragePool",
+            "Concat"} == set(PLACEMENT)
+    assert all(rule.why for rule in PLACEMENT.values())
 
 
 # --- validity on every example -----------------------------------------------------------------------------------
@@ -308,7 +415,7 @@ def test_exclude_nodes_removes_qdq_from_exactly_those(cnn: onnx.ModelProto) -> N
     convs = _names(cnn, "Conv")
     stem, head = convs[0], _names(cnn, "Gemm")[0]
     excluded = frozenset({stem, head})
-    qdq, report = _quantize(cnn, QdqPolicy(exclude_nodes=excluded))
+    qdq, report = _quantize(cnn, QdqPolicy(**EVERY, exclude_nodes=excluded))
     for name in excluded:
         assert _dq_inputs(qdq, _node(qdq, name)) == []
         assert "exclude_nodes" in report.skipped_nodes[name]
@@ -317,7 +424,7 @@ def test_exclude_nodes_removes_qdq_from_exactly_those(cnn: onnx.ModelProto) -> N
             assert _dq_inputs(qdq, _node(qdq, node.name)) == _dq_inputs(full, node), node.name
     # the images and the pooled features lose their only consumers' Q/DQ
     assert _ops(qdq)["QuantizeLinear"] == _ops(full)["QuantizeLinear"] - 2
-    assert "images" not in tensors_to_calibrate(cnn, QdqPolicy(exclude_nodes=excluded))
+    assert "images" not in tensors_to_calibrate(cnn, QdqPolicy(**EVERY, exclude_nodes=excluded))
 
 
 def test_excluding_a_blocks_conv2_drops_its_residual_qdq(cnn: onnx.ModelProto) -> None:
@@ -325,44 +432,44 @@ def test_excluding_a_blocks_conv2_drops_its_residual_qdq(cnn: onnx.ModelProto) -
     conv2 = next(n.name for n in cnn.graph.node if n.op_type == "Conv" and ".2.conv2." in n.input[1])
     producers = _producers(cnn)
     add = next(n for n in cnn.graph.node if n.op_type == "Add" and any(producers[t].name == conv2 for t in n.input))
-    qdq, report = _quantize(cnn, QdqPolicy(exclude_nodes=frozenset({conv2})))
+    qdq, report = _quantize(cnn, QdqPolicy(**EVERY, exclude_nodes=frozenset({conv2})))
     assert _dq_inputs(qdq, _node(qdq, add.name)) == []
     assert conv2 in report.skipped_nodes[add.name]
 
 
 def test_exclude_op_types_and_residual_policy(mlp: onnx.ModelProto, cnn: onnx.ModelProto) -> None:
-    qdq, report = _quantize(mlp, QdqPolicy(exclude_op_types=frozenset({"Gemm"})))
+    qdq, report = _quantize(mlp, QdqPolicy(**EVERY, exclude_op_types=frozenset({"Gemm"})))
     assert _ops(qdq)["QuantizeLinear"] == _ops(qdq)["DequantizeLinear"] == 0
     assert report.quantized_nodes == [] and len(report.skipped_nodes) == 3
-    qdq, report = _quantize(cnn, QdqPolicy(quantize_residual_add=False))
+    qdq, report = _quantize(cnn, QdqPolicy(**EVERY, quantize_residual_add=False))
     assert all(_dq_inputs(qdq, _node(qdq, a)) == [] for a in _names(qdq, "Add"))
     assert _ops(qdq)["QuantizeLinear"] == 8
 
 
 def test_missing_amax_is_a_value_error_naming_the_tensor(cnn: onnx.ModelProto) -> None:
-    amax = _true_amax(cnn, _feeds(cnn), tensors_to_calibrate(cnn, QdqPolicy()))
+    amax = _true_amax(cnn, _feeds(cnn), tensors_to_calibrate(cnn, QdqPolicy(**EVERY)))
     del amax["relu_1"]
     with pytest.raises(ValueError, match="relu_1"):
-        qdq_model_from(cnn, amax, QdqPolicy())
+        qdq_model_from(cnn, amax, QdqPolicy(**EVERY))
     amax["relu_1"] = float("nan")
     with pytest.raises(ValueError, match="relu_1"):
-        qdq_model_from(cnn, amax, QdqPolicy())
+        qdq_model_from(cnn, amax, QdqPolicy(**EVERY))
 
 
 def test_shortcut_without_amax_leaves_that_add_unquantized(cnn: onnx.ModelProto) -> None:
-    amax = _true_amax(cnn, _feeds(cnn), tensors_to_calibrate(cnn, QdqPolicy()))
+    amax = _true_amax(cnn, _feeds(cnn), tensors_to_calibrate(cnn, QdqPolicy(**EVERY)))
     add = next(n for n in cnn.graph.node if n.op_type == "Add" and "getitem_15" in n.input)
     del amax["getitem_15"]  # the 1x1 shortcut conv output of the second block: only the add reads it
-    qdq, report = qdq_model_from(cnn, amax, QdqPolicy())
+    qdq, report = qdq_model_from(cnn, amax, QdqPolicy(**EVERY))
     assert _dq_inputs(qdq, _node(qdq, add.name)) == []
     assert "getitem_15" in report.skipped_nodes[add.name] and add.name not in report.quantized_nodes
     assert report.to_dict()["qdq_pairs"] == 9
 
 
 def test_policy_takes_any_collection_of_names() -> None:
-    assert QdqPolicy(exclude_nodes=["a", "b"]).exclude_nodes == frozenset({"a", "b"})  # type: ignore[arg-type]
+    assert QdqPolicy(**EVERY, exclude_nodes=["a", "b"]).exclude_nodes == frozenset({"a", "b"})  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        QdqPolicy(exclude_op_types="Conv")  # type: ignore[arg-type]
+        QdqPolicy(**EVERY, exclude_op_types="Conv")  # type: ignore[arg-type]
 
 
 # --- weight axes on tiny graphs ----------------------------------------------------------------------------------
@@ -400,7 +507,7 @@ def test_weight_channel_axis(case: str) -> None:
     w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     w[(slice(None),) * axis + (0,)] = 0.0  # an all-zero channel must not give scale 0
     model = build(w)
-    qdq, report = qdq_model_from(model, {"x": 3.0}, QdqPolicy())
+    qdq, report = qdq_model_from(model, {"x": 3.0}, QdqPolicy(**EVERY))
     onnx.checker.check_model(qdq, full_check=True)
     assert report.quantized_nodes == ["layer"] and _dq_inputs(qdq, qdq.graph.node[-1]) == [0, 1]
     dq = _producers(qdq)[qdq.graph.node[-1].input[1]]
@@ -430,16 +537,16 @@ def test_opset_too_old_for_per_channel() -> None:
     model = _single_node("MatMul", ["N", 4], np.ones((4, 2)), ["N", 2])
     model.opset_import[0].version = 12
     with pytest.raises(ValueError, match="opset"):
-        qdq_model_from(model, {"x": 1.0}, QdqPolicy())
+        qdq_model_from(model, {"x": 1.0}, QdqPolicy(**EVERY))
 
 
 def test_matmul_of_two_activations_needs_both_amax() -> None:
     node = helper.make_node("MatMul", ["a", "b"], ["y"], name="scores")
     model = make_model([node], [tensor("a", ["N", 3, 4]), tensor("b", ["N", 4, 3])], [tensor("y", ["N", 3, 3])],
                        opset=19)
-    policy = QdqPolicy(quantize_attention_matmuls=True)
+    policy = QdqPolicy(**EVERY, quantize_attention_matmuls=True)
     assert tensors_to_calibrate(model, policy) == ["a", "b"]
-    assert tensors_to_calibrate(model, QdqPolicy()) == []
+    assert tensors_to_calibrate(model, QdqPolicy(**EVERY)) == []
     with pytest.raises(ValueError, match="b"):
         qdq_model_from(model, {"a": 1.0}, policy)
     qdq, _ = qdq_model_from(model, {"a": 1.0, "b": 1.0}, policy)

@@ -46,7 +46,7 @@ def test_percentile_is_within_a_bin_of_numpy(percentile: float) -> None:
     x = np.random.default_rng(1).standard_normal(1_000_000)
     hist = _filled(np.array_split(x, 20))
     expected = np.percentile(np.abs(x), percentile)
-    assert abs(amax_from_histogram(hist, "percentile", percentile) - expected) <= 1.001 * hist.bin_width
+    assert abs(statistics._quantile_edge(hist, percentile) - expected) <= 1.001 * hist.bin_width
 
 
 def test_growing_range_keeps_earlier_counts_and_the_percentile() -> None:
@@ -59,7 +59,7 @@ def test_growing_range_keeps_earlier_counts_and_the_percentile() -> None:
     assert int(hist.counts[hist.edges[1:] <= 0.5].sum()) >= sum(b.size for b in small)  # small values stay low
     for percentile in (50.0, 99.0, 99.99):
         expected = np.percentile(x, percentile)
-        assert abs(amax_from_histogram(hist, "percentile", percentile) - expected) <= 1.001 * hist.bin_width
+        assert abs(statistics._quantile_edge(hist, percentile) - expected) <= 1.001 * hist.bin_width
 
 
 def test_growth_merges_bins_exactly() -> None:
@@ -94,6 +94,89 @@ def test_empty_and_all_zero_histograms_give_the_floor() -> None:
 def test_update_rejects_nan() -> None:
     with pytest.raises(ValueError, match="NaN or Inf"):
         AbsHistogram().update(np.array([1.0, np.nan]))
+
+
+def test_percentile_clips_a_gaussian_tail_at_the_quantile() -> None:
+    """99.99 % of a Gaussian: clipping the last 0.01 % costs less than INT8 rounding, so the quantile stands."""
+    x = np.random.default_rng(1).standard_normal(1_000_000)
+    hist = _filled(np.array_split(x, 20))
+    expected = np.percentile(np.abs(x), 99.99)
+    assert abs(amax_from_histogram(hist, "percentile", 99.99) - expected) <= 1.001 * hist.bin_width
+
+
+def test_percentile_keeps_rare_massive_activations() -> None:
+    """A [CLS]-like token with a value 60x the bulk in one channel: 1 value in 18 000, below what 99.99 % clips.
+
+    Clipping it at the quantile (~4) would cost far more squared error than INT8 rounding saves, so the
+    threshold rises until the two balance; the pure quantile was 15x lower.
+    """
+    rng = np.random.default_rng(3)
+    batches = []
+    for _ in range(96):  # sentences of 48 tokens x 384 channels
+        tokens = rng.standard_normal((48, 384))
+        tokens[0, 308] = rng.uniform(250.0, 300.0)
+        batches.append(tokens)
+    hist = _filled(batches)
+    quantile = statistics._quantile_edge(hist, 99.99)
+    amax = amax_from_histogram(hist, "percentile", 99.99)
+    assert quantile < 5.0
+    assert amax > 150.0  # MSE balance: the massive value is clipped by < 40 %, not 98 %
+    values = np.abs(np.concatenate([b.ravel() for b in batches]))
+    rounding, clipping = statistics._error_terms(hist.counts.astype(np.float64),
+                                                 np.arange(hist.num_bins + 1, dtype=np.float64),
+                                                 np.array([amax / hist.bin_width]))
+    assert clipping[0] <= rounding[0] and values.max() >= amax
+
+
+def _reference_entropy_bins(counts: np.ndarray) -> int:
+    """TensorRT's KL search written plainly (as ModelOpt's ``_compute_amax_entropy``), with scipy's KL."""
+    from scipy.stats import entropy
+
+    nonzero = np.flatnonzero(counts)
+    filled = int(nonzero[-1]) + 1
+    bins = counts[:filled].astype(np.float64)
+    bins[0] = bins[1]
+    if filled <= 128:
+        return filled
+    best, best_kl = filled, np.inf
+    for i in range(128, filled + 1):
+        p = bins[:i].copy()
+        p[-1] += bins[i:].sum()
+        levels = (np.arange(i) * 128) // i
+        used = bins[:i] > 0
+        sums = np.bincount(levels, weights=bins[:i], minlength=128)
+        members = np.bincount(levels, weights=used, minlength=128)
+        q = np.where(used, sums[levels] / np.maximum(members[levels], 1), 0.0)  # spread over the used bins
+        kl = entropy(p, q) if q.sum() > 0 else np.inf
+        if kl <= best_kl:
+            best, best_kl = i, kl
+    return best
+
+
+@pytest.mark.parametrize("case", ["digits-0.3-0.4", "digits-0.3-0.3255", "digits-per-pixel", "laplace-wide",
+                                  "relu-gaussian"])
+def test_entropy_picks_the_kl_minimum_and_keeps_few_level_inputs_whole(case: str) -> None:
+    """The threshold is the KL minimum (the largest one on ties), checked against a plain reimplementation.
+
+    Inputs with few distinct values (the digits pixels, 17 levels) lose nothing at their max, so their KL
+    minimum is the max: entropy must not clip them.
+    """
+    from sklearn.datasets import load_digits
+
+    rng = np.random.default_rng(5)
+    images = load_digits().images[:300].astype(np.float32)
+    data = {
+        "digits-0.3-0.4": (images / 16 - 0.3) / 0.4,
+        "digits-0.3-0.3255": (images / 16 - 0.3) / 0.3255,  # max |x| 2.15, the background at 0.92
+        "digits-per-pixel": np.nan_to_num((images - images.mean(0)) / (images.std(0) + 1e-6)),
+        "laplace-wide": rng.laplace(0.0, 1.0, 400_000) * np.where(rng.random(400_000) < 1e-3, 50.0, 1.0),
+        "relu-gaussian": np.maximum(rng.standard_normal(400_000), 0.0),
+    }[case]
+    hist = _filled(np.array_split(data.ravel(), 19))
+    amax = amax_from_histogram(hist, "entropy")
+    assert amax == pytest.approx(min(_reference_entropy_bins(hist.counts) * hist.bin_width, hist.amax))
+    if case.startswith("digits-0.3"):
+        assert amax == pytest.approx(hist.amax)
 
 
 def test_unknown_method_and_bad_percentile_raise() -> None:
