@@ -16,7 +16,8 @@ from google.protobuf.message import DecodeError
 
 from compiler.errors import InputError
 
-__all__ = ["load_onnx", "save_onnx", "onnx_files", "ort_session", "usable_providers", "MAX_IR_VERSION"]
+__all__ = ["load_onnx", "save_onnx", "onnx_files", "ort_session", "usable_providers", "checking_providers",
+           "MAX_IR_VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,25 @@ def usable_providers(prefer: list[str] | None = None) -> list[str]:
     if "CPUExecutionProvider" not in usable:
         usable.append("CPUExecutionProvider")
     return usable
+
+
+def checking_providers(available: list[str] | None = None, cuda: bool | None = None) -> list[str]:
+    """The providers for trtc's own ONNX Runtime runs: calibration, the FP16 range pass and the accuracy gate.
+
+    ONNX Runtime's CUDA provider first where it is installed and a CUDA device is visible, then the CPU;
+    never the TensorRT provider, which would build engines and choose precisions of its own. ``available``
+    (ONNX Runtime's provider list) and ``cuda`` (a device is visible) default to this machine's. Q/DQ stays
+    exact on either provider (``ort_session(exact_qdq=True)`` keeps the pairs unfused).
+    """
+    if available is None:
+        import onnxruntime as ort
+
+        available = list(ort.get_available_providers())
+    if cuda is None:
+        cuda = "CUDAExecutionProvider" in available and _cuda_present()
+    if cuda and "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
 
 
 def _cuda_present() -> bool:
