@@ -27,6 +27,7 @@ import onnx
 from calibration.fp16 import fp16_rounding_emulation
 from compiler.onnx_io import checking_providers, load_onnx
 from compiler.runners import OrtRunner
+from compiler.worker import mark_step
 
 __all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "sample_cosines"]
 
@@ -164,6 +165,7 @@ class Evaluator:
         for batch, ref in zip(self.batches, self.reference):
             if limit is not None and seen >= limit:
                 break
+            mark_step(f"batch {len(firsts)}")
             outs = list(runner.infer(batch).values())
             firsts.append(outs[0])
             for name, got, want in zip(self.output_names, outs, ref):

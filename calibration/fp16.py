@@ -42,7 +42,8 @@ from onnx.external_data_helper import uses_external_data
 from compiler.errors import InputError
 from compiler.onnx_io import MAX_IR_VERSION
 
-__all__ = ["FP32_OPS", "FP16_MAX", "Fp16Policy", "Fp16Report", "fp16_model_from", "fp16_rounding_emulation"]
+__all__ = ["FP32_OPS", "FP16_MAX", "Fp16Policy", "Fp16Report", "fp16_model_from", "fp16_rounding_emulation",
+           "weightless_copy"]
 
 log = logging.getLogger(__name__)
 
@@ -665,6 +666,11 @@ def _retarget(node: onnx.NodeProto) -> bool:
     elif "dtype" in attrs and attrs["dtype"].i == FLOAT:
         attrs["dtype"].i = FLOAT16
     return False
+
+
+def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with initializers over 1024 elements turned into typed graph inputs, for shape inference."""
+    return _skeleton(model)
 
 
 def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:

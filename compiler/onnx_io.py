@@ -140,12 +140,13 @@ def _tensorrt_present() -> bool:
 
 
 def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,
-                threads: int = 0, exact_qdq: bool = False) -> Any:
+                threads: int = 0, exact_qdq: bool = False, weights_dir: str | os.PathLike[str] | None = None) -> Any:
     """An ONNX Runtime session on the given model (path or in-memory proto), all graph optimizations on.
 
     ``exact_qdq`` runs Q/DQ pairs as written instead of fusing them into ONNX Runtime's integer
     kernels: on x86 CPUs without VNNI those saturate intermediate sums (u8s8 pmaddubsw) and give
-    errors TensorRT does not have, so accuracy checks of Q/DQ models use it.
+    errors TensorRT does not have, so accuracy checks of Q/DQ models use it. ``weights_dir``: where the
+    external data of an in-memory proto lives (its graph alone then costs no copy of the weights).
     """
     import onnxruntime as ort
 
@@ -153,6 +154,8 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
     opts.log_severity_level = 3
     if exact_qdq:
         opts.add_session_config_entry("session.disable_quant_qdq", "1")
+    if weights_dir is not None:
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
     if threads:
         opts.intra_op_num_threads = threads
     if providers and any(p != "CPUExecutionProvider" for p in providers) and hasattr(ort, "preload_dlls"):
