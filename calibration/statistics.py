@@ -444,7 +444,7 @@ def _bytes_per_sample(skeleton: onnx.ModelProto, probe: _Probe, batch: dict[str,
     fixed.CopyFrom(skeleton)
     for vi in fixed.graph.input:
         if vi.name in probe.inputs and vi.name in batch and np.ndim(batch[vi.name]):
-            shape = (1,) + tuple(np.shape(batch[vi.name])[1:])
+            shape = (1, *np.shape(batch[vi.name])[1:])
             vi.type.tensor_type.shape.Clear()
             for d in shape:
                 vi.type.tensor_type.shape.dim.add().dim_value = int(d)
