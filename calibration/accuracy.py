@@ -141,7 +141,7 @@ class Evaluator:
                    labels: np.ndarray | None, settings: GateSettings, providers: list[str] | None = None,
                    ) -> Evaluator:
         providers = providers or checking_providers()
-        runner = OrtRunner(fp32, providers)
+        runner = OrtRunner(fp32, providers, memory_arena=False)
         # the reference outputs go to files read back memory-mapped: a language model's logits for every
         # evaluation sample would otherwise be held in memory (GPT-2: 25 MB per 128-token sample)
         scratch = tempfile.TemporaryDirectory(prefix="trtc-reference-")
@@ -172,7 +172,7 @@ class Evaluator:
             proto = model if isinstance(model, onnx.ModelProto) else load_onnx(model)
             if _holds_fp16(proto):
                 model, emulated = fp16_rounding_emulation(proto), True
-        runner = OrtRunner(model, self.providers, exact_qdq=True)
+        runner = OrtRunner(model, self.providers, exact_qdq=True, memory_arena=False)
         cosines: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
         max_abs = dict.fromkeys(self.output_names, 0.0)
         firsts: list[np.ndarray] = []

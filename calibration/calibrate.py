@@ -183,7 +183,7 @@ def _open_data(source: str | None, settings: CalibrationSettings, spec: ModelSpe
                             labels=settings.labels)
 
 
-def _evaluator(model: onnx.ModelProto, eval_data: CalibrationData | None, settings: CalibrationSettings,
+def _evaluator(model: Path, eval_data: CalibrationData | None, settings: CalibrationSettings,
                ) -> Evaluator | None:
     if eval_data is None:
         return None
@@ -191,7 +191,7 @@ def _evaluator(model: onnx.ModelProto, eval_data: CalibrationData | None, settin
     # function may shuffle or augment, so its batches are held to keep them paired with the FP32 outputs
     batches = eval_data if eval_data.repeatable else list(eval_data.batches())
     mark(f"{settings.precision.upper()} accuracy gate: FP32 reference outputs")
-    return Evaluator.from_model(model, batches, eval_data.labels, settings.gate, providers=checking_providers())
+    return Evaluator.from_model(str(model), batches, eval_data.labels, settings.gate, providers=checking_providers())
 
 
 @contextlib.contextmanager
@@ -256,7 +256,7 @@ def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, 
                         "reused_cache": cache is not None, "provider": record.get("provider")},
         "_model": qmodel,
     }
-    evaluator = _evaluator(model, eval_data, settings)
+    evaluator = _evaluator(fp32_path, eval_data, settings)
     if evaluator is None:
         return None, details
     # a residual Add alone in INT8 changes nothing (its Q/DQ follows its convolution), so it is not ranked
@@ -317,7 +317,7 @@ def _fp16(model: onnx.ModelProto, fp32_path: Path, data: CalibrationData | None,
     fmodel, report = fp16_model_from(model, base, max_abs)
     details: dict[str, Any] = {"fp16": report.to_dict(), "_model": fmodel,
                                "fp16_range_provider": checking_providers()[0] if data is not None else None}
-    evaluator = _evaluator(model, eval_data, settings)
+    evaluator = _evaluator(fp32_path, eval_data, settings)
     if evaluator is None:
         return None, details
     candidates = [n.name for n in model.graph.node if n.name not in report.fp32_nodes

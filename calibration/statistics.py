@@ -71,9 +71,9 @@ _UPDATE_CHUNK = 1 << 14
 
 # Bytes of exposed tensors one ONNX Runtime run may hold: a batch with more is run in slices of fewer samples.
 # Exposed tensors cannot share ONNX Runtime's buffers and two runs' worth are held at once (one being binned
-# while the next runs), so this bounds the activation memory at about 2x it; 128 MiB keeps ResNet-50 at 224x224
-# to slices of 3 samples, where speed per sample is that of batch 16 within a few percent on a CPU.
-DEFAULT_MEMORY_BUDGET = 128 << 20
+# while the next runs), so this bounds the activation memory at about 2x it. 64 MiB runs ResNet-50 at 224x224
+# one or two samples at a time (docs/benchmarks.md has its peak RSS).
+DEFAULT_MEMORY_BUDGET = 64 << 20
 _PROTO_LIMIT = 2**31 - 2**24  # protobuf cannot serialize 2 GiB; bigger models go through a scratch file
 _MAX_SEED_CONSTANT = 1 << 22  # constants up to 4M elements (a 2048 x 2048 causal mask) are scanned for biases
 _FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16})
@@ -584,11 +584,11 @@ def _session_for(probe: _Probe, providers: list[str] | None, scratch: Path) -> A
     model = probe.model
     path = scratch / "calibration.onnx"
     if probe.weights_dir is not None:  # the graph alone; ONNX Runtime reads the weights from their files
-        return ort_session(model, providers, weights_dir=probe.weights_dir)
+        return ort_session(model, providers, weights_dir=probe.weights_dir, memory_arena=False)
     if model.ByteSize() < _PROTO_LIMIT:
-        return ort_session(model, providers)
+        return ort_session(model, providers, memory_arena=False)
     save_onnx(model, path)
-    return ort_session(path, providers)
+    return ort_session(path, providers, memory_arena=False)
 
 
 def _ort_errors() -> tuple[type[Exception], ...]:

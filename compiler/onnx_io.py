@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -140,13 +141,16 @@ def _tensorrt_present() -> bool:
 
 
 def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,
-                threads: int = 0, exact_qdq: bool = False, weights_dir: str | os.PathLike[str] | None = None) -> Any:
+                threads: int = 0, exact_qdq: bool = False, weights_dir: str | os.PathLike[str] | None = None,
+                memory_arena: bool = True) -> Any:
     """An ONNX Runtime session on the given model (path or in-memory proto), all graph optimizations on.
 
     ``exact_qdq`` runs Q/DQ pairs as written instead of fusing them into ONNX Runtime's integer
     kernels: on x86 CPUs without VNNI those saturate intermediate sums (u8s8 pmaddubsw) and give
     errors TensorRT does not have, so accuracy checks of Q/DQ models use it. ``weights_dir``: where the
     external data of an in-memory proto lives (its graph alone then costs no copy of the weights).
+    ``memory_arena=False`` returns each run's CPU buffers instead of keeping an arena sized by the largest
+    run (rounded up to a power of two): slower by a few percent, but memory follows what is live.
     """
     import onnxruntime as ort
 
@@ -158,7 +162,28 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
     if threads:
         opts.intra_op_num_threads = threads
+    if not memory_arena:
+        opts.enable_cpu_mem_arena = False
     if providers and any(p != "CPUExecutionProvider" for p in providers) and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
+    providers = providers or ["CPUExecutionProvider"]
+    if isinstance(model, onnx.ModelProto) and _weight_bytes(model) > _PROTO_LIMIT:
+        # protobuf cannot serialize 2 GiB: ONNX Runtime reads it from files (removed once it has loaded them)
+        with tempfile.TemporaryDirectory(prefix="trtc-ort-") as scratch:
+            path = Path(scratch) / "model.onnx"
+            save_onnx(model, path)
+            return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(source, sess_options=opts, providers=providers or ["CPUExecutionProvider"])
+    return ort.InferenceSession(source, sess_options=opts, providers=providers)
+
+
+_PROTO_LIMIT = 2**31 - 2**24  # bytes of weights above which a proto is not serialized in one piece
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the weights held in the proto (raw data and typed fields, roughly), without serializing it."""
+    total = 0
+    for t in model.graph.initializer:
+        total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data)
+                                                                                      + len(t.double_data))
+    return total
