@@ -40,7 +40,6 @@ WIDTH = 4096
 
 def write_onnx(path: Path, layers: int) -> int:
     """The MLP as ONNX with external data; returns the bytes of its weights."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     from compiler.onnx_io import save_onnx
