@@ -370,14 +370,73 @@ def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_name
     Built for FP16 overflow detection, so by default every value counts, padding and mask biases
     included: a -1e9 bias overflows FP16 as surely as an activation does (a -inf bias gives inf). Pass
     ``exclude_masked=True`` for the same exclusions as ``collect_histograms``. Raises as it does.
+    Without exclusions the max |x| is reduced inside the graph (Abs and ReduceMax per tensor): only one
+    number per tensor leaves ONNX Runtime, which keeps reusing its buffers, so memory is that of plain
+    inference however many tensors are measured; ``budget_bytes`` then does not apply.
     """
     names = list(dict.fromkeys(tensor_names))
     maxima = dict.fromkeys(names, 0.0)
+    if not exclude_masked:
+        return _max_abs_in_graph(model, names, batches, providers, mask_bias_threshold)
     for observed in _observed_batches(model, names, batches, providers, exclude_masked, mask_bias_threshold,
                                       budget_bytes):
         for name, values in observed.values.items():
             if values.size:  # max and -min: no |x| copy of the tensor
                 maxima[name] = max(maxima[name], float(values.max()), -float(values.min()))
+    return maxima
+
+
+def _max_abs_in_graph(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
+                      batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None,
+                      threshold: float) -> dict[str, float]:
+    probe = _probe_for(model, names, threshold)
+    graph = probe.model.graph
+    types = {o.name: o.type.tensor_type.elem_type for o in graph.output}
+    del graph.output[:]
+    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+    reduced: dict[str, str] = {}
+    for name in probe.fetched:
+        stem = f"{name}__absmax"
+        while stem in taken:
+            stem += "_"
+        taken.update({stem, f"{stem}_abs"})
+        graph.node.extend([helper.make_node("Abs", [name], [f"{stem}_abs"], name=f"{stem}_abs"),
+                           helper.make_node("ReduceMax", [f"{stem}_abs"], [stem], name=stem, keepdims=0)])
+        graph.output.append(helper.make_tensor_value_info(stem, types.get(name, TensorProto.FLOAT), []))
+        reduced[name] = stem
+    maxima = dict.fromkeys(names, 0.0)
+    seen = 0
+    with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
+        session = _session_for(probe, providers, Path(scratch)) if reduced else None
+        del probe.model.graph.initializer[:]
+        for index, batch in enumerate(batches):
+            mark_step(f"batch {index}")
+            missing = [name for name in probe.inputs if name not in batch]
+            if missing:
+                raise CalibrationError(f"batch {index} has no array for model input(s) {', '.join(missing)}; every "
+                                       f"batch must map each input name ({', '.join(probe.inputs)}) to an array")
+            feed = {name: np.asarray(batch[name]) for name in probe.inputs}
+            values: dict[str, float] = {}
+            if session is not None:
+                try:
+                    arrays = session.run(list(reduced.values()), feed)
+                except _ort_errors() as err:
+                    raise CalibrationError(f"batch {index}: ONNX Runtime could not run it ({err}); check the batch's "
+                                           "dtypes and shapes against the model inputs") from err
+                values = {name: float(a) for name, a in zip(reduced, arrays)}
+            for name in names:
+                if name not in reduced:  # a graph input: from the feed
+                    array = feed[name].ravel()
+                    _check_finite(index, name, array[array > -threshold] if name in probe.bias_cone else array)
+                    values[name] = max(float(array.max()), -float(array.min())) if array.size else 0.0
+                value = values[name]
+                if math.isnan(value) or (math.isinf(value) and name not in probe.bias_cone):
+                    raise CalibrationError(f"batch {index}: tensor {name!r} has NaN or Inf values; check that batch's "
+                                           "data (scaling, dtype, uninitialised arrays) or the model")
+                maxima[name] = max(maxima[name], value)
+            seen += 1
+    if not seen:
+        raise CalibrationError("the calibration data gave no batches; pass at least one batch of inputs")
     return maxima
 
 
