@@ -49,6 +49,7 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
         refuse_other_model(out, fingerprint, export.force)
         with staging_dir(out) as stage:
             manifest = exported_into(stage, loaded, spec, export, fingerprint)
+            del loaded  # the PyTorch model is not needed past export: its memory goes back before calibration
             if calibration is not None:
                 cache = calibration.calib_cache or (out / CALIBRATION_JSON)
                 if Path(cache).is_file():
