@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import onnx
@@ -144,3 +145,13 @@ def test_checking_providers_prefer_cuda_and_never_tensorrt() -> None:
     assert checking_providers(everything, cuda=False) == ["CPUExecutionProvider"]
     assert checking_providers(["CPUExecutionProvider"], cuda=True) == ["CPUExecutionProvider"]
     assert checking_providers()[-1] == "CPUExecutionProvider"
+
+
+def test_the_report_prints_an_all_zero_gate_as_n_a(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    from compiler import report
+
+    evaluator = _evaluator(_scale_chain([0.0]), [{"x": X}])
+    entry = {"precision": "fp16", "accuracy": evaluator.evaluate(_scale_chain([0.0])).to_dict(), "kept_in_fp32": {}}
+    report._print_accuracy_entry("fp16", entry, tmp_path)
+    printed = capsys.readouterr()
+    assert "n/a" in printed.out + printed.err and "all zero" in printed.out + printed.err
