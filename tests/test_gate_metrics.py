@@ -155,3 +155,37 @@ def test_the_report_prints_an_all_zero_gate_as_n_a(capsys: pytest.CaptureFixture
     report._print_accuracy_entry("fp16", entry, tmp_path)
     printed = capsys.readouterr()
     assert "n/a" in printed.out + printed.err and "all zero" in printed.out + printed.err
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_the_provider_is_recorded_and_the_work_runs_in_a_worker(tmp_path: Any, precision: str) -> None:
+    from calibration.calibrate import CalibrationSettings, calibrated_into
+    from compiler.onnx_io import save_onnx
+    from compiler.specs import ModelSpec, parse_input_spec
+
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4])
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc1"), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")], "mlp", [x], [y],
+        [numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal((32, 4)).astype(np.float32), "w2")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    save_onnx(model, tmp_path / "model.onnx")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    outcome = calibrated_into(stage, tmp_path / "model.onnx", ModelSpec((parse_input_spec("x:Bx16"),)),
+                              CalibrationSettings(precision, data="random", samples=32))
+    provider = checking_providers()[0]
+    assert outcome.passed, outcome.message
+    assert outcome.manifest_update["accuracy"][precision]["provider"] == provider
+    if precision == "int8":
+        assert outcome.manifest_update["calibration"]["provider"] == provider
+        assert json.loads((stage / "calibration.json").read_text())["provider"] == provider
+    else:
+        assert outcome.manifest_update["fp16"]["range_provider"] == provider
+    gate = json.loads((stage / "report" / "accuracy.json").read_text())[precision]["accuracy"]
+    assert gate["provider"] == provider
+    assert gate["fp16_emulated"] == (precision == "fp16" and provider.startswith("CPU"))
