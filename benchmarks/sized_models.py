@@ -92,7 +92,7 @@ class ViT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.patch(x).flatten(2).transpose(1, 2)
-        t = torch.cat([self.cls.expand(len(t), -1, -1), t], 1) + self.pos
+        t = torch.cat([self.cls.expand(t.shape[0], -1, -1), t], 1) + self.pos  # not len(t): it fixes the batch
         return self.head(self.norm(self.blocks(t))[:, 0])
 
 
