@@ -77,7 +77,7 @@ def main() -> None:
             source.parent.mkdir(parents=True, exist_ok=True)
             write_onnx(source, args.layers)
         size = sum(p.stat().st_size for p in source.parent.glob("model.onnx*"))
-        model_args = [str(source)]
+        model_args = [str(source), "--input", "x:Bx4096"]
     else:
         size = 4 * (args.layers * (WIDTH * WIDTH + WIDTH) + WIDTH * 10 + 10)
         model_args = ["--model-factory", "benchmarks.sized_models:big_mlp", "--input", "x:Bx4096"]
@@ -93,7 +93,7 @@ def main() -> None:
         files = {p.name: p.stat().st_size for p in out.glob("model*.onnx*")} if out.is_dir() else {}
         row = {"source": args.source, "precision": precision, "model_gib": round(size / GIB, 3),
                "peak_rss_gib": round(peak / GIB, 3), "target_gib": round(target / GIB, 3),
-               "within_target": peak <= target, "seconds": round(seconds, 1), "exit_code": code, "files": files,
+               "within_target": code == 0 and peak <= target, "seconds": round(seconds, 1), "exit_code": code, "files": files,
                "output_tail": output if code else ""}
         rows.append(row)
         print(json.dumps(row), flush=True)

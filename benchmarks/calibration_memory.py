@@ -102,7 +102,7 @@ def run_case(work: Path, case: str) -> dict[str, Any]:
     return {"case": case, "model": model, "precision": precision, "samples": int(samples),
             "model_gib": round(size / GIB, 3), "peak_rss_gib": round(peak / GIB, 3),
             "target_gib": round(target / GIB, 3),
-            "within_target": peak <= target, "seconds": round(seconds, 1), "exit_code": code,
+            "within_target": code == 0 and peak <= target, "seconds": round(seconds, 1), "exit_code": code,
             "gate": {k: accuracy.get(k) for k in ("passed", "cosine_mean", "worst_output", "provider",
                                                    "fp16_emulated")},
             "output_tail": output if code else ""}
