@@ -93,7 +93,8 @@ def main() -> None:
         files = {p.name: p.stat().st_size for p in out.glob("model*.onnx*")} if out.is_dir() else {}
         row = {"source": args.source, "precision": precision, "model_gib": round(size / GIB, 3),
                "peak_rss_gib": round(peak / GIB, 3), "target_gib": round(target / GIB, 3),
-               "within_target": code == 0 and peak <= target, "seconds": round(seconds, 1), "exit_code": code, "files": files,
+               "within_target": code == 0 and peak <= target, "seconds": round(seconds, 1), "exit_code": code,
+               "files": files,
                "output_tail": output if code else ""}
         rows.append(row)
         print(json.dumps(row), flush=True)
