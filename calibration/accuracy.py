@@ -147,6 +147,7 @@ class Evaluator:
         scratch = tempfile.TemporaryDirectory(prefix="trtc-reference-")
         outputs = []
         for i, batch in enumerate(batches):
+            mark_step(f"batch {i}")
             arrays = []
             for j, array in enumerate(runner.infer(batch).values()):
                 path = Path(scratch.name) / f"{i}-{j}.npy"
