@@ -165,15 +165,19 @@ class Evaluator:
         pred = np.concatenate([o.reshape(len(o), -1).argmax(axis=1) for o in first_outputs])
         return float((pred == self.labels[: len(pred)]).mean())
 
+    def _runner(self, model: onnx.ModelProto | str) -> tuple[OrtRunner, bool]:
+        """A session on ``model``, or on its FP16 rounding emulation on the CPU (whose proto is dropped here)."""
+        if self.providers[0] == "CPUExecutionProvider":
+            proto = model if isinstance(model, onnx.ModelProto) else load_onnx(model)
+            if _holds_fp16(proto):
+                return OrtRunner(fp16_rounding_emulation(proto), self.providers, exact_qdq=True,
+                                 memory_arena=False), True
+        return OrtRunner(model, self.providers, exact_qdq=True, memory_arena=False), False
+
     def evaluate(self, model: onnx.ModelProto | str, limit: int | None = None) -> AccuracyResult:
         """Run ``model`` (Q/DQ executed exactly, as TensorRT would; FP16 rounded as FP16 hardware) against FP32."""
         provider = self.providers[0]
-        emulated = False
-        if provider == "CPUExecutionProvider":
-            proto = model if isinstance(model, onnx.ModelProto) else load_onnx(model)
-            if _holds_fp16(proto):
-                model, emulated = fp16_rounding_emulation(proto), True
-        runner = OrtRunner(model, self.providers, exact_qdq=True, memory_arena=False)
+        runner, emulated = self._runner(model)
         cosines: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
         max_abs = dict.fromkeys(self.output_names, 0.0)
         firsts: list[np.ndarray] = []
