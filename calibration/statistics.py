@@ -395,15 +395,24 @@ def _max_abs_in_graph(model: onnx.ModelProto | str | os.PathLike[str], names: li
     del graph.output[:]
     taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
     reduced: dict[str, str] = {}
+    reductions: dict[str, list[onnx.NodeProto]] = {}
     for name in probe.fetched:
         stem = f"{name}__absmax"
         while stem in taken:
             stem += "_"
         taken.update({stem, f"{stem}_abs"})
-        graph.node.extend([helper.make_node("Abs", [name], [f"{stem}_abs"], name=f"{stem}_abs"),
-                           helper.make_node("ReduceMax", [f"{stem}_abs"], [stem], name=stem, keepdims=0)])
+        reductions[name] = [helper.make_node("Abs", [name], [f"{stem}_abs"], name=f"{stem}_abs"),
+                            helper.make_node("ReduceMax", [f"{stem}_abs"], [stem], name=stem, keepdims=0)]
         graph.output.append(helper.make_tensor_value_info(stem, types.get(name, TensorProto.FLOAT), []))
         reduced[name] = stem
+    # each reduction right after the node producing its tensor: ONNX Runtime runs nodes in this order, and a
+    # tensor is freed once its last consumer ran, so the activations live as long as in plain inference
+    nodes = list(graph.node)
+    del graph.node[:]
+    for node in nodes:
+        graph.node.append(node)
+        for out in node.output:
+            graph.node.extend(reductions.get(out, []))
     maxima = dict.fromkeys(names, 0.0)
     seen = 0
     with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
