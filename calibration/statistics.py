@@ -416,7 +416,7 @@ def _max_abs_in_graph(model: onnx.ModelProto | str | os.PathLike[str], names: li
     maxima = dict.fromkeys(names, 0.0)
     seen = 0
     with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
-        session = _session_for(probe, providers, Path(scratch)) if reduced else None
+        session = _session_for(probe, providers, Path(scratch), in_node_order=True) if reduced else None
         del probe.model.graph.initializer[:]
         for index, batch in enumerate(batches):
             mark_step(f"batch {index}")
@@ -648,15 +648,16 @@ def _outer_scope_names(node: onnx.NodeProto) -> list[str]:
     return names
 
 
-def _session_for(probe: _Probe, providers: list[str] | None, scratch: Path) -> Any:
+def _session_for(probe: _Probe, providers: list[str] | None, scratch: Path, in_node_order: bool = False) -> Any:
     model = probe.model
     path = scratch / "calibration.onnx"
     if probe.weights_dir is not None:  # the graph alone; ONNX Runtime reads the weights from their files
-        return ort_session(model, providers, weights_dir=probe.weights_dir, memory_arena=False)
+        return ort_session(model, providers, weights_dir=probe.weights_dir, memory_arena=False,
+                           in_node_order=in_node_order)
     if model.ByteSize() < _PROTO_LIMIT:
-        return ort_session(model, providers, memory_arena=False)
+        return ort_session(model, providers, memory_arena=False, in_node_order=in_node_order)
     save_onnx(model, path)
-    return ort_session(path, providers, memory_arena=False)
+    return ort_session(path, providers, memory_arena=False, in_node_order=in_node_order)
 
 
 def _ort_errors() -> tuple[type[Exception], ...]:

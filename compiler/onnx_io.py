@@ -142,7 +142,7 @@ def _tensorrt_present() -> bool:
 
 def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,
                 threads: int = 0, exact_qdq: bool = False, weights_dir: str | os.PathLike[str] | None = None,
-                memory_arena: bool = True) -> Any:
+                memory_arena: bool = True, in_node_order: bool = False) -> Any:
     """An ONNX Runtime session on the given model (path or in-memory proto), all graph optimizations on.
 
     ``exact_qdq`` runs Q/DQ pairs as written instead of fusing them into ONNX Runtime's integer
@@ -151,6 +151,7 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
     external data of an in-memory proto lives (its graph alone then costs no copy of the weights).
     ``memory_arena=False`` returns each run's CPU buffers instead of keeping an arena sized by the largest
     run (rounded up to a power of two): slower by a few percent, but memory follows what is live.
+    ``in_node_order`` runs nodes in the graph's order where ONNX Runtime may choose (priority-based order).
     """
     import onnxruntime as ort
 
@@ -164,6 +165,8 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
         opts.intra_op_num_threads = threads
     if not memory_arena:
         opts.enable_cpu_mem_arena = False
+    if in_node_order:
+        opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if providers and any(p != "CPUExecutionProvider" for p in providers) and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     providers = providers or ["CPUExecutionProvider"]
