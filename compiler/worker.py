@@ -10,16 +10,18 @@ worker). Set ``TRTC_IN_PROCESS=1`` to run everything in the calling process inst
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import logging.handlers
 import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -74,7 +76,8 @@ def in_worker(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
                             name=f"trtc {what}", daemon=True)
         forwarder = threading.Thread(target=_forward, args=(records,), daemon=True)
         forwarder.start()
-        child.start()
+        with _main_not_rerun():
+            child.start()
         send.close()
         try:
             answer = receive.recv()
@@ -96,6 +99,24 @@ def in_worker(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     raise payload
 
 
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Keep the spawned child from importing this process's __main__ again (multiprocessing does, and a
+    script without an ``if __name__ == "__main__"`` guard, such as a wrapper around the CLI, would run twice);
+    the worker needs only the module of the function it runs."""
+    main = sys.modules.get("__main__")
+    saved = {key: getattr(main, key) for key in ("__file__", "__spec__") if hasattr(main, key)}
+    try:
+        if main is not None:
+            main.__spec__ = None
+            if hasattr(main, "__file__"):
+                del main.__file__
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(main, key, value)
+
+
 def _crash_message(what: str, stage: str, code: int | None) -> str:
     if code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
@@ -110,6 +131,7 @@ def _crash_message(what: str, stage: str, code: int | None) -> str:
 def _child(send: Any, records: Any, levels: dict[str, int], crumb: str, fn: Callable[..., Any],
            args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     global _crumb
+    _die_with_parent()
     _crumb = Path(crumb)
     handler = logging.handlers.QueueHandler(records)
     for name, level in levels.items():
@@ -131,6 +153,20 @@ def _child(send: Any, records: Any, levels: dict[str, int], crumb: str, fn: Call
         send.close()
         records.close()
         records.join_thread()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this worker when the process that started it dies (a SIGKILLed `trtc build` must not
+    leave a worker writing into its staging folder). Elsewhere the worker notices only when it next reports."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _forward(records: Any) -> None:
