@@ -191,9 +191,12 @@ class Evaluator:
             for name, got, want in zip(self.output_names, outs, ref):
                 if got.dtype.kind != "f":
                     continue
-                cosines[name].append(sample_cosines(got, want))
-                diff = np.abs(got.astype(np.float64) - want)
-                max_abs[name] = max(max_abs[name], float(np.nanmax(diff)) if diff.size else 0.0)
+                # sample by sample: float64 copies of a language model's whole batch of logits are GiBs
+                for i in range(len(got) if got.ndim else 1):
+                    g, w = (got[i:i + 1], want[i:i + 1]) if got.ndim else (got, want)
+                    cosines[name].append(sample_cosines(g, w))
+                    diff = np.abs(g.astype(np.float64) - w)
+                    max_abs[name] = max(max_abs[name], float(np.nanmax(diff)) if diff.size else 0.0)
             seen += len(next(iter(batch.values())))
         runner.close()
         per_output: dict[str, dict[str, float | None]] = {}
