@@ -1,8 +1,14 @@
 """The accuracy gate: compare a reduced-precision model with FP32 and fall back layer by layer.
 
-With labels the gate is on top-1 accuracy (drop in percentage points); without, on the mean
-cosine similarity between candidate and FP32 outputs, row by row over the last axis (one
-logits vector or one token embedding per row). When the candidate misses the gate, the
+With labels the gate is on top-1 accuracy (drop in percentage points); without, on cosine similarity
+to the FP32 outputs, sample by sample over each whole output (a sample's logits, all its token
+embeddings, all its boxes and scores, its whole segmentation map), averaged over samples per output;
+the worst output's mean must reach ``min_cosine`` and is named in the summary. A sample whose FP32
+output is all zero has no direction to compare: it is left out of the mean (a candidate that is not
+all zero there still counts as cosine 0), and the result warns about it, as about an output that is
+the same for every sample. Models run on ONNX Runtime's CUDA provider where there is one, else the
+CPU; on the CPU an FP16 candidate runs as ``fp16_rounding_emulation`` so that its values round,
+underflow and overflow as FP16 hardware stores them. When the candidate misses the gate, the
 candidate layers are ranked in one pass: each runs beside an FP32 twin that reads the same
 inputs, so one ONNX Runtime run per batch measures every layer's own error; then the most
 sensitive layers are kept in higher precision one at a time until the gate passes or
@@ -13,17 +19,23 @@ from __future__ import annotations
 
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
+from calibration.fp16 import fp16_rounding_emulation
+from compiler.onnx_io import checking_providers, load_onnx
 from compiler.runners import OrtRunner
+from compiler.worker import mark_step
 
-__all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors"]
+__all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors",
+           "sample_cosines"]
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +55,54 @@ class AccuracyResult:
     fp32_top1: float | None
     top1: float | None
     drop_points: float | None
-    cosine_mean: float
-    cosine_min: float
+    cosine_mean: float  # the worst output's mean per-sample cosine; NaN where no sample could be compared
+    cosine_min: float  # the lowest per-sample cosine of any output
     max_abs: float
+    worst_output: str | None = None
+    per_output: dict[str, dict[str, float | None]] = field(default_factory=dict)  # cosine_mean, cosine_min, max_abs
+    warnings: list[str] = field(default_factory=list)  # degenerate references: all zero, constant
+    provider: str = "CPUExecutionProvider"
+    fp16_emulated: bool = False  # an FP16 candidate ran as fp16_rounding_emulation (on the CPU)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return _json_safe(asdict(self))
 
     def summary(self) -> str:
+        cosine = "n/a (all-zero FP32 outputs)" if np.isnan(self.cosine_mean) else f"{self.cosine_mean:.5f}"
+        where = f" on output {self.worst_output}" if self.worst_output and len(self.per_output) > 1 else ""
         if self.metric == "top1":
             return (f"top-1 {100 * (self.top1 or 0):.2f}% vs FP32 {100 * (self.fp32_top1 or 0):.2f}% "
-                    f"(drop {self.drop_points:.2f} points), cosine {self.cosine_mean:.5f}")
-        return f"cosine {self.cosine_mean:.5f} (min {self.cosine_min:.5f}), max abs error {self.max_abs:.3g}"
+                    f"(drop {self.drop_points:.2f} points), cosine {cosine}{where}")
+        return f"cosine {cosine}{where} (min {self.cosine_min:.5f}), max abs error {self.max_abs:.3g}"
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and inf as None, so that accuracy.json stays strict JSON."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def sample_cosines(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """The cosine similarity of each sample's whole output: axis 0 is the batch, the rest is flattened.
+
+    NaN where both are all zero (nothing to compare: neither 1 nor 0 would be true), 0 where exactly one
+    is, and 0 where the candidate holds NaN or inf. A 0-d output is one sample.
+    """
+    a = got.reshape(len(got), -1).astype(np.float64) if got.ndim else got.reshape(1, 1).astype(np.float64)
+    b = ref.reshape(len(ref), -1).astype(np.float64) if ref.ndim else ref.reshape(1, 1).astype(np.float64)
+    finite = np.isfinite(a).all(axis=1)
+    a = np.where(np.isfinite(a), a, 0.0)
+    num = (a * b).sum(axis=1)
+    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    den = na * nb
+    cos = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+    cos = np.where((na == 0) & (nb == 0), np.nan, cos)
+    return np.where(finite, cos, 0.0)
 
 
 def row_cosines(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -72,57 +120,153 @@ class Evaluator:
 
     ``batches`` is iterated once per evaluation, so it must be re-iterable: a list, or a
     ``CalibrationData``, which reads its files again on each pass so that memory does not grow with
-    the evaluation set (only the outputs are kept).
+    the evaluation set (only the outputs are kept). ``providers`` run both the reference and every
+    candidate (``checking_providers()`` by default: CUDA where present, else the CPU).
     """
 
     def __init__(self, batches: Iterable[dict[str, np.ndarray]], fp32_outputs: list[list[np.ndarray]],
-                 labels: np.ndarray | None, settings: GateSettings) -> None:
+                 labels: np.ndarray | None, settings: GateSettings, output_names: list[str] | None = None,
+                 providers: list[str] | None = None) -> None:
         self.batches = batches
         self.reference = fp32_outputs
         self.labels = labels
         self.settings = settings
+        count = len(fp32_outputs[0]) if fp32_outputs else 0
+        self.output_names = list(output_names or [f"output {i}" for i in range(count)])
+        self.providers = list(providers or ["CPUExecutionProvider"])
         self.fp32_top1 = self._top1([out[0] for out in fp32_outputs]) if labels is not None else None
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None  # files holding the reference outputs
+        self.warnings = _reference_warnings(self.output_names, fp32_outputs)
+        for warning in self.warnings:
+            log.warning("accuracy gate: %s", warning)
 
     @classmethod
     def from_model(cls, fp32: onnx.ModelProto | str, batches: Iterable[dict[str, np.ndarray]],
-                   labels: np.ndarray | None, settings: GateSettings) -> Evaluator:
-        runner = OrtRunner(fp32, ["CPUExecutionProvider"])
-        outputs = [list(runner.infer(b).values()) for b in batches]
-        return cls(batches, outputs, labels, settings)
+                   labels: np.ndarray | None, settings: GateSettings, providers: list[str] | None = None,
+                   ) -> Evaluator:
+        providers = providers or checking_providers()
+        runner = OrtRunner(fp32, providers, memory_arena=False)
+        # the reference outputs go to files read back memory-mapped: a language model's logits for every
+        # evaluation sample would otherwise be held in memory (GPT-2: 25 MB per 128-token sample)
+        scratch = tempfile.TemporaryDirectory(prefix="trtc-reference-")
+        outputs = []
+        for i, batch in enumerate(batches):
+            mark_step(f"batch {i}")
+            arrays = []
+            for j, array in enumerate(runner.infer(batch).values()):
+                path = Path(scratch.name) / f"{i}-{j}.npy"
+                np.save(path, array)
+                arrays.append(np.load(path, mmap_mode="r"))
+            outputs.append(arrays)
+        names = runner.output_names
+        runner.close()
+        evaluator = cls(batches, outputs, labels, settings, names, providers)
+        evaluator._scratch = scratch  # removed with the evaluator
+        return evaluator
 
     def _top1(self, first_outputs: list[np.ndarray]) -> float:
         assert self.labels is not None
         pred = np.concatenate([o.reshape(len(o), -1).argmax(axis=1) for o in first_outputs])
         return float((pred == self.labels[: len(pred)]).mean())
 
+    def _runner(self, model: onnx.ModelProto | str) -> tuple[OrtRunner, bool]:
+        """A session on ``model``, or on its FP16 rounding emulation on the CPU (whose proto is dropped here)."""
+        if self.providers[0] == "CPUExecutionProvider":
+            proto = model if isinstance(model, onnx.ModelProto) else load_onnx(model)
+            if _holds_fp16(proto):
+                return OrtRunner(fp16_rounding_emulation(proto), self.providers, exact_qdq=True,
+                                 memory_arena=False), True
+        return OrtRunner(model, self.providers, exact_qdq=True, memory_arena=False), False
+
     def evaluate(self, model: onnx.ModelProto | str, limit: int | None = None) -> AccuracyResult:
-        """Run ``model`` (Q/DQ executed exactly, as TensorRT would) and compare with FP32."""
-        runner = OrtRunner(model, ["CPUExecutionProvider"], exact_qdq=True)
-        cosines: list[np.ndarray] = []
+        """Run ``model`` (Q/DQ executed exactly, as TensorRT would; FP16 rounded as FP16 hardware) against FP32."""
+        provider = self.providers[0]
+        runner, emulated = self._runner(model)
+        cosines: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
+        max_abs = dict.fromkeys(self.output_names, 0.0)
         firsts: list[np.ndarray] = []
-        max_abs = 0.0
         seen = 0
         for batch, ref in zip(self.batches, self.reference):
             if limit is not None and seen >= limit:
                 break
+            mark_step(f"batch {len(firsts)}")
             outs = list(runner.infer(batch).values())
             firsts.append(outs[0])
-            for got, want in zip(outs, ref):
+            for name, got, want in zip(self.output_names, outs, ref):
                 if got.dtype.kind != "f":
                     continue
-                cosines.append(row_cosines(got, want))
-                diff = np.abs(got.astype(np.float64) - want)
-                max_abs = max(max_abs, float(diff.max()) if diff.size else 0.0)
+                # sample by sample: float64 copies of a language model's whole batch of logits are GiBs
+                for i in range(len(got) if got.ndim else 1):
+                    g, w = (got[i:i + 1], want[i:i + 1]) if got.ndim else (got, want)
+                    cosines[name].append(sample_cosines(g, w))
+                    diff = np.abs(g.astype(np.float64) - w)
+                    max_abs[name] = max(max_abs[name], float(np.nanmax(diff)) if diff.size else 0.0)
             seen += len(next(iter(batch.values())))
-        cos = np.concatenate(cosines) if cosines else np.ones(1)
+        runner.close()
+        per_output: dict[str, dict[str, float | None]] = {}
+        for name, parts in cosines.items():
+            if not parts:
+                continue
+            cos = np.concatenate(parts)
+            known = cos[~np.isnan(cos)]
+            per_output[name] = {"cosine_mean": float(known.mean()) if known.size else float("nan"),
+                                "cosine_min": float(known.min()) if known.size else float("nan"),
+                                "max_abs": max_abs[name]}
+        worst = _worst(per_output)
+        mean = float(per_output[worst]["cosine_mean"]) if worst else float("nan")  # type: ignore[arg-type]
+        mins = [float(v["cosine_min"]) for v in per_output.values() if v["cosine_min"] is not None
+                and not np.isnan(float(v["cosine_min"]))]
+        low = min(mins) if mins else float("nan")
+        worst_abs = max(max_abs.values()) if max_abs else 0.0
+        # nothing comparable (every FP32 sample all zero): pass only if the candidate is exactly zero too
+        cos_ok = worst_abs == 0.0 if np.isnan(mean) else mean >= self.settings.min_cosine
+        result = AccuracyResult("cosine", cos_ok, None, None, None, mean, low, worst_abs, worst, per_output,
+                                list(self.warnings), provider, emulated)
         if self.labels is not None and limit is None:
-            top1 = self._top1(firsts)
-            drop = 100 * ((self.fp32_top1 or 0) - top1)
-            passed = drop <= self.settings.max_accuracy_drop
-            return AccuracyResult("top1", passed, self.fp32_top1, top1, drop, float(cos.mean()), float(cos.min()),
-                                  max_abs)
-        return AccuracyResult("cosine", float(cos.mean()) >= self.settings.min_cosine, None, None, None,
-                              float(cos.mean()), float(cos.min()), max_abs)
+            result.metric, result.fp32_top1, result.top1 = "top1", self.fp32_top1, self._top1(firsts)
+            result.drop_points = 100 * ((self.fp32_top1 or 0) - result.top1)
+            result.passed = result.drop_points <= self.settings.max_accuracy_drop
+        return result
+
+
+def _worst(per_output: dict[str, dict[str, float | None]]) -> str | None:
+    """The output with the lowest mean cosine (NaN ones only when nothing else was comparable)."""
+    if not per_output:
+        return None
+    def key(name: str) -> float:
+        value = per_output[name]["cosine_mean"]
+        return np.inf if value is None or np.isnan(value) else value
+    return min(per_output, key=key)
+
+
+def _holds_fp16(model: onnx.ModelProto) -> bool:
+    """Whether the graph computes anything in FP16: FP16 weights, FP16 values or a Cast to FP16."""
+    graph = model.graph
+    return any(t.data_type == onnx.TensorProto.FLOAT16 for t in graph.initializer) \
+        or any(vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+               for vi in [*graph.input, *graph.output, *graph.value_info]) \
+        or any(n.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT16 for a in n.attribute)
+               for n in graph.node)
+
+
+def _reference_warnings(names: list[str], outputs: list[list[np.ndarray]]) -> list[str]:
+    """What makes a comparison with these FP32 outputs degenerate: all-zero samples, one value for all samples."""
+    warnings = []
+    for k, name in enumerate(names):
+        arrays = [batch[k] for batch in outputs if k < len(batch) and batch[k].dtype.kind == "f"]
+        if not arrays:
+            continue
+        total = sum(len(a) if a.ndim else 1 for a in arrays)
+        zero = sum(int((~a.reshape(len(a) if a.ndim else 1, -1).any(axis=1)).sum()) for a in arrays)
+        if zero:
+            warnings.append(f"FP32 output {name} is all zero on {zero} of {total} samples: those samples are left "
+                            "out of its cosine (a zero-initialised head? check the weights)")
+        first = arrays[0].reshape(len(arrays[0]) if arrays[0].ndim else 1, -1)[0]
+        same = all(np.array_equal(row, first) for a in arrays for row in a.reshape(len(a) if a.ndim else 1, -1))
+        if total > 1 and same and zero < total:
+            warnings.append(f"FP32 output {name} is the same for every sample: the gate cannot tell a broken "
+                            "model from a working one on it (check the data and the weights)")
+    return warnings
 
 
 @dataclass

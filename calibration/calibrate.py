@@ -22,9 +22,16 @@ import onnx
 
 from calibration.accuracy import Evaluator, GateOutcome, GateSettings, gate_with_fallback
 from calibration.data import RANDOM, CalibrationData, ImagePreprocessing, calibration_data
-from calibration.fp16 import Fp16Policy, Fp16Report, fp16_model_from, int8_fp16_model_from, node_precisions
+from calibration.fp16 import (
+    Fp16Policy,
+    Fp16Report,
+    fp16_model_from,
+    int8_fp16_model_from,
+    node_precisions,
+    weightless_copy,
+)
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
-from calibration.statistics import AMAX_METHODS, collect_histograms, collect_max_abs
+from calibration.statistics import AMAX_METHODS, DEFAULT_MEMORY_BUDGET, collect_histograms, collect_max_abs
 from compiler.errors import AccuracyGateError, CalibrationError
 from compiler.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
 from compiler.manifest import (
@@ -36,9 +43,10 @@ from compiler.manifest import (
     verified_onnx,
     write_manifest,
 )
-from compiler.onnx_io import load_onnx, save_onnx
+from compiler.onnx_io import checking_providers, load_onnx, save_onnx
 from compiler.progress import progress, stage_timer
 from compiler.specs import ModelSpec
+from compiler.worker import in_worker, isolated, mark
 
 __all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "calibrate_directory"]
 
@@ -67,6 +75,7 @@ class CalibrationSettings:
     fp32_rest: bool = False  # INT8 only: leave what is not quantized in FP32 instead of FP16
     calib_cache: Path | None = None
     image: ImagePreprocessing | None = None
+    memory_budget: int = DEFAULT_MEMORY_BUDGET  # bytes of exposed activations per ONNX Runtime run
 
     def __post_init__(self) -> None:
         if self.precision not in ONNX_NAMES:
@@ -125,17 +134,27 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
                     ) -> CalibrationOutcome:
     """Write the reduced-precision ONNX, calibration.json and report/accuracy.json into ``stage``.
 
-    ``stage`` may already hold a ``calibration.json`` to reuse (``--calib-cache`` copies it there).
+    ``stage`` may already hold a ``calibration.json`` to reuse (``--calib-cache`` copies it there). Runs in
+    a worker process (``compiler.worker``): a native crash of ONNX Runtime becomes ``WorkerCrashed`` naming
+    the stage, the model and the batch, and the memory of the ONNX Runtime sessions goes back when it ends.
     """
+    if isolated():
+        return in_worker(f"{settings.precision.upper()} calibration", _calibrated_into, stage, fp32_path, spec,
+                         settings)
+    return _calibrated_into(stage, fp32_path, spec, settings)
+
+
+def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: CalibrationSettings,
+                     ) -> CalibrationOutcome:
     start = time.perf_counter()
     model = load_onnx(fp32_path)
     data = _open_data(settings.data, settings, spec) if (settings.data or settings.loader) else None
     eval_data = _open_data(settings.eval_data, settings, spec, for_eval=True) if settings.eval_data else data
     model_sha = sha256_file(fp32_path)
     if settings.precision == "int8":
-        result, details = _int8(stage, model, model_sha, data, eval_data, settings)
+        result, details = _int8(stage, model, fp32_path, model_sha, data, eval_data, settings)
     else:
-        result, details = _fp16(model, data, eval_data, settings)
+        result, details = _fp16(model, fp32_path, data, eval_data, settings)
     ungated_model = details.pop("_model")
     report = {"precision": settings.precision, "created": now(), "seconds": round(time.perf_counter() - start, 2),
               "calibration_data": data.to_dict() if data else None,
@@ -167,7 +186,8 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
         "precision": settings.precision,
         "accuracy": {settings.precision: {"metric": report["accuracy"]["metric"] if report["accuracy"] else None,
                                           "summary": result.result.summary() if result else "gate not run",
-                                          "kept_in_fp32": sorted(result.kept) if result else []}},
+                                          "kept_in_fp32": sorted(result.kept) if result else [],
+                                          "provider": result.result.provider if result else None}},
         # the data behind each precision (FP16 too): what it was, how many samples, whether it was random
         "data": {settings.precision: {"calibration": report["calibration_data"], "eval": report["eval_data"]}},
     }
@@ -176,7 +196,8 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
         update["calibration"]["remainder"] = details["remainder"]
         update["calibration"]["node_precisions"] = report["node_precisions"]["counts"]
     else:
-        update["fp16"] = {"fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"]}
+        update["fp16"] = {"fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"],
+                          "range_provider": details["fp16_range_provider"]}
     return CalibrationOutcome(update, True, "")
 
 
@@ -200,17 +221,18 @@ def _open_data(source: str | None, settings: CalibrationSettings, spec: ModelSpe
                             labels=settings.labels)
 
 
-def _evaluator(model: onnx.ModelProto, eval_data: CalibrationData | None, settings: CalibrationSettings,
+def _evaluator(model: Path, eval_data: CalibrationData | None, settings: CalibrationSettings,
                ) -> Evaluator | None:
     if eval_data is None:
         return None
     # files are read again on each evaluation, so memory does not grow with the evaluation set; a loader
     # function may shuffle or augment, so its batches are held to keep them paired with the FP32 outputs
     batches = eval_data if eval_data.repeatable else list(eval_data.batches())
-    return Evaluator.from_model(model, batches, eval_data.labels, settings.gate)
+    mark(f"{settings.precision.upper()} accuracy gate: FP32 reference outputs")
+    return Evaluator.from_model(str(model), batches, eval_data.labels, settings.gate, providers=checking_providers())
 
 
-def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: CalibrationData | None,
+def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, data: CalibrationData | None,
           eval_data: CalibrationData | None, settings: CalibrationSettings,
           ) -> tuple[GateOutcome | None, dict[str, Any]]:
     policy = QdqPolicy(quantize_attention_matmuls=settings.quantize_attention,
@@ -227,21 +249,25 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
             raise CalibrationError("INT8 needs calibration data: pass --calib-data PATH or --calib-loader, or "
                                    "--calib-cache with a calibration.json from an earlier build")
         start = time.perf_counter()
+        mark(f"INT8 calibration: histograms of {len(tensors)} tensors of the FP32 model")
         with progress(f"calibrating {len(tensors)} tensors", data.samples) as advance:
-            stats = collect_histograms(model, tensors, data.batches(), progress=advance)
+            stats = collect_histograms(fp32_path, tensors, data.batches(), progress=advance,
+                                       providers=checking_providers(), budget_bytes=settings.memory_budget)
         amax = stats.amax(settings.method, settings.percentile)
         record = {"model_sha256": model_sha, "method": settings.method, "percentile": settings.percentile,
                   "data": data.to_dict(), "seconds": round(time.perf_counter() - start, 2),
+                  "provider": checking_providers()[0],
                   "excluded_values": stats.excluded,
                   "amax": amax}
         log.info("calibrated %d tensors on %d samples in %.1f s (%s)", len(amax), data.samples,
                  record["seconds"], settings.method)
-    max_abs = None if settings.fp32_rest else _float_ranges(model, record, data)
+    max_abs = None if settings.fp32_rest else _float_ranges(model, fp32_path, record, data, settings)
     atomic_write_json(stage / CALIBRATION_JSON, record)
     fp16_policy = Fp16Policy(keep_fp32=frozenset(settings.keep_fp32))
 
     def reduced(excluded: frozenset[str]) -> tuple[onnx.ModelProto, QdqReport, Fp16Report | None]:
         """The INT8 model with ``excluded`` layers out of INT8, and what the Q/DQ and FP16 passes did."""
+        mark(_candidate("INT8", excluded))
         p = QdqPolicy(quantize_attention_matmuls=policy.quantize_attention_matmuls,
                       exclude_nodes=policy.exclude_nodes | excluded, exclude_op_types=policy.exclude_op_types)
         qdq, qdq_report = qdq_model_from(model, amax, p)
@@ -260,10 +286,10 @@ def _int8(stage: Path, model: onnx.ModelProto, model_sha: str, data: Calibration
         "calibration": {"method": record["method"], "percentile": record["percentile"],
                         "samples": record["data"]["samples"], "data_sha256": record["data"]["sha256"],
                         "random_data": record["data"]["random"], "tensors": len(amax),
-                        "reused_cache": cache is not None},
+                        "reused_cache": cache is not None, "provider": record.get("provider")},
         "_model": qmodel,
     }
-    evaluator = _evaluator(model, eval_data, settings)
+    evaluator = _evaluator(fp32_path, eval_data, settings)
     details["node_precisions"] = node_precisions(model, qreport.quantized_nodes, freport)
     if evaluator is None:
         _log_precisions(details["node_precisions"])
@@ -296,7 +322,8 @@ def _log_precisions(precisions: dict[str, Any]) -> None:
             log.info("kept %s in FP32: %s", name, why)
 
 
-def _float_ranges(model: onnx.ModelProto, record: dict[str, Any], data: CalibrationData | None,
+def _float_ranges(model: onnx.ModelProto, fp32_path: Path, record: dict[str, Any], data: CalibrationData | None,
+                  settings: CalibrationSettings,
                   ) -> dict[str, float] | None:
     """max |x| of every float tensor, for the FP16 remainder's range rule; stored in calibration.json."""
     if isinstance(record.get("max_abs"), dict):
@@ -305,7 +332,8 @@ def _float_ranges(model: onnx.ModelProto, record: dict[str, Any], data: Calibrat
         log.warning("no calibration data and no max |x| in the calibration cache: the FP16 remainder uses the "
                     "type rules only (no overflow check); pass --calib-data to measure ranges")
         return None
-    max_abs = collect_max_abs(model, _float_tensors(model), data.batches())
+    max_abs = collect_max_abs(fp32_path, _float_tensors(model), data.batches(), providers=checking_providers(),
+                              budget_bytes=settings.memory_budget)
     record["max_abs"] = max_abs
     log.info("measured max |x| of %d tensors for the FP16 remainder", len(max_abs))
     return max_abs
@@ -343,19 +371,22 @@ def _usable_cache(path: Path, model_sha: str, data: CalibrationData | None, sett
     return cache
 
 
-def _fp16(model: onnx.ModelProto, data: CalibrationData | None, eval_data: CalibrationData | None,
+def _fp16(model: onnx.ModelProto, fp32_path: Path, data: CalibrationData | None, eval_data: CalibrationData | None,
           settings: CalibrationSettings) -> tuple[GateOutcome | None, dict[str, Any]]:
     max_abs: dict[str, float] | None = None
     if data is not None:
         names = _float_tensors(model)
+        mark(f"FP16 range pass: max |x| of {len(names)} tensors of the FP32 model")
         with progress(f"FP16 range of {len(names)} tensors", data.samples) as advance:
-            max_abs = collect_max_abs(model, names, _counted(data.batches(), advance))
+            max_abs = collect_max_abs(fp32_path, names, _counted(data.batches(), advance),
+                                      providers=checking_providers(), budget_bytes=settings.memory_budget)
         log.info("measured max |x| of %d tensors on %d samples", len(max_abs), data.samples)
     else:
         log.warning("no calibration data: FP16 conversion uses the type rules only (no overflow check)")
     base = Fp16Policy(keep_fp32=frozenset(settings.keep_fp32))
 
     def build(excluded: frozenset[str]) -> onnx.ModelProto:
+        mark(_candidate("FP16", excluded))
         return fp16_model_from(model, Fp16Policy(keep_fp32=base.keep_fp32 | excluded), max_abs)[0]
 
     fmodel, report = fp16_model_from(model, base, max_abs)
@@ -363,8 +394,9 @@ def _fp16(model: onnx.ModelProto, data: CalibrationData | None, eval_data: Calib
              report.casts_inserted)
     for name, why in report.fp32_nodes.items():
         log.info("kept %s in FP32: %s", name, why)
-    details: dict[str, Any] = {"fp16": report.to_dict(), "_model": fmodel}
-    evaluator = _evaluator(model, eval_data, settings)
+    details: dict[str, Any] = {"fp16": report.to_dict(), "_model": fmodel,
+                               "fp16_range_provider": checking_providers()[0] if data is not None else None}
+    evaluator = _evaluator(fp32_path, eval_data, settings)
     if evaluator is None:
         return None, details
     candidates = [n.name for n in model.graph.node if n.name not in report.fp32_nodes
@@ -387,8 +419,17 @@ _FP16_CANDIDATE_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Sof
                                  "Add", "Mul", "Div", "Sub", "Gelu", "ReduceMean", "Sqrt", "Erf", "Tanh", "Sigmoid"})
 
 
+def _candidate(what: str, excluded: frozenset[str]) -> str:
+    """The crash-report name of a gate candidate: the precision and the layers it keeps in FP32."""
+    if not excluded:
+        return f"{what} accuracy gate: the {what} model"
+    names = sorted(excluded)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{what} accuracy gate: the {what} model with {shown} kept in FP32"
+
+
 def _float_tensors(model: onnx.ModelProto) -> list[str]:
-    typed = onnx.shape_inference.infer_shapes(model)
+    typed = onnx.shape_inference.infer_shapes(weightless_copy(model))  # no copy of the weights (nor 2 GiB limit)
     floats = {vi.name for vi in list(typed.graph.value_info) + list(typed.graph.output)
               if vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
     return [o for n in model.graph.node for o in n.output if o in floats]

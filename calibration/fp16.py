@@ -43,7 +43,7 @@ from compiler.errors import InputError
 from compiler.onnx_io import MAX_IR_VERSION
 
 __all__ = ["FP32_OPS", "FP16_MAX", "FP16_MIN_NORMAL", "Fp16Policy", "Fp16Report", "fp16_model_from",
-           "int8_fp16_model_from", "node_precisions"]
+           "fp16_rounding_emulation", "int8_fp16_model_from", "node_precisions", "weightless_copy"]
 
 log = logging.getLogger(__name__)
 
@@ -596,6 +596,72 @@ class _Rewriter:
         return name
 
 
+def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An FP32 graph that computes what the FP16 graph ``model`` computes on FP16 hardware, for CPUs.
+
+    ONNX Runtime's CPU provider has FP16 kernels for few ops: it runs the others in FP32 behind Casts that it
+    then removes between consecutive nodes, so an FP16 graph on the CPU keeps FP32 values from node to node
+    (no underflow, no overflow) and its gate would measure nothing. Here every FP16 tensor is held in FP32
+    but rounded to FP16 (a Cast to FLOAT16 and back, which ONNX Runtime keeps: it is not lossless) right
+    after the node that produces it, and FP16 weights become FP32 with the same values. Inside a node the
+    arithmetic is FP32, as TensorRT accumulates FP16 convolutions, GEMMs and reductions in FP32; values
+    round to nearest even, overflow to +-inf and underflow to subnormals and 0 as FP16 storage does. Graph
+    inputs and outputs typed FLOAT16 become FLOAT. ``model`` is not modified. Will not emulate FP16 inside
+    control-flow subgraphs (``fp16_model_from`` leaves them FP32).
+    """
+    typed = onnx.shape_inference.infer_shapes(_skeleton(model))
+    types = {vi.name: vi.type.tensor_type.elem_type
+             for vi in [*typed.graph.input, *typed.graph.output, *typed.graph.value_info]
+             if vi.type.HasField("tensor_type")}
+    out = _copy_fields(model, onnx.ModelProto(), skip={"graph"})
+    graph = model.graph
+    g = _copy_fields(graph, out.graph, skip={"initializer", "node", "value_info", "input", "output"})
+    for t in graph.initializer:
+        if t.data_type == FLOAT16:
+            g.initializer.append(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+        else:
+            g.initializer.append(t)
+    for field_name in ("input", "output"):
+        for vi in getattr(graph, field_name):
+            new = getattr(g, field_name).add()
+            new.CopyFrom(vi)
+            if new.type.tensor_type.elem_type == FLOAT16:
+                new.type.tensor_type.elem_type = FLOAT
+    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+    for node in graph.node:
+        new = g.node.add()
+        new.CopyFrom(node)
+        _fp32_attributes(new)
+        rounded = [(j, name) for j, name in enumerate(node.output) if name and types.get(name) == FLOAT16]
+        for j, name in rounded:
+            half, stem = f"{name}__fp16", name
+            while half in taken:
+                stem += "_"
+                half = f"{stem}__fp16"
+            taken.add(half)
+            if node.op_type == "Cast":  # already rounds: only come back to FP32
+                new.output[j] = half
+                g.node.add().CopyFrom(helper.make_node("Cast", [half], [name], to=FLOAT, name=f"{half}_up"))
+                continue
+            wide = f"{stem}__fp32"
+            taken.add(wide)
+            new.output[j] = wide
+            g.node.add().CopyFrom(helper.make_node("Cast", [wide], [half], to=FLOAT16, name=f"{half}_round"))
+            g.node.add().CopyFrom(helper.make_node("Cast", [half], [name], to=FLOAT, name=f"{half}_up"))
+    return out
+
+
+def _fp32_attributes(node: onnx.NodeProto) -> None:
+    """Switch the attributes that make ``node`` produce FLOAT16 (dtype, Constant values) to FLOAT."""
+    if node.op_type == "Cast":
+        return  # Cast(to=FLOAT16) is the rounding itself
+    for attr in node.attribute:
+        if attr.type == AttributeProto.TENSOR and attr.t.data_type == FLOAT16:
+            attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
+        elif attr.name == "dtype" and attr.type == AttributeProto.INT and attr.i == FLOAT16:
+            attr.i = FLOAT
+
+
 # -- helpers -----------------------------------------------------------------------------------------------------
 
 
@@ -653,6 +719,11 @@ def _retarget(node: onnx.NodeProto) -> bool:
     elif "dtype" in attrs and attrs["dtype"].i == FLOAT:
         attrs["dtype"].i = FLOAT16
     return False
+
+
+def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with initializers over 1024 elements turned into typed graph inputs, for shape inference."""
+    return _skeleton(model)
 
 
 def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:

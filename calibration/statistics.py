@@ -47,11 +47,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from calibration.fp16 import weightless_copy
 from compiler.errors import CalibrationError
 from compiler.onnx_io import load_onnx, ort_session, save_onnx
+from compiler.worker import mark_step
 
 __all__ = ["AbsHistogram", "CalibrationStats", "AMAX_METHODS", "amax_from_histogram", "collect_histograms",
-           "collect_max_abs", "DEFAULT_BINS", "AMAX_FLOOR", "DEFAULT_MASK_BIAS_THRESHOLD"]
+           "collect_max_abs", "DEFAULT_BINS", "AMAX_FLOOR", "DEFAULT_MASK_BIAS_THRESHOLD",
+           "DEFAULT_MEMORY_BUDGET"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,11 @@ _MSE_CHUNK = 128  # thresholds evaluated at once: a chunk x bins matrix of float
 # With 4x larger chunks the peak RSS of a 224x224 CNN's calibration crept up 10% over its first 20 batches.
 _UPDATE_CHUNK = 1 << 14
 
+# Bytes of exposed tensors one ONNX Runtime run may hold: a batch with more is run in slices of fewer samples.
+# Exposed tensors cannot share ONNX Runtime's buffers and two runs' worth are held at once (one being binned
+# while the next runs), so this bounds the activation memory at about 2x it. 64 MiB runs ResNet-50 at 224x224
+# one or two samples at a time (docs/benchmarks.md has its peak RSS).
+DEFAULT_MEMORY_BUDGET = 64 << 20
 _PROTO_LIMIT = 2**31 - 2**24  # protobuf cannot serialize 2 GiB; bigger models go through a scratch file
 _MAX_SEED_CONSTANT = 1 << 22  # constants up to 4M elements (a 2048 x 2048 causal mask) are scanned for biases
 _FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16})
@@ -347,14 +355,16 @@ class CalibrationStats:
 def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_names: list[str],
                        batches: Iterable[dict[str, np.ndarray]], *, providers: list[str] | None = None,
                        progress: Callable[[int], None] | None = None, num_bins: int = DEFAULT_BINS,
-                       exclude_masked: bool = True,
-                       mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD) -> CalibrationStats:
+                       exclude_masked: bool = True, mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD,
+                       budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> CalibrationStats:
     """Run every batch through ONNX Runtime and histogram |x| of each tensor in ``tensor_names``.
 
     ``model`` is a proto or a path (external data beside it is loaded); it is not modified. Only the
     requested tensors are added as graph outputs. Each batch maps every model input name to an array;
     batches may differ in shape (each sequence its own length). A batch's arrays are dropped once
-    counted. ``progress`` gets the batch size after each batch. With ``exclude_masked`` (the default),
+    counted. A batch whose exposed tensors would exceed ``budget_bytes`` runs in slices of fewer samples
+    (measured on the first sample), so memory is bounded whatever the batch size and the model.
+    ``progress`` gets the number of samples after each slice. With ``exclude_masked`` (the default),
     padding and mask biases stay out as the module docstring describes. Raises CalibrationError for an
     unknown tensor, a batch that lacks an input or that ONNX Runtime rejects, NaN or Inf in a kept value,
     or no batches at all.
@@ -367,13 +377,13 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     with ThreadPoolExecutor(max_workers=max(1, min(len(histograms), os.cpu_count() or 1))) as pool:
         pending: list[Future[None]] = []
         for observed in _observed_batches(model, list(histograms), batches, providers, exclude_masked,
-                                          mask_bias_threshold):
+                                          mask_bias_threshold, budget_bytes):
             for future in pending:
                 future.result()
             pending = [pool.submit(histograms[name].update, values) for name, values in observed.values.items()]
             for name in observed.values:
                 excluded[name] += observed.excluded[name]
-            count += 1
+            count = observed.batch + 1
             samples += observed.samples
             if progress is not None:
                 progress(observed.samples)
@@ -387,20 +397,89 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
 
 def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_names: list[str],
                     batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None = None, *,
-                    exclude_masked: bool = False,
-                    mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD) -> dict[str, float]:
+                    exclude_masked: bool = False, mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD,
+                    budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> dict[str, float]:
     """The max |x| of each tensor over all batches (0.0 for a tensor that held no value).
 
     Built for FP16 overflow detection, so by default every value counts, padding and mask biases
     included: a -1e9 bias overflows FP16 as surely as an activation does (a -inf bias gives inf). Pass
     ``exclude_masked=True`` for the same exclusions as ``collect_histograms``. Raises as it does.
+    Without exclusions the max |x| is reduced inside the graph (Abs and ReduceMax per tensor): only one
+    number per tensor leaves ONNX Runtime, which keeps reusing its buffers, so memory is that of plain
+    inference however many tensors are measured; ``budget_bytes`` then does not apply.
     """
     names = list(dict.fromkeys(tensor_names))
     maxima = dict.fromkeys(names, 0.0)
-    for observed in _observed_batches(model, names, batches, providers, exclude_masked, mask_bias_threshold):
+    if not exclude_masked:
+        return _max_abs_in_graph(model, names, batches, providers, mask_bias_threshold)
+    for observed in _observed_batches(model, names, batches, providers, exclude_masked, mask_bias_threshold,
+                                      budget_bytes):
         for name, values in observed.values.items():
-            if values.size:
-                maxima[name] = max(maxima[name], float(np.max(np.abs(values))))
+            if values.size:  # max and -min: no |x| copy of the tensor
+                maxima[name] = max(maxima[name], float(values.max()), -float(values.min()))
+    return maxima
+
+
+def _max_abs_in_graph(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
+                      batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None,
+                      threshold: float) -> dict[str, float]:
+    probe = _probe_for(model, names, threshold)
+    graph = probe.model.graph
+    types = {o.name: o.type.tensor_type.elem_type for o in graph.output}
+    del graph.output[:]
+    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+    reduced: dict[str, str] = {}
+    reductions: dict[str, list[onnx.NodeProto]] = {}
+    for name in probe.fetched:
+        stem = f"{name}__absmax"
+        while stem in taken:
+            stem += "_"
+        taken.update({stem, f"{stem}_abs"})
+        reductions[name] = [helper.make_node("Abs", [name], [f"{stem}_abs"], name=f"{stem}_abs"),
+                            helper.make_node("ReduceMax", [f"{stem}_abs"], [stem], name=stem, keepdims=0)]
+        graph.output.append(helper.make_tensor_value_info(stem, types.get(name, TensorProto.FLOAT), []))
+        reduced[name] = stem
+    # each reduction right after the node producing its tensor: ONNX Runtime runs nodes in this order, and a
+    # tensor is freed once its last consumer ran, so the activations live as long as in plain inference
+    nodes = list(graph.node)
+    del graph.node[:]
+    for node in nodes:
+        graph.node.append(node)
+        for out in node.output:
+            graph.node.extend(reductions.get(out, []))
+    maxima = dict.fromkeys(names, 0.0)
+    seen = 0
+    with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
+        session = _session_for(probe, providers, Path(scratch), in_node_order=True) if reduced else None
+        del probe.model.graph.initializer[:]
+        for index, batch in enumerate(batches):
+            mark_step(f"batch {index}")
+            missing = [name for name in probe.inputs if name not in batch]
+            if missing:
+                raise CalibrationError(f"batch {index} has no array for model input(s) {', '.join(missing)}; every "
+                                       f"batch must map each input name ({', '.join(probe.inputs)}) to an array")
+            feed = {name: np.asarray(batch[name]) for name in probe.inputs}
+            values: dict[str, float] = {}
+            if session is not None:
+                try:
+                    arrays = session.run(list(reduced.values()), feed)
+                except _ort_errors() as err:
+                    raise CalibrationError(f"batch {index}: ONNX Runtime could not run it ({err}); check the batch's "
+                                           "dtypes and shapes against the model inputs") from err
+                values = {name: float(a) for name, a in zip(reduced, arrays)}
+            for name in names:
+                if name not in reduced:  # a graph input: from the feed
+                    array = feed[name].ravel()
+                    _check_finite(index, name, array[array > -threshold] if name in probe.bias_cone else array)
+                    values[name] = max(float(array.max()), -float(array.min())) if array.size else 0.0
+                value = values[name]
+                if math.isnan(value) or (math.isinf(value) and name not in probe.bias_cone):
+                    raise CalibrationError(f"batch {index}: tensor {name!r} has NaN or Inf values; check that batch's "
+                                           "data (scaling, dtype, uninitialised arrays) or the model")
+                maxima[name] = max(maxima[name], value)
+            seen += 1
+    if not seen:
+        raise CalibrationError("the calibration data gave no batches; pass at least one batch of inputs")
     return maxima
 
 
@@ -414,6 +493,7 @@ class _Probe:
     fetched: tuple[str, ...]  # requested tensors that nodes compute (the rest are inputs, read from the feed)
     padding_masks: tuple[str, ...]
     bias_cone: frozenset[str]
+    weights_dir: Path | None = None  # loaded from a file without its external weights, which stay there
 
 
 @dataclass(frozen=True)
@@ -421,31 +501,92 @@ class _Observed:
     samples: int
     values: dict[str, np.ndarray]  # kept values of each requested tensor, flattened
     excluded: dict[str, int]
+    nbytes: int = 0  # of the exposed tensors ONNX Runtime returned
+    batch: int = 0  # index of the batch this slice belongs to
 
 
 def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
                       batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None,
-                      exclude_masked: bool, threshold: float) -> Iterator[_Observed]:
+                      exclude_masked: bool, threshold: float, budget_bytes: int = DEFAULT_MEMORY_BUDGET,
+                      ) -> Iterator[_Observed]:
     if threshold <= 0:
         raise ValueError(f"mask_bias_threshold must be positive, got {threshold}")
     probe = _probe_for(model, names, threshold)
     seen = 0
+    per_sample = 0  # bytes of exposed tensors per sample, from the first run
     with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
-        session = _session_for(probe.model, providers, Path(scratch))
+        session = _session_for(probe, providers, Path(scratch))
+        skeleton = weightless_copy(probe.model)
+        del probe.model.graph.initializer[:]  # a copy: the session has the weights, one copy is enough
         for index, batch in enumerate(batches):
-            yield _observe(session, probe, index, batch, exclude_masked, threshold)
+            start, size = 0, _batch_size(batch, probe.inputs)
+            if not per_sample and size:
+                per_sample = _bytes_per_sample(skeleton, probe, batch)
+            while start < size or (size == 0 and start == 0):
+                step = 1 if not per_sample else max(1, budget_bytes // per_sample)
+                part = _slice(batch, probe.inputs, start, step, size)
+                mark_step(f"batch {index}" + (f", samples {start}-{min(size, start + step) - 1}" if size > 1 else ""))
+                observed = _observe(session, probe, index, part, exclude_masked, threshold)
+                if not per_sample and observed.samples:
+                    per_sample = max(1, observed.nbytes // observed.samples)
+                    log.debug("%d bytes of exposed tensors per sample: %d samples per run", per_sample,
+                              max(1, budget_bytes // per_sample))
+                yield observed
+                start += step
+                if size == 0:
+                    break
             seen += 1
     if not seen:
         raise CalibrationError("the calibration data gave no batches; pass at least one batch of inputs")
 
 
+def _bytes_per_sample(skeleton: onnx.ModelProto, probe: _Probe, batch: dict[str, np.ndarray]) -> int:
+    """Bytes of the exposed tensors for one sample shaped like ``batch``'s, from shape inference; 0 if unknown."""
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(skeleton)
+    for vi in fixed.graph.input:
+        if vi.name in probe.inputs and vi.name in batch and np.ndim(batch[vi.name]):
+            shape = (1, *np.shape(batch[vi.name])[1:])
+            vi.type.tensor_type.shape.Clear()
+            for d in shape:
+                vi.type.tensor_type.shape.dim.add().dim_value = int(d)
+    try:
+        typed = onnx.shape_inference.infer_shapes(fixed, data_prop=True)
+    except (onnx.shape_inference.InferenceError, ValueError):
+        return 0
+    infos = {vi.name: vi.type.tensor_type for vi in [*typed.graph.value_info, *typed.graph.output]}
+    total = 0
+    for name in probe.fetched:
+        info = infos.get(name)
+        if info is None or not info.HasField("shape") or not all(d.HasField("dim_value") for d in info.shape.dim):
+            return 0
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(info.elem_type)).itemsize
+        total += math.prod(d.dim_value for d in info.shape.dim) * itemsize
+    return total
+
+
+def _batch_size(batch: dict[str, np.ndarray], inputs: tuple[str, ...]) -> int:
+    """The shared leading dimension of the batch's inputs (0 when they do not share one: run it whole)."""
+    sizes = {np.shape(batch[name])[0] if np.ndim(batch[name]) else -1 for name in inputs if name in batch}
+    return sizes.pop() if len(sizes) == 1 and -1 not in sizes else 0
+
+
+def _slice(batch: dict[str, np.ndarray], inputs: tuple[str, ...], start: int, step: int,
+           size: int) -> dict[str, np.ndarray]:
+    if size == 0 or (start == 0 and step >= size):
+        return batch
+    return {name: (value[start:start + step] if name in inputs else value) for name, value in batch.items()}
+
+
 def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str], threshold: float) -> _Probe:
+    weights_dir = None
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         model = copy
-    else:
-        model = load_onnx(model)
+    else:  # the weights stay in their file: ONNX Runtime reads them once, no copy is held here
+        weights_dir = Path(model).parent
+        model = load_onnx(model, load_weights=False)
     graph = model.graph
     weights = {t.name for t in graph.initializer}
     inputs = tuple(i.name for i in graph.input if i.name not in weights)
@@ -461,8 +602,8 @@ def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str]
     _expose(model, fetched)
     mask_inputs = [i for i in graph.input if i.name in inputs and "mask" in i.name.lower()]
     padding_masks = tuple(i.name for i in mask_inputs if i.type.tensor_type.elem_type in _MASK_TYPES)
-    cone = _mask_bias_cone(graph, {i.name for i in mask_inputs} | _bias_constants(graph, threshold))
-    return _Probe(model, inputs, tuple(names), fetched, padding_masks, cone)
+    cone = _mask_bias_cone(graph, {i.name for i in mask_inputs} | _bias_constants(graph, threshold, weights_dir))
+    return _Probe(model, inputs, tuple(names), fetched, padding_masks, cone, weights_dir)
 
 
 def _expose(model: onnx.ModelProto, names: tuple[str, ...]) -> None:
@@ -480,18 +621,18 @@ def _element_types(model: onnx.ModelProto, names: list[str]) -> dict[str, int]:
     infos = list(model.graph.value_info)
     if not set(names) <= {i.name for i in infos}:
         try:
-            infos = list(onnx.shape_inference.infer_shapes(model).graph.value_info)
+            infos = list(onnx.shape_inference.infer_shapes(weightless_copy(model)).graph.value_info)
         except (onnx.shape_inference.InferenceError, ValueError) as err:
             log.warning("shape inference failed (%s); exposing calibrated tensors as float32", err)
     return {i.name: i.type.tensor_type.elem_type for i in infos if i.type.tensor_type.elem_type}
 
 
-def _bias_constants(graph: onnx.GraphProto, threshold: float) -> set[str]:
+def _bias_constants(graph: onnx.GraphProto, threshold: float, weights_dir: Path | None = None) -> set[str]:
     """Initializers and Constant/ConstantOfShape outputs holding a value <= -threshold (baked mask biases)."""
     found = set()
     for init in graph.initializer:
         if init.data_type in _FLOAT_TYPES and math.prod(init.dims) <= _MAX_SEED_CONSTANT \
-                and _holds_bias(numpy_helper.to_array(init), threshold):
+                and _holds_bias(numpy_helper.to_array(init, str(weights_dir or "")), threshold):
             found.add(init.name)
     for node in graph.node:
         if node.op_type in ("Constant", "ConstantOfShape") \
@@ -541,12 +682,16 @@ def _outer_scope_names(node: onnx.NodeProto) -> list[str]:
     return names
 
 
-def _session_for(model: onnx.ModelProto, providers: list[str] | None, scratch: Path) -> Any:
-    if model.ByteSize() < _PROTO_LIMIT:
-        return ort_session(model, providers)
+def _session_for(probe: _Probe, providers: list[str] | None, scratch: Path, in_node_order: bool = False) -> Any:
+    model = probe.model
     path = scratch / "calibration.onnx"
+    if probe.weights_dir is not None:  # the graph alone; ONNX Runtime reads the weights from their files
+        return ort_session(model, providers, weights_dir=probe.weights_dir, memory_arena=False,
+                           in_node_order=in_node_order)
+    if model.ByteSize() < _PROTO_LIMIT:
+        return ort_session(model, providers, memory_arena=False, in_node_order=in_node_order)
     save_onnx(model, path)
-    return ort_session(path, providers)
+    return ort_session(path, providers, memory_arena=False, in_node_order=in_node_order)
 
 
 def _ort_errors() -> tuple[type[Exception], ...]:
@@ -576,7 +721,8 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
         values[name] = _kept_values(index, name, array, mask, name in probe.bias_cone, exclude_masked, threshold)
         excluded[name] = array.size - values[name].size
     first = feed[probe.inputs[0]] if probe.inputs else np.zeros(())
-    return _Observed(int(first.shape[0]) if first.ndim else 1, values, excluded)
+    return _Observed(int(first.shape[0]) if first.ndim else 1, values, excluded, sum(a.nbytes for a in arrays),
+                     index)
 
 
 def _padding_mask(probe: _Probe, feed: dict[str, np.ndarray]) -> np.ndarray | None:

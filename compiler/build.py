@@ -55,6 +55,7 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
         with staging_dir(out) as stage:
             feeds, feeds_from = _feeds_from_calibration_data(calibration, spec, export.max_batch)
             manifest = exported_into(stage, loaded, spec, export, fingerprint, feeds, feeds_from)
+            del loaded  # the PyTorch model is not needed past export: its memory goes back before calibration
             if calibration is not None:
                 cache = calibration.calib_cache or (out / CALIBRATION_JSON)
                 if Path(cache).is_file():

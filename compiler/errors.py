@@ -7,7 +7,7 @@ one line and exits with ``exit_code``.
 from __future__ import annotations
 
 __all__ = ["TrtcError", "InputError", "ExportError", "VerificationError", "CalibrationError",
-           "AccuracyGateError", "BuildError", "TensorRTNotInstalled", "DirectoryLocked", "EXIT_CODES"]
+           "AccuracyGateError", "BuildError", "TensorRTNotInstalled", "DirectoryLocked", "WorkerCrashed", "EXIT_CODES"]
 
 
 class TrtcError(Exception):
@@ -61,3 +61,7 @@ EXIT_CODES = {
     3: "a numerical check failed: export verification or the accuracy gate",
     4: "TensorRT is not installed: every artifact but the engines was written (`--engine none` makes this exit 0)",
 }
+
+
+class WorkerCrashed(TrtcError):
+    """A child process running a stage (ONNX Runtime work) died from a native crash or was killed."""

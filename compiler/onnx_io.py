@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from google.protobuf.message import DecodeError
 
 from compiler.errors import InputError
 
-__all__ = ["load_onnx", "save_onnx", "onnx_files", "ort_session", "usable_providers", "MAX_IR_VERSION"]
+__all__ = ["load_onnx", "save_onnx", "onnx_files", "ort_session", "usable_providers", "checking_providers",
+           "MAX_IR_VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,23 @@ def _tensorrt_ep_works(ort_version: str) -> bool:
                     "leaving the TensorRT provider out", ort_version, trt)
         return False
     return True
+def checking_providers(available: list[str] | None = None, cuda: bool | None = None) -> list[str]:
+    """The providers for trtc's own ONNX Runtime runs: calibration, the FP16 range pass and the accuracy gate.
+
+    ONNX Runtime's CUDA provider first where it is installed and a CUDA device is visible, then the CPU;
+    never the TensorRT provider, which would build engines and choose precisions of its own. ``available``
+    (ONNX Runtime's provider list) and ``cuda`` (a device is visible) default to this machine's. Q/DQ stays
+    exact on either provider (``ort_session(exact_qdq=True)`` keeps the pairs unfused).
+    """
+    if available is None:
+        import onnxruntime as ort
+
+        available = list(ort.get_available_providers())
+    if cuda is None:
+        cuda = "CUDAExecutionProvider" in available and _cuda_present()
+    if cuda and "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
 
 
 def _cuda_present() -> bool:
@@ -140,12 +159,17 @@ def _cuda_present() -> bool:
 
 
 def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,
-                threads: int = 0, exact_qdq: bool = False) -> Any:
+                threads: int = 0, exact_qdq: bool = False, weights_dir: str | os.PathLike[str] | None = None,
+                memory_arena: bool = True, in_node_order: bool = False) -> Any:
     """An ONNX Runtime session on the given model (path or in-memory proto), all graph optimizations on.
 
     ``exact_qdq`` runs Q/DQ pairs as written instead of fusing them into ONNX Runtime's integer
     kernels: on x86 CPUs without VNNI those saturate intermediate sums (u8s8 pmaddubsw) and give
-    errors TensorRT does not have, so accuracy checks of Q/DQ models use it.
+    errors TensorRT does not have, so accuracy checks of Q/DQ models use it. ``weights_dir``: where the
+    external data of an in-memory proto lives (its graph alone then costs no copy of the weights).
+    ``memory_arena=False`` returns each run's CPU buffers instead of keeping an arena sized by the largest
+    run (rounded up to a power of two): slower by a few percent, but memory follows what is live.
+    ``in_node_order`` runs nodes in the graph's order where ONNX Runtime may choose (priority-based order).
     """
     import onnxruntime as ort
 
@@ -153,9 +177,34 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
     opts.log_severity_level = 3
     if exact_qdq:
         opts.add_session_config_entry("session.disable_quant_qdq", "1")
+    if weights_dir is not None:
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
     if threads:
         opts.intra_op_num_threads = threads
+    if not memory_arena:
+        opts.enable_cpu_mem_arena = False
+    if in_node_order:
+        opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if providers and any(p != "CPUExecutionProvider" for p in providers) and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
+    providers = providers or ["CPUExecutionProvider"]
+    if isinstance(model, onnx.ModelProto) and _weight_bytes(model) > _PROTO_LIMIT:
+        # protobuf cannot serialize 2 GiB: ONNX Runtime reads it from files (removed once it has loaded them)
+        with tempfile.TemporaryDirectory(prefix="trtc-ort-") as scratch:
+            path = Path(scratch) / "model.onnx"
+            save_onnx(model, path)
+            return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(source, sess_options=opts, providers=providers or ["CPUExecutionProvider"])
+    return ort.InferenceSession(source, sess_options=opts, providers=providers)
+
+
+_PROTO_LIMIT = 2**31 - 2**24  # bytes of weights above which a proto is not serialized in one piece
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the weights held in the proto (raw data and typed fields, roughly), without serializing it."""
+    total = 0
+    for t in model.graph.initializer:
+        total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data)
+                                                                                      + len(t.double_data))
+    return total

@@ -46,10 +46,57 @@ class PassError(RuntimeError):
 
 
 def infer_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """ONNX shape inference with data propagation; symbolic dims (B, S) stay symbolic."""
+    """ONNX shape inference with data propagation; symbolic dims (B, S) stay symbolic.
+
+    Runs on a copy without the large weights (protobuf cannot serialize a model over 2 GiB, and the
+    weights need no copy) and sets the value_info it finds on ``model``, which it returns.
+    """
     before = len(model.graph.value_info)
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    return inferred, {"value_infos": len(inferred.graph.value_info) - before}
+    _typed_in_place(model, data_prop=True)
+    return model, {"value_infos": len(model.graph.value_info) - before}
+
+
+_SMALL_WEIGHT = 1024  # elements: smaller initializers stay in the shape-inference copy (they may hold shapes)
+
+
+def _typed_in_place(model: onnx.ModelProto, data_prop: bool = False) -> onnx.ModelProto:
+    """Set ``model``'s value_info from shape inference on a copy whose large initializers are typed inputs."""
+    import math
+
+    from onnx.external_data_helper import uses_external_data
+
+    skeleton = _copy_fields(model, onnx.ModelProto(), skip={"graph"})
+    graph = model.graph
+    g = _copy_fields(graph, skeleton.graph, skip={"initializer", "input"})
+    g.input.extend(graph.input)
+    inputs = {i.name for i in graph.input}
+    large = set()
+    for t in graph.initializer:
+        if math.prod(t.dims) <= _SMALL_WEIGHT and not uses_external_data(t):
+            g.initializer.append(t)
+        elif t.name not in inputs:
+            large.add(t.name)
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    inferred = onnx.shape_inference.infer_shapes(skeleton, data_prop=data_prop)
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(vi for vi in inferred.graph.value_info if vi.name not in large)
+    del model.graph.output[:]
+    model.graph.output.extend(inferred.graph.output)
+    return model
+
+
+def _copy_fields(source: Any, target: Any, skip: set[str]) -> Any:
+    """Copy every set field of a protobuf message but ``skip`` (so that large graphs are not copied twice)."""
+    for fd, value in source.ListFields():
+        if fd.name in skip:
+            continue
+        if fd.is_repeated:
+            getattr(target, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(target, fd.name).CopyFrom(value)
+        else:
+            setattr(target, fd.name, value)
+    return target
 
 
 def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Any]]:
@@ -70,7 +117,7 @@ def fold_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, A
     a per-channel Mul and Add, so no BatchNormalization node is left either way.
     """
     graph = model.graph
-    typed = onnx.shape_inference.infer_shapes(model)  # ranks, for BatchNorms that become Mul + Add
+    typed = _typed_in_place(model)  # ranks, for BatchNorms that become Mul + Add
     inits = {i.name: i for i in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, int] = {}

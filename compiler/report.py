@@ -56,12 +56,16 @@ def _print_accuracy_entry(precision: str, report: dict[str, Any], path: Path) ->
     if acc["metric"] == "top1":
         cols = [f"{100 * acc['fp32_top1']:.2f}%", f"{100 * acc['top1']:.2f}%", f"{acc['drop_points']:.2f} pts"]
     else:
-        cols = ["-", "-", f"{acc['cosine_mean']:.5f}"]
+        cosine = acc["cosine_mean"]  # None where every FP32 output was all zero
+        worst = f" ({acc['worst_output']})" if acc.get("worst_output") and len(acc.get("per_output") or {}) > 1 else ""
+        cols = ["-", "-", ("n/a" if cosine is None else f"{cosine:.5f}") + worst]
     kept = report.get("kept_in_fp32") or {}
     table.add_row(report["precision"], acc["metric"], *cols, f"{acc['max_abs']:.3g}", str(len(kept)))
     console.print(table)
     for layer, why in kept.items():
         console.print(f"  {layer}: {why}")
+    for warning in acc.get("warnings") or []:
+        console.print(f"  warning: {warning}")
     data = report.get("calibration_data") or {}
     if data.get("random"):
         console.print("[bold red]calibrated on RANDOM data: for smoke tests only[/]")

@@ -42,11 +42,12 @@ class OrtRunner:
     """ONNX Runtime on an ONNX file (external data beside it) with the given providers."""
 
     def __init__(self, path: str | Path | Any, providers: list[str] | None = None, threads: int = 0,
-                 exact_qdq: bool = False) -> None:
+                 exact_qdq: bool = False, memory_arena: bool = True) -> None:
         from compiler.onnx_io import ort_session, usable_providers
 
         self.providers = providers or usable_providers()
-        self.session = ort_session(path, self.providers, threads=threads, exact_qdq=exact_qdq)
+        self.session = ort_session(path, self.providers, threads=threads, exact_qdq=exact_qdq,
+                                   memory_arena=memory_arena)
         self.name = f"onnxruntime[{self.session.get_providers()[0]}]"
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]

@@ -327,6 +327,7 @@ def histogram_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Counts calls of collect_histograms, the expensive pass over the calibration data."""
     calls: list[int] = []
     real = calibrate_module.collect_histograms
+    monkeypatch.setenv("TRTC_IN_PROCESS", "1")  # the spy lives in this process
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
@@ -438,6 +439,7 @@ def test_gate_fallback_keeps_exactly_the_layer_with_the_outlier_channel(outlier_
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     directory = tmp_path / "mlp"
     shutil.copytree(outlier_mlp.directory, directory)
+    monkeypatch.setenv("TRTC_IN_PROCESS", "1")  # the spy below lives in this process, not in a worker
     evaluations: list[int] = []
     evaluate = calibrate_module.Evaluator.evaluate
     monkeypatch.setattr(calibrate_module.Evaluator, "evaluate",

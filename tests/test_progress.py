@@ -52,6 +52,7 @@ def test_quiet_loops_log_nothing(log_lines: pytest.LogCaptureFixture) -> None:
 def test_a_build_logs_every_stage_with_its_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(progress_module, "is_terminal", lambda: False)
     monkeypatch.setattr(progress_module, "INTERVAL_S", 0.0)
+    monkeypatch.setenv("TRTC_IN_PROCESS", "1")  # the patched interval lives in this process, not in a worker
     np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32))
     result = CliRunner().invoke(cli, ["build", "--model-factory", "examples.models:mlp", "--input", "x:Bx64", "--int8",
                                       "--calib-data", str(tmp_path / "calib.npz"), "--calib-batch", "16",

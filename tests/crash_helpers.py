@@ -1,0 +1,43 @@
+"""Functions that crash the process calling them, for the crash-isolation tests (run in worker processes)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Iterator
+
+import numpy as np
+
+from compiler.errors import CalibrationError
+from compiler.worker import mark, mark_step
+
+_passes = 0
+
+
+def segfault_on_second_pass() -> Iterator[dict[str, np.ndarray]]:
+    """A --calib-loader: the data check's pass goes through, the calibration pass dies of SIGSEGV after batch 0."""
+    global _passes
+    _passes += 1
+    yield {"x": np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)}
+    if _passes >= 2:
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def segfault_at(stage: str, step: str) -> None:
+    mark(stage)
+    mark_step(step)
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def square_and_log(x: int) -> int:
+    logging.getLogger("calibration.test").warning("squaring %d in the worker", x)
+    return x * x
+
+
+def raise_user_error() -> None:
+    raise CalibrationError("bad data: fix it")
+
+
+def raise_bug() -> None:
+    raise KeyError("internal")

@@ -1,0 +1,63 @@
+"""Calibration streams data in bounded memory: batches sliced to a budget, max |x| reduced inside the graph."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from calibration import statistics
+from calibration.statistics import collect_histograms, collect_max_abs
+from compiler.errors import CalibrationError
+from compiler.onnx_io import ort_session
+from tests.test_statistics import _mlp, _mlp_batches
+
+
+def test_max_abs_in_graph_matches_numpy_and_exposes_only_scalars(monkeypatch: pytest.MonkeyPatch) -> None:
+    sessions: list[Any] = []
+
+    def recording_session(*args: Any, **kwargs: Any) -> Any:
+        sessions.append(ort_session(*args, **kwargs))
+        return sessions[-1]
+
+    monkeypatch.setattr(statistics, "ort_session", recording_session)
+    model, batches = _mlp(), _mlp_batches(5)
+    maxima = collect_max_abs(model, ["x", "h", "r", "y"], batches)
+    reference = ort_session(model)
+    w1 = np.asarray(__import__("onnx").numpy_helper.to_array(model.graph.initializer[0]))
+    for b in batches:
+        assert maxima["x"] >= np.abs(b["x"]).max()
+    expected_h = max(float(np.abs(b["x"] @ w1).max()) for b in batches)
+    expected_y = max(float(np.abs(reference.run(None, b)[0]).max()) for b in batches)
+    assert maxima["h"] == pytest.approx(expected_h, rel=1e-5)
+    assert maxima["r"] == pytest.approx(max(float(np.maximum(b["x"] @ w1, 0).max()) for b in batches), rel=1e-5)
+    assert maxima["y"] == pytest.approx(expected_y, rel=1e-5)
+    assert maxima["x"] == pytest.approx(max(float(np.abs(b["x"]).max()) for b in batches))
+    assert all(o.shape == [] for o in sessions[0].get_outputs())  # one number per tensor leaves ONNX Runtime
+    # the same numbers as the exposing path
+    exposed = collect_max_abs(model, ["h", "r", "y"], batches, exclude_masked=True)
+    assert exposed == pytest.approx({k: maxima[k] for k in exposed}, rel=1e-6)
+
+
+def test_max_abs_in_graph_names_nan() -> None:
+    batches = _mlp_batches(2)
+    batches[1]["x"][0, 3] = np.nan
+    with pytest.raises(CalibrationError, match="batch 1: tensor 'h' has NaN"):
+        collect_max_abs(_mlp(), ["h"], batches)
+
+
+def test_a_batch_over_the_budget_runs_in_slices_with_the_same_statistics() -> None:
+    model, batches = _mlp(), _mlp_batches(4)
+    whole_progress: list[int] = []
+    sliced_progress: list[int] = []
+    whole = collect_histograms(model, ["h", "r"], batches, progress=whole_progress.append)
+    # h and r are 2 x 32 floats a sample: 256 bytes; a 600-byte budget takes 2 samples a run
+    sliced = collect_histograms(model, ["h", "r"], batches, progress=sliced_progress.append, budget_bytes=600)
+    assert whole_progress == [len(b["x"]) for b in batches]
+    assert max(sliced_progress) == 2 and sum(sliced_progress) == sum(whole_progress)
+    assert (sliced.batches, sliced.samples) == (whole.batches, whole.samples)
+    for name in ("h", "r"):
+        assert sliced.histograms[name].amax == whole.histograms[name].amax
+        assert sliced.histograms[name].count == whole.histograms[name].count
+    assert sliced.amax("max") == whole.amax("max")

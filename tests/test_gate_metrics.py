@@ -1,0 +1,192 @@
+"""The accuracy gate's comparison: FP16 rounded as FP16 hardware does, whole-output cosines, degenerate references."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from calibration.accuracy import Evaluator, GateSettings, sample_cosines
+from calibration.fp16 import Fp16Policy, fp16_model_from, fp16_rounding_emulation
+from compiler.onnx_io import checking_providers, ort_session
+
+
+def _scale_chain(factors: list[float], name: str = "y") -> onnx.ModelProto:
+    """FP32 y = x * f0 * f1 * ...: each product is its own node, so FP16 rounds in between."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 8])
+    y = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["B", 8])
+    nodes, inits, last = [], [], "x"
+    for i, f in enumerate(factors):
+        inits.append(numpy_helper.from_array(np.array(f, np.float32), f"f{i}"))
+        out = name if i == len(factors) - 1 else f"h{i}"
+        nodes.append(helper.make_node("Mul", [last, f"f{i}"], [out], name=f"mul{i}"))
+        last = out
+    model = helper.make_model(helper.make_graph(nodes, "chain", [x], [y], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def _numpy_fp16_chain(x: np.ndarray, factors: list[float]) -> np.ndarray:
+    h = x.astype(np.float16)
+    with np.errstate(over="ignore"):
+        for f in factors:
+            h = (h.astype(np.float32) * np.float32(np.float16(f))).astype(np.float16)
+    return h.astype(np.float32)
+
+
+X = np.linspace(0.5, 2.0, 32, dtype=np.float32).reshape(4, 8)
+UNDERFLOW = [1e-4, 1e-4, 1e4, 1e4]  # 1e-8 is below FP16's smallest subnormal (6e-8): zeros, then zeros
+OVERFLOW = [300.0, 300.0, 1 / 300, 1 / 300]  # 9e4 * x exceeds 65504 for x > 0.73: inf
+
+
+@pytest.mark.parametrize("factors", [UNDERFLOW, OVERFLOW], ids=["underflow", "overflow"])
+def test_emulation_rounds_every_node_like_numpy_float16(factors: list[float]) -> None:
+    fp16, _ = fp16_model_from(_scale_chain(factors))
+    emulated = fp16_rounding_emulation(fp16)
+    assert not any(t.data_type == TensorProto.FLOAT16 for t in emulated.graph.initializer)
+    got = ort_session(emulated).run(None, {"x": X})[0]
+    np.testing.assert_array_equal(got, _numpy_fp16_chain(X, factors))
+    fp32 = ort_session(_scale_chain(factors)).run(None, {"x": X})[0]
+    assert not np.allclose(got, fp32, rtol=1e-2)  # FP16 really lost the values
+
+
+def test_emulation_matches_numpy_on_ordinary_values() -> None:
+    factors = [1.1, 0.37, 3.3]
+    got = ort_session(fp16_rounding_emulation(fp16_model_from(_scale_chain(factors))[0])).run(None, {"x": X})[0]
+    np.testing.assert_array_equal(got, _numpy_fp16_chain(X, factors))
+
+
+def _evaluator(model: onnx.ModelProto, batches: list[dict[str, np.ndarray]]) -> Evaluator:
+    return Evaluator.from_model(model, batches, None, GateSettings(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("factors", [UNDERFLOW, OVERFLOW], ids=["underflow", "overflow"])
+def test_fp16_gate_fails_a_model_that_leaves_fp16_range(factors: list[float]) -> None:
+    model = _scale_chain(factors)
+    evaluator = _evaluator(model, [{"x": X}])
+    result = evaluator.evaluate(fp16_model_from(model)[0])  # type rules only: no range data
+    assert result.fp16_emulated and not result.passed, result.summary()
+    assert result.cosine_mean < 0.9
+
+
+def test_fp16_gate_passes_when_the_range_pass_keeps_the_overflow_in_fp32() -> None:
+    model = _scale_chain(OVERFLOW)
+    max_abs = {"h0": float(np.abs(X).max() * 300), "h1": float(np.abs(X).max() * 9e4), "h2": 300.0, "y": 2.0}
+    fp16, report = fp16_model_from(model, Fp16Policy(), max_abs)
+    assert report.fp32_nodes
+    result = _evaluator(model, [{"x": X}]).evaluate(fp16)
+    assert result.passed and result.cosine_mean > 0.9999, result.summary()
+
+
+def _two_outputs(broken_scores: bool) -> onnx.ModelProto:
+    """boxes = x[:, :4] * 2 and scores = x[:, 4:] * 3 (or * -3: the wrong sign), YOLO-like rows of 4 + classes."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 100, 6])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("boxes", "scores")]
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n) for v, n in
+             (([0], "s0"), ([4], "s4"), ([6], "s6"), ([2], "ax"))]
+    inits += [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+              numpy_helper.from_array(np.array(-3.0 if broken_scores else 3.0, np.float32), "three")]
+    nodes = [helper.make_node("Slice", ["x", "s0", "s4", "ax"], ["b"]),
+             helper.make_node("Slice", ["x", "s4", "s6", "ax"], ["s"]),
+             helper.make_node("Mul", ["b", "two"], ["boxes"]), helper.make_node("Mul", ["s", "three"], ["scores"])]
+    model = helper.make_model(helper.make_graph(nodes, "det", [x], outs, inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def test_the_worst_whole_output_is_named_and_decides() -> None:
+    batches = [{"x": np.random.default_rng(0).uniform(0.1, 1, (4, 100, 6)).astype(np.float32)}]
+    result = _evaluator(_two_outputs(False), batches).evaluate(_two_outputs(True))
+    assert not result.passed and result.worst_output == "scores"
+    assert result.per_output["boxes"]["cosine_mean"] == pytest.approx(1.0)
+    assert result.per_output["scores"]["cosine_mean"] == pytest.approx(-1.0)
+    assert "on output scores" in result.summary()
+
+
+def test_whole_output_cosine_is_per_sample_not_per_row() -> None:
+    ref = np.ones((2, 3, 4))
+    got = ref.copy()
+    got[0, 0] = -1  # one row of sample 0 flipped
+    cos = sample_cosines(got, ref)
+    assert cos.shape == (2,) and cos[1] == pytest.approx(1.0) and cos[0] == pytest.approx(1 / 3)
+    assert np.isnan(sample_cosines(np.zeros((1, 4)), np.zeros((1, 4))))[0]
+    assert sample_cosines(np.zeros((1, 4)), np.ones((1, 4)))[0] == 0.0
+    assert sample_cosines(np.full((1, 4), np.inf), np.ones((1, 4)))[0] == 0.0
+
+
+def test_all_zero_reference_warns_and_does_not_score_one(caplog: pytest.LogCaptureFixture) -> None:
+    zero = _scale_chain([0.0])
+    batches = [{"x": X}]
+    with caplog.at_level("WARNING"):
+        evaluator = _evaluator(zero, batches)
+    assert any("all zero on 4 of 4 samples" in w for w in evaluator.warnings)
+    assert "all zero" in caplog.text
+    same = evaluator.evaluate(zero)
+    assert np.isnan(same.cosine_mean) and same.passed and same.warnings  # identical zeros: passes, with warnings
+    assert json.loads(json.dumps(same.to_dict(), allow_nan=False))["cosine_mean"] is None
+    assert "n/a" in same.summary()
+    assert not evaluator.evaluate(_scale_chain([1.0])).passed  # non-zero where FP32 is zero
+
+
+def test_constant_reference_warns() -> None:
+    batches = [{"x": np.ones((4, 8), np.float32)}]
+    assert any("same for every sample" in w for w in _evaluator(_scale_chain([2.0]), batches).warnings)
+
+
+def test_checking_providers_prefer_cuda_and_never_tensorrt() -> None:
+    everything = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert checking_providers(everything, cuda=True) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert checking_providers(everything, cuda=False) == ["CPUExecutionProvider"]
+    assert checking_providers(["CPUExecutionProvider"], cuda=True) == ["CPUExecutionProvider"]
+    assert checking_providers()[-1] == "CPUExecutionProvider"
+
+
+def test_the_report_prints_an_all_zero_gate_as_n_a(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    from compiler import report
+
+    evaluator = _evaluator(_scale_chain([0.0]), [{"x": X}])
+    entry = {"precision": "fp16", "accuracy": evaluator.evaluate(_scale_chain([0.0])).to_dict(), "kept_in_fp32": {}}
+    report._print_accuracy_entry("fp16", entry, tmp_path)
+    printed = capsys.readouterr()
+    assert "n/a" in printed.out + printed.err and "all zero" in printed.out + printed.err
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_the_provider_is_recorded_and_the_work_runs_in_a_worker(tmp_path: Any, precision: str) -> None:
+    from calibration.calibrate import CalibrationSettings, calibrated_into
+    from compiler.onnx_io import save_onnx
+    from compiler.specs import ModelSpec, parse_input_spec
+
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4])
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc1"), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")], "mlp", [x], [y],
+        [numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal((32, 4)).astype(np.float32), "w2")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    save_onnx(model, tmp_path / "model.onnx")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    outcome = calibrated_into(stage, tmp_path / "model.onnx", ModelSpec((parse_input_spec("x:Bx16"),)),
+                              CalibrationSettings(precision, data="random", samples=32))
+    provider = checking_providers()[0]
+    assert outcome.passed, outcome.message
+    assert outcome.manifest_update["accuracy"][precision]["provider"] == provider
+    if precision == "int8":
+        assert outcome.manifest_update["calibration"]["provider"] == provider
+        assert json.loads((stage / "calibration.json").read_text())["provider"] == provider
+    else:
+        assert outcome.manifest_update["fp16"]["range_provider"] == provider
+    gate = json.loads((stage / "report" / "accuracy.json").read_text())[precision]["accuracy"]
+    assert gate["provider"] == provider
+    # INT8 keeps an FP16 remainder, so on the CPU both precisions run the FP16 rounding emulation
+    assert gate["fp16_emulated"] == provider.startswith("CPU")

@@ -1,0 +1,51 @@
+"""Crash isolation: a native crash in a stage's worker process is a one-line error naming the stage."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from compiler.cli import cli
+from compiler.errors import CalibrationError, WorkerCrashed
+from compiler.pipeline import export_directory
+from compiler.settings import ExportSettings, ModelSource
+from compiler.specs import ModelSpec, parse_input_spec
+from compiler.worker import in_worker
+from tests import crash_helpers
+
+
+def test_result_logs_and_errors_come_back(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="calibration"):
+        assert in_worker("test", crash_helpers.square_and_log, 7) == 49
+    assert "squaring 7 in the worker" in caplog.text
+    with pytest.raises(CalibrationError, match="bad data: fix it"):
+        in_worker("test", crash_helpers.raise_user_error)
+    with pytest.raises(KeyError) as bug:
+        in_worker("test", crash_helpers.raise_bug)
+    assert any("worker process" in note and "raise_bug" in note for note in bug.value.__notes__)
+
+
+def test_a_segfault_names_the_stage_and_step() -> None:
+    with pytest.raises(WorkerCrashed) as crash:
+        in_worker("FP16 calibration", crash_helpers.segfault_at, "FP16 accuracy gate: the FP16 model", "batch 3")
+    message = str(crash.value)
+    assert "SIGSEGV" in message and "FP16 accuracy gate: the FP16 model, batch 3" in message
+    assert "\n" not in message and crash.value.exit_code == 2
+
+
+@pytest.mark.slow
+def test_trtc_calibrate_survives_a_native_crash_with_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    export_directory(ExportSettings(ModelSource(factory="examples.models:mlp"), out,
+                                    spec=ModelSpec((parse_input_spec("x:Bx64"),)), buckets=(1, 4)))
+    before = sorted(p.name for p in out.iterdir())
+    result = CliRunner().invoke(cli, ["calibrate", str(out), "--int8", "-q",
+                                      "--calib-loader", "tests.crash_helpers:segfault_on_second_pass"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    assert "SIGSEGV" in lines[0] and "INT8 calibration: histograms of" in lines[0] and "batch 0" in lines[0]
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing written
