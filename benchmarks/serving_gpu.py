@@ -317,7 +317,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="Seconds per engines(x) throughput (default 2; 0.2 smoke).")
     parser.add_argument("--map-batches", type=int, help="Batches per map run (default 40; 8 with --smoke).")
     parser.add_argument("--map-batch", type=int, help="Rows per map batch (default 16; 4 with --smoke).")
+    parser.add_argument("--switch-interval-ms", type=float,
+                        help="Python's GIL switch interval for this run (sys.setswitchinterval; default 5): how long "
+                             "a thread waiting for the GIL (a batcher worker back from the GPU) may wait for the "
+                             "threads that hold it.")
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
 
     import torch
     from rich.console import Console
@@ -404,7 +410,8 @@ def main() -> None:
     report = {"kind": "trtc-serving-bench", "smoke": smoke, "command": " ".join(sys.argv), "machine": machine,
               "settings": {"clients": clients, "requests": requests, "max_wait_ms": args.max_wait_ms,
                            "seconds": seconds, "map_batches": map_batches, "map_batch": map_batch,
-                           "backends": wanted, "ort_cuda_options": ort_options},
+                           "backends": wanted, "ort_cuda_options": ort_options,
+                           "switch_interval_ms": sys.getswitchinterval() * 1000},
               "seconds": round(time.perf_counter() - started, 1), "runs": runs, "batcher_ceiling": ceilings,
               "all_targets_met": all(all(r["targets"].values()) for r in runs)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
