@@ -37,10 +37,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compiler.bench import BenchReport, BenchSettings, bench_directory, bench_renderables
-from compiler.manifest import MANIFEST, read_manifest
-from compiler.settings import ExportSettings, ModelSource
-from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.bench.harness import BenchReport, BenchSettings, bench_directory, bench_renderables
+from compiler.core.manifest import MANIFEST, read_manifest
+from compiler.core.settings import ExportSettings, ModelSource
+from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
 log = logging.getLogger("bench_gpu")
 
@@ -68,7 +68,7 @@ MODELS = {
 def build_directory(model: Model, out: Path, int8: bool, rebuild: bool) -> Path:
     """Export and calibrate (RANDOM data, for timing) into ``out``; reused when its manifest is there."""
     from calibration.calibrate import CalibrationSettings, calibrate_directory
-    from compiler.pipeline import export_directory
+    from compiler.pipeline.export import export_directory
 
     if (out / MANIFEST).is_file() and not rebuild:
         log.info("%s: reusing %s (pass --rebuild to make it again)", model.name, out)

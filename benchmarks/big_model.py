@@ -42,7 +42,7 @@ def write_onnx(path: Path, layers: int) -> int:
     """The MLP as ONNX with external data; returns the bytes of its weights."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from compiler.onnx_io import save_onnx
+    from compiler.core.onnx_io import save_onnx
 
     rng = np.random.default_rng(0)
     nodes, inits, last = [], [], "x"

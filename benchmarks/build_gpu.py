@@ -70,7 +70,7 @@ def machine() -> dict[str, Any]:
                     gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
     except ImportError as err:
         info["note"] = str(err)
-    from compiler.onnx_io import checking_providers
+    from compiler.core.onnx_io import checking_providers
 
     info["checking_providers"] = checking_providers()
     return info

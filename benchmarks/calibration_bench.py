@@ -79,8 +79,8 @@ def export_model(directory: Path) -> dict[str, Any]:
     """The CNN as an ExportedProgram (dynamic batch), then `trtc export` into ``directory``."""
     import torch
 
-    from compiler.pipeline import export_directory
-    from compiler.settings import ExportSettings, ModelSource
+    from compiler.core.settings import ExportSettings, ModelSource
+    from compiler.pipeline.export import export_directory
     from examples.models import resnet_cnn
 
     model = resnet_cnn(in_channels=3, num_classes=1000, widths=WIDTHS, blocks_per_stage=1, stem_stride=2)
@@ -123,7 +123,7 @@ def batches(folder: Path, limit: int, batch: int = BATCH) -> Any:
 # --- the measured jobs, each run in its own process ----------------------------------------------------------------
 
 def job_infer(args: argparse.Namespace) -> dict[str, Any]:
-    from compiler.onnx_io import ort_session
+    from compiler.core.onnx_io import ort_session
 
     session = ort_session(Path(args.model))
     session.run(None, {"images": np.zeros((1, *SHAPE), np.float32)})  # warm-up, as calibration's first batch is
@@ -225,7 +225,7 @@ def run_job(job: str, log: Path, **options: Any) -> dict[str, Any]:
 
 def mean_cosine(fp32: Path, candidate: Path, eval_folder: Path) -> float:
     from calibration.accuracy import row_cosines
-    from compiler.onnx_io import ort_session
+    from compiler.core.onnx_io import ort_session
 
     reference, session = ort_session(fp32), ort_session(candidate, exact_qdq=True)
     cosines = [row_cosines(session.run(None, feed)[0], reference.run(None, feed)[0])

@@ -25,12 +25,12 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from compiler.export import onnx_from_torch  # noqa: E402
-from compiler.loading import LoadedModel  # noqa: E402
-from compiler.passes import DEFAULT_PASSES, run_passes  # noqa: E402
-from compiler.runners import OrtRunner, TorchRunner  # noqa: E402
-from compiler.specs import ModelSpec, parse_input_spec  # noqa: E402
-from compiler.verify import verify_runners  # noqa: E402
+from compiler.backends.runners import OrtRunner, TorchRunner  # noqa: E402
+from compiler.core.specs import ModelSpec, parse_input_spec  # noqa: E402
+from compiler.frontend.export import onnx_from_torch  # noqa: E402
+from compiler.frontend.loading import LoadedModel  # noqa: E402
+from compiler.frontend.passes import DEFAULT_PASSES, run_passes  # noqa: E402
+from compiler.frontend.verify import verify_runners  # noqa: E402
 from examples.models import resnet50_like  # noqa: E402
 
 

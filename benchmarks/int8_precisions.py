@@ -43,9 +43,9 @@ VARIANTS: dict[str, list[str]] = {
 def _prepare_cnn(work: Path) -> dict[str, Any]:
     import torch
 
-    from compiler.pipeline import export_directory
-    from compiler.settings import ExportSettings, ModelSource
-    from compiler.specs import ModelSpec, parse_input_spec
+    from compiler.core.settings import ExportSettings, ModelSource
+    from compiler.core.specs import ModelSpec, parse_input_spec
+    from compiler.pipeline.export import export_directory
     from examples.digits import train_digits
 
     torch.set_num_threads(1)
@@ -63,9 +63,9 @@ def _prepare_cnn(work: Path) -> dict[str, Any]:
 def _prepare_minilm(work: Path) -> dict[str, Any]:
     import torch
 
-    from compiler.pipeline import export_directory
-    from compiler.settings import ExportSettings, ModelSource
-    from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+    from compiler.core.settings import ExportSettings, ModelSource
+    from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
+    from compiler.pipeline.export import export_directory
     from examples.minilm import minilm_like, token_batches
 
     torch.save(minilm_like().state_dict(), work / "weights.pt")

@@ -60,7 +60,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from compiler.runtime import engines_from_module
+    from compiler.serve.engines import engines_from_module
     from examples import models
 
     if not torch.cuda.is_available():

@@ -35,8 +35,8 @@ def mlp_directory(out: Path) -> Path:
     """examples.models:mlp as a build directory (TorchScript export: a second, no verification)."""
     import torch
 
-    from compiler.manifest import onnx_entry, write_manifest
-    from compiler.onnx_io import load_onnx, save_onnx
+    from compiler.core.manifest import onnx_entry, write_manifest
+    from compiler.core.onnx_io import load_onnx, save_onnx
     from examples import models
 
     out.mkdir(parents=True, exist_ok=True)
@@ -105,7 +105,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from compiler.runtime import load
+    from compiler.serve.engines import load
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.dir or mlp_directory(Path(tmp) / "mlp")

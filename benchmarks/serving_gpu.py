@@ -170,7 +170,7 @@ class InstantEngines:
 def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests: int, max_wait_ms: float,
                 ) -> dict[str, Any]:
     """``clients`` threads of single-row requests until ``requests`` are answered."""
-    from compiler.batcher import DynamicBatcher
+    from compiler.serve.batcher import DynamicBatcher
 
     pool = feed_of(engines, model, clients, seed=7)
     reference = engines(pool)
@@ -329,7 +329,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from compiler.runtime import load, tensorrt_available
+    from compiler.serve.engines import load, tensorrt_available
 
     smoke = args.smoke
     cuda = torch.cuda.is_available()

@@ -30,9 +30,9 @@ import numpy as np
 import onnx
 
 from calibration.fp16 import fp16_rounding_emulation
-from compiler.onnx_io import checking_providers, load_onnx
-from compiler.runners import OrtRunner
-from compiler.worker import mark_step
+from compiler.backends.runners import OrtRunner
+from compiler.core.onnx_io import checking_providers, load_onnx
+from compiler.core.worker import mark_step
 
 __all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors",
            "sample_cosines"]

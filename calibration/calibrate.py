@@ -32,9 +32,9 @@ from calibration.fp16 import (
 )
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.statistics import AMAX_METHODS, DEFAULT_MEMORY_BUDGET, collect_histograms, collect_max_abs
-from compiler.errors import AccuracyGateError, CalibrationError
-from compiler.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
-from compiler.manifest import (
+from compiler.core.errors import AccuracyGateError, CalibrationError
+from compiler.core.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
+from compiler.core.manifest import (
     MANIFEST,
     now,
     onnx_entry,
@@ -43,10 +43,10 @@ from compiler.manifest import (
     verified_onnx,
     write_manifest,
 )
-from compiler.onnx_io import checking_providers, load_onnx, save_onnx
-from compiler.progress import progress, stage_timer
-from compiler.specs import ModelSpec
-from compiler.worker import in_worker, isolated, mark
+from compiler.core.onnx_io import checking_providers, load_onnx, save_onnx
+from compiler.core.progress import progress, stage_timer
+from compiler.core.specs import ModelSpec
+from compiler.core.worker import in_worker, isolated, mark
 
 __all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "calibrate_directory"]
 
@@ -135,7 +135,7 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
     """Write the reduced-precision ONNX, calibration.json and report/accuracy.json into ``stage``.
 
     ``stage`` may already hold a ``calibration.json`` to reuse (``--calib-cache`` copies it there). Runs in
-    a worker process (``compiler.worker``): a native crash of ONNX Runtime becomes ``WorkerCrashed`` naming
+    a worker process (``compiler.core.worker``): a native crash of ONNX Runtime becomes ``WorkerCrashed`` naming
     the stage, the model and the batch, and the memory of the ONNX Runtime sessions goes back when it ends.
     """
     if isolated():

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from compiler.errors import CalibrationError
-from compiler.specs import BATCH_DIM, ModelSpec
+from compiler.core.errors import CalibrationError
+from compiler.core.specs import BATCH_DIM, ModelSpec
 
 __all__ = ["CalibrationData", "calibration_data", "ImagePreprocessing", "RANDOM", "IMAGE_SUFFIXES"]
 

@@ -39,8 +39,8 @@ from google.protobuf.message import Message
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 from onnx.external_data_helper import uses_external_data
 
-from compiler.errors import InputError
-from compiler.onnx_io import MAX_IR_VERSION
+from compiler.core.errors import InputError
+from compiler.core.onnx_io import MAX_IR_VERSION
 
 __all__ = ["FP32_OPS", "FP16_MAX", "FP16_MIN_NORMAL", "Fp16Policy", "Fp16Report", "fp16_model_from",
            "fp16_rounding_emulation", "int8_fp16_model_from", "node_precisions", "weightless_copy"]
@@ -566,7 +566,7 @@ class _Rewriter:
                     continue
                 if uses_external_data(t):
                     raise ValueError(f"initializer {t.name!r} has its data outside the model; load the model "
-                                     "with its weights (compiler.onnx_io.load_onnx) before converting it")
+                                     "with its weights (compiler.core.onnx_io.load_onnx) before converting it")
                 converted, clipped = _to_fp16(numpy_helper.to_array(t), name)
                 if clipped:
                     plan.report.clipped_initializers.append(t.name)

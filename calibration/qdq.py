@@ -45,7 +45,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler.onnx_io import MAX_IR_VERSION
+from compiler.core.onnx_io import MAX_IR_VERSION
 
 __all__ = ["PLACEMENT", "OpRule", "QDQ_OPS", "RESIDUAL_ADD", "WEIGHT_CHANNEL_AXIS", "QdqPolicy", "QdqReport",
            "tensors_to_calibrate", "quantizable_nodes", "qdq_model_from"]
@@ -549,7 +549,7 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
             init = constants[q.tensor]
             if init.data_location == TensorProto.EXTERNAL:
                 raise ValueError(f"weight {q.tensor} is external data that was not loaded; load the model "
-                                 "with its weights (compiler.onnx_io.load_onnx) first")
+                                 "with its weights (compiler.core.onnx_io.load_onnx) first")
             q_weight, scale = _quantize_weight(numpy_helper.to_array(init), q.axis)
             int8_name = names.fresh(f"{q.tensor}_quantized")
             new_inits.append(numpy_helper.from_array(q_weight, int8_name))

@@ -48,9 +48,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from calibration.fp16 import weightless_copy
-from compiler.errors import CalibrationError
-from compiler.onnx_io import load_onnx, ort_session, save_onnx
-from compiler.worker import mark_step
+from compiler.core.errors import CalibrationError
+from compiler.core.onnx_io import load_onnx, ort_session, save_onnx
+from compiler.core.worker import mark_step
 
 __all__ = ["AbsHistogram", "CalibrationStats", "AMAX_METHODS", "amax_from_histogram", "collect_histograms",
            "collect_max_abs", "DEFAULT_BINS", "AMAX_FLOOR", "DEFAULT_MASK_BIAS_THRESHOLD",

@@ -16,10 +16,10 @@ from typing import Any
 
 import click
 
-from compiler.errors import EXIT_CODES, InputError, TrtcError
-from compiler.settings import HARDWARE_COMPAT_LEVELS
-from compiler.specs import DimRange, InputSpec, ModelSpec, parse_buckets, parse_dim_range, parse_input_spec
-from compiler.verify import DEFAULT_ATOL, DEFAULT_RTOL
+from compiler.core.errors import EXIT_CODES, InputError, TrtcError
+from compiler.core.settings import HARDWARE_COMPAT_LEVELS
+from compiler.core.specs import DimRange, InputSpec, ModelSpec, parse_buckets, parse_dim_range, parse_input_spec
+from compiler.frontend.verify import DEFAULT_ATOL, DEFAULT_RTOL
 
 __all__ = ["cli", "main"]
 
@@ -175,8 +175,8 @@ def _merged(profile: dict[str, dict[str, Any]], section: str, key: str, cli_valu
 
 def export_settings_from(kw: dict[str, Any]) -> Any:
     """ExportSettings from the command-line options and the profile."""
-    from compiler.profile import load_profile
-    from compiler.settings import DEFAULT_BUCKETS, ExportSettings, ModelSource
+    from compiler.core.profile import load_profile
+    from compiler.core.settings import DEFAULT_BUCKETS, ExportSettings, ModelSource
 
     profile = load_profile(kw["profile"]) if kw.get("profile") else {}
     model = profile.get("model", {})
@@ -234,8 +234,8 @@ def export_cmd(**kw: Any) -> None:
           --input input_ids:BxS:int64 --input attention_mask:BxS:int64 --dim S=1:128:512 --out build/tr
       trtc export --profile profiles/resnet_digits.toml
     """
-    from compiler.pipeline import export_directory
-    from compiler.report import print_export_summary
+    from compiler.core.report import print_export_summary
+    from compiler.pipeline.export import export_directory
 
     settings, _ = export_settings_from(kw)
     manifest = export_directory(settings)
@@ -311,7 +311,7 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
       trtc calibrate build/m --fp16 --calib-data calib/ --keep-fp32 Softmax
     """
     from calibration.calibrate import calibrate_directory
-    from compiler.report import print_accuracy
+    from compiler.core.report import print_accuracy
 
     if precision is None:
         raise InputError("choose --int8 or --fp16")
@@ -322,7 +322,7 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
 
 def build_settings_from(kw: dict[str, Any], profile: dict[str, dict[str, Any]], buckets: tuple[int, ...],
                         precision: str) -> Any:
-    from compiler.settings import BuildSettings
+    from compiler.core.settings import BuildSettings
 
     def pick(option: str, key: str, default: Any = None) -> Any:
         return _merged(profile, "build", key, kw.get(option), default)
@@ -394,8 +394,8 @@ def build_cmd(precision: str | None, **kw: Any) -> None:
       trtc build --profile profiles/resnet_digits.toml
     Without TensorRT, everything but the engines is written and trtc exits with 4 (see trtc --help).
     """
-    from compiler.build import build_directory
-    from compiler.report import print_build_summary
+    from compiler.core.report import print_build_summary
+    from compiler.pipeline.build import build_directory
 
     if kw.get("out") is None and kw.get("model") and not kw.get("profile"):
         kw["out"] = Path("build") / Path(kw["model"]).stem
@@ -431,7 +431,7 @@ def check_cmd(directory: Path) -> None:
     Example:
       trtc check build/m || trtc rebuild build/m --if-stale
     """
-    from compiler.check import check_directory
+    from compiler.pipeline.check import check_directory
 
     result = check_directory(directory)
     for line in result.lines():
@@ -455,8 +455,8 @@ def rebuild_cmd(directory: Path | None, profile: Path | None, if_stale: bool) ->
       trtc rebuild build/m --if-stale          # the CI job on a TensorRT upgrade
       trtc rebuild --profile profiles/resnet_digits.toml --if-stale
     """
-    from compiler.check import rebuild_directory
-    from compiler.profile import load_profile
+    from compiler.core.profile import load_profile
+    from compiler.pipeline.check import rebuild_directory
 
     if profile is not None:
         if directory is not None:
@@ -492,7 +492,7 @@ def merge_cmd(directory: Path, others: tuple[Path, ...]) -> None:
     \b
       trtc merge build/m build-b1/m build-b4/m
     """
-    from compiler.check import merge_manifests
+    from compiler.pipeline.check import merge_manifests
 
     manifest = merge_manifests(directory, list(others))
     click.echo(f"{directory}: engines for buckets {', '.join(str(e['bucket']) for e in manifest['engines'])}")
@@ -502,7 +502,7 @@ class PercentType(click.ParamType):
     name = "PERCENT"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> float:
-        from compiler.bench import parse_percent
+        from compiler.bench.harness import parse_percent
 
         if isinstance(value, float):
             return value
@@ -514,7 +514,7 @@ class PercentType(click.ParamType):
 
 def bench_settings_from(kw: dict[str, Any]) -> Any:
     """BenchSettings from the command-line options."""
-    from compiler.bench import BACKENDS, BenchSettings
+    from compiler.bench.harness import BACKENDS, BenchSettings
 
     def names(text: str | None) -> tuple[str, ...]:
         return tuple(p.strip() for p in (text or "").split(",") if p.strip())
@@ -576,8 +576,8 @@ def bench_cmd(**kw: Any) -> None:
     """
     from rich.console import Console
 
-    from compiler.bench import bench_directory, bench_model, bench_renderables
-    from compiler.report import console
+    from compiler.bench.harness import bench_directory, bench_model, bench_renderables
+    from compiler.core.report import console
 
     settings = bench_settings_from(kw)
     target = kw["model"]
@@ -616,7 +616,7 @@ def export_triton_cmd(directory: Path, repo: Path, name: str | None, backend: st
       trtc export-triton build/m --repo models/
       trtc export-triton build/m --repo models/ --name resnet --backend onnxruntime --instances 2
     """
-    from compiler.triton import PLAN_VERSION_FILE, triton_repository
+    from compiler.pipeline.triton import PLAN_VERSION_FILE, triton_repository
 
     target = triton_repository(directory, repo, name=name, backend=backend, instances=instances,
                                max_wait_ms=max_wait_ms, force=force)

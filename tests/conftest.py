@@ -26,7 +26,7 @@ def _cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from compiler.engines import tensorrt_version
+    from compiler.backends.trt_build import tensorrt_version
 
     has_trt = tensorrt_version() is not None  # a namespace package or stubs named tensorrt do not count
     has_gpu = _cuda()
@@ -44,8 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # --- engine builds without TensorRT ---------------------------------------------------------------------------
 
-# The environment of a machine with TensorRT and an H200, as compiler.engines.environment() reports one; tests of
-# the build step's test double and of staleness pass it explicitly.
+# The environment of a machine with TensorRT and an H200, as compiler.backends.trt_build.environment() reports
+# one; tests of the build step's test double and of staleness pass it explicitly.
 H200_ENV = {"tensorrt": "10.13.0.35", "cuda_runtime": "12.9", "cuda_driver": "12.9", "driver": "575.57.08",
             "gpu": "NVIDIA H200", "compute_capability": "9.0", "platform": "linux-x86_64"}
 
@@ -55,7 +55,7 @@ FAKE_ENGINE_HEADER = b"FAKE ENGINE WRITTEN BY A TEST DOUBLE - NOT A TENSORRT ENG
 def fake_engine_build_step_for_tests(loader: Any, profiles: list[Any] | None = None) -> tuple[bytes, list[str]]:
     """TEST DOUBLE OF THE BUILD STEP ONLY: no TensorRT is involved and the bytes are not an engine.
 
-    Stands in for ``compiler.engines.tensorrt_build_step`` so that everything around a build (engine
+    Stands in for ``compiler.backends.trt_build.tensorrt_build_step`` so that everything around a build (engine
     files, manifest entries, staleness, rebuild, merge, atomic commits) runs for real where TensorRT
     cannot be installed. The "engine" is derived from the ONNX file's sha256, the loader's optimization
     profiles and the GPU the worker was pinned to; the timing cache is appended to under Polygraphy's own
@@ -64,7 +64,7 @@ def fake_engine_build_step_for_tests(loader: Any, profiles: list[Any] | None = N
     """
     from polygraphy import util
 
-    from compiler.files import sha256_file
+    from compiler.core.files import sha256_file
 
     network, create_config = loader._network, loader._config._config  # Polygraphy keeps its chain private
     built = [{name: [list(s.min), list(s.opt), list(s.max)] for name, s in profile.items()}
@@ -85,8 +85,8 @@ def exported_dir(tmp_path: Path) -> Path:
     """
     from onnx import helper
 
-    from compiler.manifest import MANIFEST, now, onnx_entry, write_manifest
-    from compiler.onnx_io import save_onnx
+    from compiler.core.manifest import MANIFEST, now, onnx_entry, write_manifest
+    from compiler.core.onnx_io import save_onnx
     from tests.onnx_helpers import make_model, tensor
 
     out = tmp_path / "exported"

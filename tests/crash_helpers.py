@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from compiler.errors import CalibrationError
-from compiler.worker import mark, mark_step
+from compiler.core.errors import CalibrationError
+from compiler.core.worker import mark, mark_step
 
 _passes = 0
 

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from compiler.batcher import BatcherClosed, DynamicBatcher, RequestTimeout
-from compiler.errors import InputError
-from compiler.runtime import Engines, FeedError, load
+from compiler.core.errors import InputError
+from compiler.serve.batcher import BatcherClosed, DynamicBatcher, RequestTimeout
+from compiler.serve.engines import Engines, FeedError, load
 from tests.test_runtime import build_directory
 
 
@@ -242,7 +242,7 @@ def test_a_worker_packs_batches_into_one_reused_buffer(engines: Engines) -> None
 
 def test_workers_are_woken_per_batch_not_per_request(engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
     """Single requests from many threads wake a worker when a window starts or a batch is full, not once each."""
-    import compiler.batcher as batcher_module
+    import compiler.serve.batcher as batcher_module
 
     wakeups: list[int] = []
 

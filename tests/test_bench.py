@@ -23,7 +23,7 @@ import torch
 from click.testing import CliRunner
 from onnx import numpy_helper
 
-from compiler.bench import (
+from compiler.bench.harness import (
     BenchReport,
     BenchSettings,
     _engine_precision,
@@ -38,12 +38,12 @@ from compiler.bench import (
     time_runner,
 )
 from compiler.cli import cli
-from compiler.errors import InputError
-from compiler.manifest import onnx_entry, read_manifest, write_manifest
-from compiler.onnx_io import load_onnx, save_onnx
-from compiler.pipeline import export_directory
-from compiler.settings import ExportSettings, ModelSource
-from compiler.specs import DimRange, ModelSpec, parse_input_spec
+from compiler.core.errors import InputError
+from compiler.core.manifest import onnx_entry, read_manifest, write_manifest
+from compiler.core.onnx_io import load_onnx, save_onnx
+from compiler.core.settings import ExportSettings, ModelSource
+from compiler.core.specs import DimRange, ModelSpec, parse_input_spec
+from compiler.pipeline.export import export_directory
 from examples import models
 
 # Tiny counts, and the CPU everywhere so that these tests read the same on a GPU machine (test_cuda_* is for GPUs).
@@ -264,7 +264,7 @@ def test_feeds_are_seeded_or_read_from_npz(tmp_path: Path) -> None:
 
 
 def test_the_eager_model_loads_from_the_build_snapshot_of_a_factory_source(tmp_path: Path) -> None:
-    from compiler.loading import LoadedModel, snapshot_into
+    from compiler.frontend.loading import LoadedModel, snapshot_into
 
     zeros = models.mlp()
     for tensor in zeros.state_dict().values():
@@ -377,8 +377,8 @@ def _copy(build: Path, where: Path) -> Path:
 
 def test_rows_run_the_serving_backends(build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every row is timed through a serving context of compiler.load's backends, not a runner of its own."""
-    from compiler import runners
-    from compiler.runtime_contexts import _HostContext
+    from compiler.backends import runners
+    from compiler.backends.contexts import _HostContext
 
     computed: list[str] = []
     real = _HostContext.compute
@@ -397,7 +397,7 @@ def test_rows_run_the_serving_backends(build: Path, tmp_path: Path, monkeypatch:
 
 
 def test_one_tf32_policy_per_run(build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import compiler.bench as bench_module
+    import compiler.bench.harness as bench_module
 
     seen: list[tuple[bool, bool]] = []
     real = bench_module._measure

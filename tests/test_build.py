@@ -16,9 +16,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from compiler.backends.trt_build import tensorrt_version
 from compiler.cli import cli
-from compiler.engines import tensorrt_version
-from compiler.files import directory_lock, sha256_files
+from compiler.core.files import directory_lock, sha256_files
 from examples.digits import train_digits
 
 pytestmark = pytest.mark.slow
@@ -158,7 +158,7 @@ WRAPPER = textwrap.dedent("""
     from pathlib import Path
     marker = Path(os.environ["MARKER"])
     if os.environ.get("PAUSE_AT") == "manifest":
-        import compiler.files as files
+        import compiler.core.files as files
         real = files.atomic_write_bytes
         def paused(path, data):
             if Path(path).name == "manifest.json":

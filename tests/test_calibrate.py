@@ -25,11 +25,11 @@ import calibration.calibrate as calibrate_module
 from calibration.data import calibration_data
 from calibration.qdq import tensors_to_calibrate
 from compiler.cli import cli
-from compiler.files import sha256_file, sha256_files
-from compiler.onnx_io import load_onnx, ort_session
-from compiler.pipeline import export_directory
-from compiler.settings import ExportSettings, ModelSource
-from compiler.specs import ModelSpec, parse_input_spec
+from compiler.core.files import sha256_file, sha256_files
+from compiler.core.onnx_io import load_onnx, ort_session
+from compiler.core.settings import ExportSettings, ModelSource
+from compiler.core.specs import ModelSpec, parse_input_spec
+from compiler.pipeline.export import export_directory
 from examples.digits import DigitsSplits, digits_splits, train_digits
 from examples.models import MLP
 
@@ -421,7 +421,7 @@ def test_fallback_search_logs_one_ranking_line_and_one_summary(cnn: Exported, wo
     """No line per trial (they read as if the final model were unquantized): the ranking, then a summary."""
     from calibration.accuracy import GateSettings
     from calibration.calibrate import CalibrationSettings, calibrate_directory
-    from compiler.errors import AccuracyGateError
+    from compiler.core.errors import AccuracyGateError
 
     settings = CalibrationSettings("int8", data=str(cnn.calib), eval_data=str(cnn.eval),
                                    gate=GateSettings(max_accuracy_drop=-1.0, max_fallback=3))

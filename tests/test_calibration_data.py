@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from calibration.data import CalibrationData, ImagePreprocessing, calibration_data
-from compiler.errors import CalibrationError
-from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.core.errors import CalibrationError
+from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
 IMAGES = ModelSpec((parse_input_spec("images:Bx1x8x8"),))
 RGB = ModelSpec((parse_input_spec("images:Bx3x32x32"),))

@@ -9,8 +9,8 @@ import pytest
 
 from calibration import statistics
 from calibration.statistics import collect_histograms, collect_max_abs
-from compiler.errors import CalibrationError
-from compiler.onnx_io import ort_session
+from compiler.core.errors import CalibrationError
+from compiler.core.onnx_io import ort_session
 from tests.test_statistics import _mlp, _mlp_batches
 
 

@@ -13,7 +13,12 @@ from typing import Any
 
 import pytest
 
-from compiler.check import (
+from compiler.backends.trt_build import tensorrt_version
+from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled, TrtcError
+from compiler.core.files import read_json
+from compiler.core.manifest import read_manifest
+from compiler.core.settings import BuildSettings
+from compiler.pipeline.check import (
     NEVER_BUILT,
     check_directory,
     gpu_can_run,
@@ -22,11 +27,6 @@ from compiler.check import (
     stale_engines,
     tensorrt_can_run,
 )
-from compiler.engines import tensorrt_version
-from compiler.errors import BuildError, InputError, TensorRTNotInstalled, TrtcError
-from compiler.files import read_json
-from compiler.manifest import read_manifest
-from compiler.settings import BuildSettings
 from tests.conftest import H200_ENV, fake_engine_build_step_for_tests
 
 H200 = H200_ENV

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from compiler.errors import EXIT_CODES
-from compiler.profile import SCHEMA
+from compiler.core.errors import EXIT_CODES
+from compiler.core.profile import SCHEMA
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from compiler.engines import (
+from compiler.backends.trt_build import (
     NOT_INSTALLED,
     TensorRTEnumOptions,
     build_engine_files,
@@ -37,11 +37,11 @@ from compiler.engines import (
     tensorrt_version_problem,
     timing_cache_key,
 )
-from compiler.errors import BuildError, InputError, TensorRTNotInstalled
-from compiler.files import sha256_file, staging_dir
-from compiler.manifest import read_manifest, spec_from_manifest
-from compiler.settings import BuildSettings
-from compiler.specs import DimRange, ModelSpec, parse_input_spec
+from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
+from compiler.core.files import sha256_file, staging_dir
+from compiler.core.manifest import read_manifest, spec_from_manifest
+from compiler.core.settings import BuildSettings
+from compiler.core.specs import DimRange, ModelSpec, parse_input_spec
 from tests.conftest import FAKE_ENGINE_HEADER, H200_ENV, fake_engine_build_step_for_tests
 
 ENV = H200_ENV
@@ -155,9 +155,9 @@ def test_engine_profile_shapes_is_the_one_plan_for_builder_and_manifest() -> Non
 
 
 def test_a_multi_profile_build_exports_to_triton_as_a_plan(exported_dir: Path, tmp_path: Path) -> None:
-    from compiler.engines import manifest_engine_keys
-    from compiler.manifest import write_manifest
-    from compiler.triton import PLAN_VERSION_FILE, triton_repository
+    from compiler.backends.trt_build import manifest_engine_keys
+    from compiler.core.manifest import write_manifest
+    from compiler.pipeline.triton import PLAN_VERSION_FILE, triton_repository
 
     settings = BuildSettings(buckets=(1, 4), multi_profile=True)
     spec = spec_from_manifest(read_manifest(exported_dir))
@@ -194,7 +194,7 @@ def test_build_workers_one_per_gpu_and_one_without_a_gpu_list() -> None:
 
 def test_jobs_without_a_gpu_list_builds_in_this_process(exported_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr("compiler.engines._build_in_parallel", None)  # calling it would fail the test
+    monkeypatch.setattr("compiler.backends.trt_build._build_in_parallel", None)  # calling it would fail the test
     entries, _ = _build(exported_dir, BuildSettings(buckets=(1, 4), jobs=4))
     assert [e["bucket"] for e in entries] == [1, 4]
 
@@ -365,9 +365,9 @@ def _sha(data: bytes) -> str:
 def test_real_engines_for_two_buckets_match_onnxruntime(tmp_path: Path) -> None:
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
-    from compiler.pipeline import export_directory
-    from compiler.runners import OrtRunner
-    from compiler.settings import ExportSettings, ModelSource
+    from compiler.backends.runners import OrtRunner
+    from compiler.core.settings import ExportSettings, ModelSource
+    from compiler.pipeline.export import export_directory
 
     out = tmp_path / "mlp"
     export_directory(ExportSettings(ModelSource(factory="examples.models:mlp"), out,
@@ -398,8 +398,8 @@ def test_real_engines_for_two_buckets_match_onnxruntime(tmp_path: Path) -> None:
 def test_real_parser_error_names_the_rejected_node(tmp_path: Path) -> None:
     from onnx import helper
 
-    from compiler.manifest import MANIFEST, onnx_entry, write_manifest
-    from compiler.onnx_io import save_onnx
+    from compiler.core.manifest import MANIFEST, onnx_entry, write_manifest
+    from compiler.core.onnx_io import save_onnx
     from tests.onnx_helpers import make_model, tensor
 
     out = tmp_path / "custom"
@@ -415,7 +415,7 @@ def test_real_parser_error_names_the_rejected_node(tmp_path: Path) -> None:
 
 
 def test_gpu_facts_from_nvidia_smi_as_an_h200_prints_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    from compiler import engines
+    from compiler.backends import trt_build as engines
 
     printed = {  # captured from nvidia-smi 580.159.04 on an H200
         "--query-gpu=name,compute_cap,driver_version": ["NVIDIA H200, 9.0, 580.159.04"],
@@ -451,7 +451,7 @@ def test_build_options_for_tf32_and_hardware_compat_levels() -> None:
 
 
 def test_a_graph_is_kept_only_when_tensorrt_accepted_every_enqueue() -> None:
-    from compiler.runtime_tensorrt import _CheckedLaunch
+    from compiler.backends.trt import _CheckedLaunch
 
     answers = iter([True, True, False, True])  # warm-up x3, then the capture: the third was refused
     launch = _CheckedLaunch(lambda stream: next(answers), stream_handle=7)
@@ -475,7 +475,7 @@ def test_the_build_step_inspects_each_profile_at_the_shapes_the_engine_was_built
 
 
 def test_the_declared_tensorrt_and_polygraphy_floors_are_the_checked_ones() -> None:
-    from compiler.engines import MIN_TENSORRT
+    from compiler.backends.trt_build import MIN_TENSORRT
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 

@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from compiler.cli import cli
-from compiler.files import sha256_files
-from compiler.onnx_io import ort_session
+from compiler.core.files import sha256_files
+from compiler.core.onnx_io import ort_session
 from examples import models
 
 EXAMPLES = {
@@ -60,7 +60,7 @@ def test_export_each_example_matches_eager(name: str, tmp_path: Path) -> None:
     assert Counter(n.op_type for n in model.graph.node)["BatchNormalization"] == 0
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "B"
     # an independent check at a batch the exporter never saw
-    from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+    from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
     specs = [parse_input_spec(a) for a in args[1::2] if ":" in a and "=" not in a]
     dims = dict(parse_dim_range(a) for a in args if "=" in a)
@@ -125,10 +125,10 @@ def test_unsupported_operator_is_named(tmp_path: Path) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return mystery(x) + 1
 
-    from compiler.errors import ExportError
-    from compiler.export import onnx_from_torch
-    from compiler.loading import LoadedModel
-    from compiler.specs import ModelSpec, parse_input_spec
+    from compiler.core.errors import ExportError
+    from compiler.core.specs import ModelSpec, parse_input_spec
+    from compiler.frontend.export import onnx_from_torch
+    from compiler.frontend.loading import LoadedModel
 
     with pytest.raises(ExportError, match=r"trtc_test::mystery"):
         onnx_from_torch(LoadedModel("factory", None, module=Odd()), ModelSpec((parse_input_spec("x:Bx4"),)), 8,

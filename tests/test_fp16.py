@@ -17,8 +17,8 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 from calibration.fp16 import FP32_OPS, Fp16Policy, Fp16Report, fp16_model_from
-from compiler.errors import InputError
-from compiler.onnx_io import MAX_IR_VERSION, ort_session
+from compiler.core.errors import InputError
+from compiler.core.onnx_io import MAX_IR_VERSION, ort_session
 from tests.onnx_helpers import make_model, tensor
 
 FLOAT, FLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import compiler
-from compiler.errors import InputError
+from compiler.core.errors import InputError
 from tests.test_safety import built, other_job, trtc  # noqa: F401  (built is the module's fixture)
 
 ARTIFACTS = ("manifest.json", "calibration.json", "model.onnx", "model.onnx.data", "model.int8.onnx",

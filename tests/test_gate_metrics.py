@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from calibration.accuracy import Evaluator, GateSettings, sample_cosines
 from calibration.fp16 import Fp16Policy, fp16_model_from, fp16_rounding_emulation
-from compiler.onnx_io import checking_providers, ort_session
+from compiler.core.onnx_io import checking_providers, ort_session
 
 
 def _scale_chain(factors: list[float], name: str = "y") -> onnx.ModelProto:
@@ -148,7 +148,7 @@ def test_checking_providers_prefer_cuda_and_never_tensorrt() -> None:
 
 
 def test_the_report_prints_an_all_zero_gate_as_n_a(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
-    from compiler import report
+    from compiler.core import report
 
     evaluator = _evaluator(_scale_chain([0.0]), [{"x": X}])
     entry = {"precision": "fp16", "accuracy": evaluator.evaluate(_scale_chain([0.0])).to_dict(), "kept_in_fp32": {}}
@@ -160,8 +160,8 @@ def test_the_report_prints_an_all_zero_gate_as_n_a(capsys: pytest.CaptureFixture
 @pytest.mark.parametrize("precision", ["int8", "fp16"])
 def test_the_provider_is_recorded_and_the_work_runs_in_a_worker(tmp_path: Any, precision: str) -> None:
     from calibration.calibrate import CalibrationSettings, calibrated_into
-    from compiler.onnx_io import save_onnx
-    from compiler.specs import ModelSpec, parse_input_spec
+    from compiler.core.onnx_io import save_onnx
+    from compiler.core.specs import ModelSpec, parse_input_spec
 
     rng = np.random.default_rng(0)
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])

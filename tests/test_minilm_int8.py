@@ -19,10 +19,10 @@ import torch
 from click.testing import CliRunner
 
 from compiler.cli import cli
-from compiler.onnx_io import load_onnx, ort_session
-from compiler.pipeline import export_directory
-from compiler.settings import ExportSettings, ModelSource
-from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.core.onnx_io import load_onnx, ort_session
+from compiler.core.settings import ExportSettings, ModelSource
+from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.pipeline.export import export_directory
 from examples.minilm import OUTLIER_CHANNELS, minilm_like, token_batches  # transformers: in the dev extra
 
 pytestmark = pytest.mark.slow  # ~3 min on 2 cores: a BERT export and two calibrations

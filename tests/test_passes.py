@@ -9,8 +9,8 @@ import onnx
 import pytest
 from onnx import helper
 
-from compiler.onnx_io import ort_session
-from compiler.passes import cleanup, fold_batchnorm, fold_constants, run_passes
+from compiler.core.onnx_io import ort_session
+from compiler.frontend.passes import cleanup, fold_batchnorm, fold_constants, run_passes
 from tests.onnx_helpers import make_model, tensor
 
 rng = np.random.default_rng(0)

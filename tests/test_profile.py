@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from compiler.errors import InputError
-from compiler.profile import load_profile
+from compiler.core.errors import InputError
+from compiler.core.profile import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 

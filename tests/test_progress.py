@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from compiler import progress as progress_module
 from compiler.cli import cli
-from compiler.progress import progress, stage_timer
+from compiler.core import progress as progress_module
+from compiler.core.progress import progress, stage_timer
 
 
 @pytest.fixture
 def log_lines(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     monkeypatch.setattr(progress_module, "is_terminal", lambda: False)
     monkeypatch.setattr(progress_module, "INTERVAL_S", 0.0)
-    caplog.set_level(logging.INFO, logger="compiler.progress")
+    caplog.set_level(logging.INFO, logger="compiler.core.progress")
     return caplog
 
 
@@ -39,12 +39,12 @@ def test_a_failed_stage_says_so(log_lines: pytest.LogCaptureFixture) -> None:
 
 
 def test_quiet_loops_log_nothing(log_lines: pytest.LogCaptureFixture) -> None:
-    logging.getLogger("compiler.progress").setLevel(logging.WARNING)
+    logging.getLogger("compiler.core.progress").setLevel(logging.WARNING)
     try:
         with progress("ranking layers", 3, unit="layers") as advance:
             advance(3)
     finally:
-        logging.getLogger("compiler.progress").setLevel(logging.NOTSET)
+        logging.getLogger("compiler.core.progress").setLevel(logging.NOTSET)
     assert not log_lines.records
 
 

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from calibration.qdq import QDQ_OPS, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
-from compiler.onnx_io import MAX_IR_VERSION, load_onnx, ort_session
+from compiler.core.onnx_io import MAX_IR_VERSION, load_onnx, ort_session
 from tests.onnx_helpers import make_model, tensor
 
 torch = pytest.importorskip("torch")

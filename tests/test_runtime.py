@@ -20,13 +20,13 @@ import pytest
 import torch
 
 import compiler
-from compiler import runtime
-from compiler.errors import InputError, TensorRTNotInstalled
-from compiler.loading import LoadedModel, snapshot_into
-from compiler.manifest import onnx_entry, write_manifest
-from compiler.onnx_io import load_onnx, ort_session, save_onnx
-from compiler.runtime import EnginesNotRunnable, FeedError, engines_from_module, load
-from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.core.errors import InputError, TensorRTNotInstalled
+from compiler.core.manifest import onnx_entry, write_manifest
+from compiler.core.onnx_io import load_onnx, ort_session, save_onnx
+from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.frontend.loading import LoadedModel, snapshot_into
+from compiler.serve import engines as runtime
+from compiler.serve.engines import EnginesNotRunnable, FeedError, engines_from_module, load
 from examples import models
 
 BUCKETS = [1, 4, 8, 16]
@@ -138,8 +138,8 @@ def test_cpu_tensors_that_need_grad_or_are_views_or_subclasses_run_like_plain_on
 
 
 def test_engines_are_a_runner(mlp_engines: runtime.Engines) -> None:
-    from compiler.runners import OrtRunner, Runner
-    from compiler.verify import compare_outputs
+    from compiler.backends.runners import OrtRunner, Runner
+    from compiler.frontend.verify import compare_outputs
 
     runner: Runner = mlp_engines
     feed = {"x": np.random.default_rng(8).standard_normal((5, 64)).astype(np.float32)}
@@ -374,7 +374,7 @@ def test_auto_backend_falls_back_to_onnx_runtime_and_says_so_once(tmp_path: Path
     if runtime.tensorrt_available():
         pytest.skip("TensorRT is installed here: auto picks it")
     directory = build_directory(tmp_path / "m", "mlp")
-    with caplog.at_level(logging.INFO, logger="compiler.runtime"):
+    with caplog.at_level(logging.INFO, logger="compiler.serve.engines"):
         for _ in range(2):
             with load(directory) as engines:
                 assert engines.backend == "onnxruntime"
@@ -406,10 +406,10 @@ def test_tensorrt_backend_without_tensorrt_names_the_fix(tmp_path: Path) -> None
 
 def test_stale_or_missing_engines_name_trtc_rebuild(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the installation check passed, the `trtc check` rules decide: here the files do not match."""
-    import compiler.engines
+    import compiler.backends.trt_build
 
     directory = _with_engines(tmp_path)
-    monkeypatch.setattr(compiler.engines, "require_tensorrt", lambda directory=None: "10.13.0.35")
+    monkeypatch.setattr(compiler.backends.trt_build, "require_tensorrt", lambda directory=None: "10.13.0.35")
     with pytest.raises(EnginesNotRunnable) as err:
         load(directory, backend="tensorrt")
     message = str(err.value)
@@ -432,7 +432,7 @@ def test_bad_arguments(dirs: dict[str, Path], tmp_path: Path) -> None:
 
 def test_compiler_load_is_reexported_lazily() -> None:
     assert compiler.load is runtime.load
-    code = ("import sys, compiler; assert 'compiler.runtime' not in sys.modules; "
+    code = ("import sys, compiler; assert 'compiler.serve.engines' not in sys.modules; "
             "assert 'torch' not in sys.modules and 'onnxruntime' not in sys.modules; print(compiler.__all__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parent.parent)
@@ -477,8 +477,8 @@ def test_torch_backend_on_cuda_with_a_dynamic_dimension() -> None:
 
 @pytest.mark.tensorrt
 def test_tensorrt_engines_match_onnx_runtime(tmp_path: Path) -> None:
-    from compiler.build import build_directory as trtc_build
-    from compiler.settings import BuildSettings, ExportSettings, ModelSource
+    from compiler.core.settings import BuildSettings, ExportSettings, ModelSource
+    from compiler.pipeline.build import build_directory as trtc_build
 
     spec = ModelSpec((parse_input_spec("x:Bx64"),))
     out = tmp_path / "trt"

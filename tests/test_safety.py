@@ -22,12 +22,12 @@ import torch
 from click.testing import CliRunner, Result
 
 import compiler
-from compiler.check import rebuild_directory
 from compiler.cli import cli
-from compiler.errors import DirectoryLocked, InputError
-from compiler.files import directory_lock
-from compiler.manifest import write_manifest
-from compiler.settings import BuildSettings
+from compiler.core.errors import DirectoryLocked, InputError
+from compiler.core.files import directory_lock
+from compiler.core.manifest import write_manifest
+from compiler.core.settings import BuildSettings
+from compiler.pipeline.check import rebuild_directory
 from tests.conftest import H200_ENV, fake_engine_build_step_for_tests
 
 FACTORY = "tests.test_safety:random_mlp"
@@ -176,7 +176,7 @@ def test_an_onnx_is_read_only_after_its_sha256_matches(copy: Path) -> None:
 
 
 def test_inside_accepts_plain_relative_paths_only(copy: Path) -> None:
-    from compiler.manifest import inside
+    from compiler.core.manifest import inside
 
     assert inside(copy, "engines/b1.engine") == copy / "engines/b1.engine"
     for bad in ("", "/etc/passwd", "../m/model.onnx", "engines/../../x", "a//b", "C:/x", "a\\..\\b", None, 3):
@@ -255,7 +255,7 @@ def test_other_outputs_naming_a_file_are_one_line_and_exit_2(copy: Path, tmp_pat
 # --- 5. the same weights everywhere ---------------------------------------------------------------------------------
 
 def test_torch_backend_and_bench_run_the_weights_the_build_exported(built: Path) -> None:
-    from compiler.bench import eager_model
+    from compiler.bench.harness import eager_model
 
     x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
     manifest = manifest_of(built)

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compiler.errors import InputError
-from compiler.specs import DimRange, InputSpec, ModelSpec, parse_buckets, parse_dim_range, parse_input_spec
+from compiler.core.errors import InputError
+from compiler.core.specs import DimRange, InputSpec, ModelSpec, parse_buckets, parse_dim_range, parse_input_spec
 
 
 def test_input_spec_parses_dynamic_and_fixed_dims() -> None:

@@ -18,8 +18,8 @@ from calibration.statistics import (
     collect_histograms,
     collect_max_abs,
 )
-from compiler.errors import CalibrationError
-from compiler.onnx_io import ort_session, save_onnx
+from compiler.core.errors import CalibrationError
+from compiler.core.onnx_io import ort_session, save_onnx
 from tests.onnx_helpers import make_model, tensor
 
 

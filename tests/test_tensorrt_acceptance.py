@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from calibration.accuracy import GateSettings, row_cosines
-from compiler.settings import BuildSettings, ExportSettings, ModelSource
-from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.core.settings import BuildSettings, ExportSettings, ModelSource
+from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
 pytestmark = pytest.mark.tensorrt
 
@@ -48,7 +48,7 @@ def _build(out: Path, model: Model, precision: str = "fp32",
            buckets: tuple[int, ...] = (1, 4, 8), **build: Any) -> dict[str, Any]:
     """``trtc build`` of an example model into ``out``; the manifest. INT8/FP16 calibrate on seeded random data."""
     from calibration.calibrate import CalibrationSettings
-    from compiler.build import build_directory
+    from compiler.pipeline.build import build_directory
 
     calibration = None if precision == "fp32" else CalibrationSettings(precision, data="random", samples=64)
     export = ExportSettings(ModelSource(factory=model[0]), out, _spec(model), buckets)
@@ -57,7 +57,7 @@ def _build(out: Path, model: Model, precision: str = "fp32",
 
 def _fp32_reference(out: Path, feed: dict[str, np.ndarray]) -> np.ndarray:
     """The FP32 ONNX of ``out`` on ONNX Runtime's CPU provider: the reference every accuracy gate compares to."""
-    from compiler.onnx_io import ort_session
+    from compiler.core.onnx_io import ort_session
 
     session = ort_session(out / "model.onnx", ["CPUExecutionProvider"])
     return np.asarray(session.run(None, feed)[0])
@@ -74,7 +74,7 @@ def test_reduced_precision_engines_show_their_precision_and_pass_the_gate(
         tmp_path: Path, model: Model, precision: str) -> None:
     """Proves: INT8 Q/DQ and FP16 engines run their layers in INT8/FP16 per layers.json (shapes resolved, not
     "N/A due to dynamic shapes") and meet the accuracy gate that ONNX Runtime met, against the FP32 model."""
-    from compiler.runtime import load
+    from compiler.serve.engines import load
 
     out = tmp_path / "m"
     manifest = _build(out, model, precision)
@@ -98,7 +98,7 @@ def test_multi_profile_engine_answers_every_batch_and_records_its_profiles(tmp_p
     the manifest's shapes are exactly the engine's profile shapes."""
     from polygraphy.backend.trt import TrtRunner
 
-    from compiler.engines import _deserialize
+    from compiler.backends.trt_build import _deserialize
 
     out = tmp_path / "m"
     manifest = _build(out, MLP, buckets=(1, 4, 8), multi_profile=True)
@@ -124,8 +124,8 @@ def test_cuda_graphs_replay_fresh_outputs_and_fall_back_when_an_enqueue_is_refus
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Proves: the runtime's CUDA graphs give each call's own outputs, and a refused enqueue during capture leaves
     that bucket without a graph (said once) and still correct."""
-    from compiler import runtime_tensorrt
-    from compiler.runtime import load
+    from compiler.backends import trt as runtime_tensorrt
+    from compiler.serve.engines import load
 
     out = tmp_path / "m"
     _build(out, MLP, buckets=(1, 4, 8), tf32=False)
@@ -146,7 +146,7 @@ def test_cuda_graphs_replay_fresh_outputs_and_fall_back_when_an_enqueue_is_refus
             return accepted
 
     monkeypatch.setattr(runtime_tensorrt, "_CheckedLaunch", RefusesTheCapture)
-    with caplog.at_level(logging.WARNING, logger="compiler.runtime_tensorrt"), load(out, backend="tensorrt") as engines:
+    with caplog.at_level(logging.WARNING, logger="compiler.backends.trt"), load(out, backend="tensorrt") as engines:
         assert all(state.graph is None for state in engines._contexts[0]._buckets.values())
         x = rng.standard_normal((5, 64)).astype(np.float32)
         np.testing.assert_allclose(engines(x), _fp32_reference(out, {"x": x}), rtol=1e-3, atol=1e-4)
@@ -157,7 +157,7 @@ def test_cuda_graphs_replay_fresh_outputs_and_fall_back_when_an_enqueue_is_refus
 def test_contexts_share_one_activation_buffer_and_concurrent_callers_get_their_own_results(tmp_path: Path) -> None:
     """Proves: a multi-profile engine's bucket contexts share one buffer sized for the largest profile, and two
     threads (the second context made on demand, warmed up under the compute order) both get correct outputs."""
-    from compiler.runtime import load
+    from compiler.serve.engines import load
 
     out = tmp_path / "m"
     _build(out, MLP, buckets=(1, 4, 8), multi_profile=True, tf32=False)
@@ -191,7 +191,7 @@ def test_version_compatible_engine_needs_and_loads_with_host_code_allowed(tmp_pa
     trtc's runtime sets, and then runs correctly."""
     import tensorrt as trt
 
-    from compiler.runtime import load
+    from compiler.serve.engines import load
 
     out = tmp_path / "m"
     manifest = _build(out, MLP, buckets=(4,), version_compatible=True)
@@ -209,9 +209,9 @@ def test_check_calls_engines_stale_on_another_tensorrt_or_gpu_model(tmp_path: Pa
     GPU model of the same compute capability unless built --hardware-compat same-compute-capability."""
     from click.testing import CliRunner
 
-    from compiler.check import check_directory
+    from compiler.backends.trt_build import environment
     from compiler.cli import cli
-    from compiler.engines import environment
+    from compiler.pipeline.check import check_directory
 
     out = tmp_path / "m"
     _build(out, MLP, buckets=(1, 4))
@@ -226,7 +226,7 @@ def test_check_calls_engines_stale_on_another_tensorrt_or_gpu_model(tmp_path: Pa
     _build(compatible, MLP, buckets=(1, 4), hardware_compat="same-compute-capability")
     assert check_directory(compatible, env=other_model).exit_code == 0
     x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
-    from compiler.runtime import load
+    from compiler.serve.engines import load
 
     with load(compatible, backend="tensorrt") as engines:
         np.testing.assert_allclose(engines(x), _fp32_reference(compatible, {"x": x}), rtol=1e-2, atol=1e-3)
@@ -238,8 +238,8 @@ def test_rebuild_if_stale_rebuilds_only_stale_engines_from_the_stored_onnx(tmp_p
     from click.testing import CliRunner
 
     from compiler.cli import cli
-    from compiler.manifest import read_manifest, write_manifest
-    from compiler.runtime import load
+    from compiler.core.manifest import read_manifest, write_manifest
+    from compiler.serve.engines import load
 
     out = tmp_path / "m"
     _build(out, MLP, buckets=(1, 4))
@@ -263,8 +263,8 @@ def test_rebuild_if_stale_rebuilds_only_stale_engines_from_the_stored_onnx(tmp_p
 def test_shared_timing_cache_is_keyed_checked_and_survives_an_unreadable_directory_cache(tmp_path: Path) -> None:
     """Proves: a real shared timing cache is written with its TensorRT/GPU key, grows across builds with TensorRT's
     combine checked, leaves no lock file in the build directory, and an unreadable DIR/timing.cache only warns."""
-    from compiler.check import rebuild_directory
-    from compiler.engines import environment, timing_cache_key
+    from compiler.backends.trt_build import environment, timing_cache_key
+    from compiler.pipeline.check import rebuild_directory
 
     shared = tmp_path / "caches" / "shared.cache"
     out = tmp_path / "m"
@@ -281,7 +281,7 @@ def test_shared_timing_cache_is_keyed_checked_and_survives_an_unreadable_directo
 def test_tf32_policy_is_recorded_and_both_policies_are_accurate(tmp_path: Path) -> None:
     """Proves: TF32 is on by default and --no-tf32 is recorded as build.tf32, and both engines match FP32 ONNX
     Runtime (strict FP32 to 1e-3 relative, as the other FP32 engine tests)."""
-    from compiler.runtime import load
+    from compiler.serve.engines import load
 
     x = np.random.default_rng(4).standard_normal((8, 64)).astype(np.float32)
     for tf32, rtol in ((True, 1e-2), (False, 1e-3)):
@@ -298,8 +298,8 @@ def test_export_triton_writes_a_multi_profile_plan_with_its_tensorrt_version(tmp
     import tensorrt as trt
     from click.testing import CliRunner
 
+    from compiler.backends.trt_build import _deserialize
     from compiler.cli import cli
-    from compiler.engines import _deserialize
 
     out = tmp_path / "m"
     _build(out, MLP, buckets=(1, 4, 8), multi_profile=True)

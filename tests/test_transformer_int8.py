@@ -31,10 +31,10 @@ from click.testing import CliRunner
 from calibration.data import calibration_data
 from calibration.statistics import collect_histograms
 from compiler.cli import cli
-from compiler.onnx_io import load_onnx, ort_session
-from compiler.pipeline import export_directory
-from compiler.settings import ExportSettings, ModelSource
-from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.core.onnx_io import load_onnx, ort_session
+from compiler.core.settings import ExportSettings, ModelSource
+from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.pipeline.export import export_directory
 from examples.models import transformer_encoder
 
 pytestmark = pytest.mark.slow  # ~30 s: training, a dynamo export, two quantizations

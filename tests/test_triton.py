@@ -21,11 +21,11 @@ from click.testing import CliRunner
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 
 from compiler.cli import cli
-from compiler.errors import InputError
-from compiler.files import sha256_file
-from compiler.manifest import write_manifest
-from compiler.onnx_io import ort_session
-from compiler.triton import triton_repository
+from compiler.core.errors import InputError
+from compiler.core.files import sha256_file
+from compiler.core.manifest import write_manifest
+from compiler.core.onnx_io import ort_session
+from compiler.pipeline.triton import triton_repository
 from tests.test_runtime import build_directory
 
 F = descriptor_pb2.FieldDescriptorProto
@@ -198,7 +198,7 @@ def test_plans_triton_cannot_serve_are_refused_or_replaced(dirs: dict[str, Path]
 
 
 def test_a_tensor_of_shape_b_gets_dims_1_reshaped(tmp_path: Path) -> None:
-    from compiler.triton import TritonModel, TritonTensor, model_config_text
+    from compiler.pipeline.triton import TritonModel, TritonTensor, model_config_text
 
     model = TritonModel("m", "onnxruntime", 8, (TritonTensor("ids", "TYPE_INT64", ()),),
                         (TritonTensor("score", "TYPE_FP32", ()),), (8,), 100, 1, "KIND_CPU")

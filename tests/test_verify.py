@@ -11,12 +11,12 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler.errors import InputError, VerificationError
-from compiler.export import onnx_from_torch
-from compiler.loading import LoadedModel
-from compiler.runners import OrtRunner, TorchRunner
-from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
-from compiler.verify import Tolerance, compare_outputs, verify_runners
+from compiler.backends.runners import OrtRunner, TorchRunner
+from compiler.core.errors import InputError, VerificationError
+from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.frontend.export import onnx_from_torch
+from compiler.frontend.loading import LoadedModel
+from compiler.frontend.verify import Tolerance, compare_outputs, verify_runners
 from tests.onnx_helpers import make_model, tensor
 
 SPEC = ModelSpec((parse_input_spec("x:Bx4x100"),))
@@ -70,7 +70,7 @@ def test_relative_part_scales_with_each_element() -> None:
 
 def test_degenerate_outputs(caplog: pytest.LogCaptureFixture) -> None:
     zeros = {"y": np.zeros(6, np.float32)}
-    with caplog.at_level(logging.WARNING, logger="compiler.verify"):
+    with caplog.at_level(logging.WARNING, logger="compiler.frontend.verify"):
         assert compare_outputs({"y": np.full(6, 1e-9, np.float32)}, zeros, 2).passes(Tolerance())
     assert "all zeros in the reference" in caplog.text
     assert not compare_outputs(zeros, {"y": np.linspace(1, 2, 6, dtype=np.float32)}, 2).passes(Tolerance())

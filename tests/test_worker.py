@@ -9,11 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from compiler.cli import cli
-from compiler.errors import CalibrationError, WorkerCrashed
-from compiler.pipeline import export_directory
-from compiler.settings import ExportSettings, ModelSource
-from compiler.specs import ModelSpec, parse_input_spec
-from compiler.worker import in_worker
+from compiler.core.errors import CalibrationError, WorkerCrashed
+from compiler.core.settings import ExportSettings, ModelSource
+from compiler.core.specs import ModelSpec, parse_input_spec
+from compiler.core.worker import in_worker
+from compiler.pipeline.export import export_directory
 from tests import crash_helpers
 
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import onnx
 
-from compiler.errors import ExportError, InputError
-from compiler.loading import LoadedModel
-from compiler.onnx_io import load_onnx
-from compiler.specs import BATCH_DIM, INTEGER_DTYPES, ModelSpec
-from compiler.verify import FeedSource
+from compiler.core.errors import ExportError, InputError
+from compiler.core.onnx_io import load_onnx
+from compiler.core.specs import BATCH_DIM, INTEGER_DTYPES, ModelSpec
+from compiler.frontend.loading import LoadedModel
+from compiler.frontend.verify import FeedSource
 
 __all__ = ["ExportResult", "onnx_from_torch", "example_inputs"]
 

@@ -20,16 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from compiler.engines import settings_to_dict
-from compiler.errors import AccuracyGateError, TensorRTNotInstalled
-from compiler.files import commit_staged, directory_lock, settle_modes, staging_dir
-from compiler.loading import load_model
-from compiler.manifest import MANIFEST, refuse_other_model, write_manifest
-from compiler.pipeline import FP32_ONNX, check_against_model, exported_into, resolve_spec, source_fingerprint
-from compiler.progress import stage_timer
-from compiler.settings import BuildSettings, ExportSettings
-from compiler.specs import BATCH_DIM, ModelSpec
-from compiler.verify import FeedSource
+from compiler.backends.trt_build import settings_to_dict
+from compiler.core.errors import AccuracyGateError, TensorRTNotInstalled
+from compiler.core.files import commit_staged, directory_lock, settle_modes, staging_dir
+from compiler.core.manifest import MANIFEST, refuse_other_model, write_manifest
+from compiler.core.progress import stage_timer
+from compiler.core.settings import BuildSettings, ExportSettings
+from compiler.core.specs import BATCH_DIM, ModelSpec
+from compiler.frontend.loading import load_model
+from compiler.frontend.verify import FeedSource
+from compiler.pipeline.export import FP32_ONNX, check_against_model, exported_into, resolve_spec, source_fingerprint
 
 __all__ = ["build_directory", "FAILED_DIR"]
 
@@ -115,7 +115,7 @@ def _feeds_from_calibration_data(calibration: Any | None, spec: ModelSpec, max_b
 def _engines_into(stage: Path, out: Path, manifest: dict[str, Any], spec: Any, build: BuildSettings,
                   ) -> TensorRTNotInstalled | None:
     """Build the engines into ``stage``; returns (not raises) TensorRTNotInstalled so the rest is committed first."""
-    from compiler import engines
+    from compiler.backends import trt_build as engines
 
     env = engines.environment(build)
     if engines.tensorrt_version() is None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from compiler.errors import DirectoryLocked, InputError
+from compiler.core.errors import DirectoryLocked, InputError
 
 __all__ = ["sha256_file", "sha256_files", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
            "staging_dir", "commit_staged", "directory_lock", "read_json", "file_mode", "current_umask", "settle_modes",

@@ -13,10 +13,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from compiler import __version__
-from compiler.errors import InputError
-from compiler.files import atomic_write_json, read_json, sha256_file, sha256_files
-from compiler.onnx_io import onnx_files
-from compiler.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.core.errors import InputError
+from compiler.core.files import atomic_write_json, read_json, sha256_file, sha256_files
+from compiler.core.onnx_io import onnx_files
+from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "read_manifest", "write_manifest", "tool_versions", "onnx_entry",
            "refuse_other_model", "now", "spec_from_manifest", "inside", "verified_onnx", "verified_file"]
@@ -93,7 +93,7 @@ def verified_onnx(directory: Path, entry: Any, precision: str = "") -> Path:
     Every file is checked inside ``directory`` and read only after the digest over all of them
     matches; the graph's external data references are checked to be among those files.
     """
-    from compiler.onnx_io import onnx_files
+    from compiler.core.onnx_io import onnx_files
 
     what = f"{precision} ONNX".strip()
     if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compiler.errors import InputError
-from compiler.manifest import spec_from_manifest
-from compiler.specs import BATCH_DIM, ModelSpec
+from compiler.core.errors import InputError
+from compiler.core.manifest import spec_from_manifest
+from compiler.core.specs import BATCH_DIM, ModelSpec
 
 __all__ = ["TritonModel", "triton_repository", "model_config_text", "plan_requirement", "TRITON_BACKENDS",
            "PLAN_VERSION_FILE"]
@@ -162,7 +162,7 @@ def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, t
                          f"profiles of {files[0]} take batches {taken} only (e.g. not {missing[0]}); build profiles "
                          "whose batch ranges cover 1 to the largest bucket, or export with --backend onnxruntime")
     profiles = tuple(sorted({int(e.get("profile", 0)) for e in entries}))
-    from compiler.manifest import verified_file
+    from compiler.core.manifest import verified_file
 
     return verified_file(directory, entries[0], "engine"), profiles, largest
 
@@ -189,10 +189,10 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     reason). ``name`` defaults to the directory's name. An existing ``repo/NAME`` is replaced only
     with ``force``; the new folder appears whole (staged beside ``repo``, then renamed).
     """
-    from compiler.files import require_directory
-    from compiler.manifest import read_manifest
-    from compiler.onnx_io import onnx_files
-    from compiler.runtime import onnx_for_precision
+    from compiler.core.files import require_directory
+    from compiler.core.manifest import read_manifest
+    from compiler.core.onnx_io import onnx_files
+    from compiler.serve.engines import onnx_for_precision
 
     directory = Path(directory)
     repo = Path(repo)

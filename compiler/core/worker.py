@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from compiler.errors import WorkerCrashed
+from compiler.core.errors import WorkerCrashed
 
 __all__ = ["in_worker", "isolated", "mark", "mark_step"]
 

@@ -44,12 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from compiler.errors import BuildError, InputError, TensorRTNotInstalled
-from compiler.files import atomic_write_bytes, atomic_write_text, read_json, sha256_file, sha256_files
-from compiler.manifest import inside
-from compiler.onnx_io import onnx_files
-from compiler.settings import BuildSettings
-from compiler.specs import BATCH_DIM, ModelSpec
+from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
+from compiler.core.files import atomic_write_bytes, atomic_write_text, read_json, sha256_file, sha256_files
+from compiler.core.manifest import inside
+from compiler.core.onnx_io import onnx_files
+from compiler.core.settings import BuildSettings
+from compiler.core.specs import BATCH_DIM, ModelSpec
 
 if TYPE_CHECKING:
     import tensorrt as trt

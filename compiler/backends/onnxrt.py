@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from compiler.errors import InputError
-from compiler.runtime_contexts import (
+from compiler.backends.contexts import (
     _NUMPY_DTYPES,
     CheckedFeed,
     _call_values,
@@ -33,7 +32,8 @@ from compiler.runtime_contexts import (
     _max_values,
     _remember,
 )
-from compiler.specs import BATCH_DIM, ModelSpec
+from compiler.core.errors import InputError
+from compiler.core.specs import BATCH_DIM, ModelSpec
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +49,7 @@ class _OrtBackend:
 
     def __init__(self, path: Path, spec: ModelSpec, buckets: Sequence[int], device: str | None, threads: int,
                  tf32: bool = True, cuda_options: Mapping[str, str] | None = None) -> None:
-        from compiler.onnx_io import ort_session, usable_providers
+        from compiler.core.onnx_io import ort_session, usable_providers
 
         self.spec = spec
         self.buckets = tuple(buckets)
@@ -108,7 +108,7 @@ class _OrtBackend:
         An ONNX Runtime that refuses ``user_compute_stream`` gets a session on its own stream; the
         context then waits for its copies on the host before each run.
         """
-        from compiler.onnx_io import ort_session
+        from compiler.core.onnx_io import ort_session
 
         try:
             session, own = ort_session(self.path, self._providers(self.provider, stream), threads=self.threads), True

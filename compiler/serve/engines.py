@@ -8,17 +8,17 @@ whatever the buffer held: every row is computed on its own, so they never reach 
 
 Backends, behind one small interface (a backend makes contexts; a context owns one execution
 context plus input and output buffers for every bucket; the contract and the host and GPU
-contexts are in ``compiler.runtime_contexts``), one module each:
+contexts are in ``compiler.backends.contexts``), one module each:
 
-* ``tensorrt`` (``compiler.runtime_tensorrt``): the directory's engines. ``execute_async_v3`` on
+* ``tensorrt`` (``compiler.backends.trt``): the directory's engines. ``execute_async_v3`` on
   the context's CUDA stream, tensor addresses bound once per buffer (torch tensors are the device
   buffers), pinned host buffers for the copies, and one CUDA graph per bucket, captured after
   warm-up, when no input has a dynamic non-batch dimension (a graph is only valid for the shapes
   it was captured with).
-* ``onnxruntime`` (``compiler.runtime_onnxruntime``): the build's ONNX for the manifest's
+* ``onnxruntime`` (``compiler.backends.onnxrt``): the build's ONNX for the manifest's
   precision (``model.int8.onnx`` for ``precision: int8``), CUDA or CPU, through an IOBinding on
   the preallocated buffers.
-* ``torch`` (``compiler.runtime_torch``): the source model in eager PyTorch, with a CUDA graph per
+* ``torch`` (``compiler.backends.pytorch``): the source model in eager PyTorch, with a CUDA graph per
   bucket on a GPU. For nodes with neither TensorRT nor a usable ONNX, and to measure the runtime
   itself.
 
@@ -50,13 +50,13 @@ from typing import Any
 
 import numpy as np
 
-from compiler.errors import InputError
-from compiler.runtime_contexts import _NUMPY_DTYPES, CheckedFeed, _Backend, _Context
-from compiler.runtime_onnxruntime import _OrtBackend
-from compiler.runtime_onnxruntime import _OrtCpuContext as _OrtCpuContext  # where tests reach it, as before the split
-from compiler.runtime_tensorrt import EnginesNotRunnable, _tensorrt_backend
-from compiler.runtime_torch import _TorchBackend
-from compiler.specs import BATCH_DIM, DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
+from compiler.backends.contexts import _NUMPY_DTYPES, CheckedFeed, _Backend, _Context
+from compiler.backends.onnxrt import _OrtBackend
+from compiler.backends.onnxrt import _OrtCpuContext as _OrtCpuContext  # where tests reach it, as before the split
+from compiler.backends.pytorch import _TorchBackend
+from compiler.backends.trt import EnginesNotRunnable, _tensorrt_backend
+from compiler.core.errors import InputError
+from compiler.core.specs import BATCH_DIM, DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
 
 __all__ = ["load", "engines_from_module", "onnx_for_precision", "tf32_policy", "tensorrt_available", "Engines",
            "CheckedFeed", "FeedError", "EnginesNotRunnable", "BACKENDS"]
@@ -154,7 +154,7 @@ class Engines:
         self.buckets: tuple[int, ...] = tuple(sorted(backend.buckets))
         self.output_names: list[str] = list(backend.output_names)
         self.input_names: list[str] = backend.spec.input_names
-        self.name = f"trtc-runtime[{backend.name}]"  # as a ``compiler.runners.Runner``
+        self.name = f"trtc-runtime[{backend.name}]"  # as a ``compiler.backends.runners.Runner``
         self._checks = _checks_for(backend.spec)
         self._dim_names = tuple(backend.spec.dims)
         self._largest = largest = self.buckets[-1]
@@ -541,7 +541,7 @@ def _log_fallback_once(directory: Path, backend: _OrtBackend) -> None:
 
 def tensorrt_available() -> bool:
     """Whether a real TensorRT imports here (what ``backend="auto"`` decides on)."""
-    from compiler.engines import tensorrt_version
+    from compiler.backends.trt_build import tensorrt_version
 
     return tensorrt_version() is not None
 
@@ -555,7 +555,7 @@ def tf32_policy(manifest: dict[str, Any]) -> bool:
 def onnx_for_precision(directory: Path, manifest: dict[str, Any], precision: str | None = None) -> Path:
     """The build's ONNX for ``precision`` (default: the build's), confined to ``directory`` and checked
     against its sha256."""
-    from compiler.manifest import verified_onnx
+    from compiler.core.manifest import verified_onnx
 
     precision = precision or manifest.get("precision") or "fp32"
     onnx = manifest.get("onnx")
@@ -568,7 +568,7 @@ def onnx_for_precision(directory: Path, manifest: dict[str, Any], precision: str
 
 def _source_module(directory: Path, manifest: dict[str, Any], trust_pickle: bool) -> Any:
     """The build's own snapshot of its source model: the weights that were exported, not the factory's again."""
-    from compiler.loading import load_snapshot
+    from compiler.frontend.loading import load_snapshot
 
     return load_snapshot(directory, manifest, trust_pickle).module
 
@@ -589,10 +589,10 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
     whether ONNX Runtime's CUDA provider may use TF32 for FP32 math (default: the manifest's
     ``build.tf32``, else True, as the TensorRT engines were built); the torch backend follows
     PyTorch's own ``torch.backends`` flags. ``ort_cuda_options``: CUDA provider options over
-    ``compiler.runtime_onnxruntime.CUDA_OPTIONS``. ``precision``: which of the build's ONNX files
+    ``compiler.backends.onnxrt.CUDA_OPTIONS``. ``precision``: which of the build's ONNX files
     ONNX Runtime serves (default the manifest's precision).
     """
-    from compiler.manifest import read_manifest, spec_from_manifest
+    from compiler.core.manifest import read_manifest, spec_from_manifest
 
     directory = Path(directory)
     if backend not in BACKENDS:

@@ -15,18 +15,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from compiler.errors import InputError
-from compiler.export import ExportResult, onnx_from_torch
-from compiler.files import commit_staged, directory_lock, sha256_file, staging_dir
-from compiler.loading import LoadedModel, load_model, snapshot_into, specs_from_exported_program
-from compiler.manifest import MANIFEST, now, onnx_entry, refuse_other_model, tool_versions, write_manifest
-from compiler.onnx_io import save_onnx
-from compiler.passes import run_passes
-from compiler.progress import stage_timer
-from compiler.runners import OrtRunner, Runner, TorchRunner
-from compiler.settings import ExportSettings
-from compiler.specs import BATCH_DIM, ModelSpec
-from compiler.verify import FeedSource, verify_runners
+from compiler.backends.runners import OrtRunner, Runner, TorchRunner
+from compiler.core.errors import InputError
+from compiler.core.files import commit_staged, directory_lock, sha256_file, staging_dir
+from compiler.core.manifest import MANIFEST, now, onnx_entry, refuse_other_model, tool_versions, write_manifest
+from compiler.core.onnx_io import save_onnx
+from compiler.core.progress import stage_timer
+from compiler.core.settings import ExportSettings
+from compiler.core.specs import BATCH_DIM, ModelSpec
+from compiler.frontend.export import ExportResult, onnx_from_torch
+from compiler.frontend.loading import LoadedModel, load_model, snapshot_into, specs_from_exported_program
+from compiler.frontend.passes import run_passes
+from compiler.frontend.verify import FeedSource, verify_runners
 
 __all__ = ["export_directory", "exported_into", "source_fingerprint", "resolve_spec"]
 
@@ -146,7 +146,7 @@ def _reference_runner(loaded: LoadedModel, spec: ModelSpec, model: Any) -> Torch
 def check_against_model(loaded: LoadedModel, spec: ModelSpec, buckets: tuple[int, ...]) -> None:
     """Buckets and dim ranges must fit what the model itself declares (ExportedProgram ranges, fixed ONNX dims)."""
     if loaded.exported_program is not None:
-        from compiler.loading import program_ranges
+        from compiler.frontend.loading import program_ranges
 
         for name, (lo, hi) in program_ranges(loaded.exported_program).items():
             if name == BATCH_DIM and hi is not None and max(buckets) > hi:
@@ -156,7 +156,7 @@ def check_against_model(loaded: LoadedModel, spec: ModelSpec, buckets: tuple[int
                 raise InputError(f"--dim {name}={spec.dims[name]} contradicts the model, which declares {name} in "
                                  f"[{lo}, {hi if hi is not None else 'inf'}]; fix the range in the profile or --dim")
     if loaded.is_onnx and loaded.onnx_path is not None:
-        from compiler.onnx_io import load_onnx
+        from compiler.core.onnx_io import load_onnx
 
         graph = load_onnx(loaded.onnx_path, load_weights=False).graph
         for inp in graph.input:

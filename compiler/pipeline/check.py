@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from compiler.engines import (
+from compiler.backends.trt_build import (
     BuildStep,
     build_engine_files,
     environment,
@@ -32,10 +32,18 @@ from compiler.engines import (
     parse_compute_capability,
     settings_from_dict,
 )
-from compiler.errors import InputError
-from compiler.files import commit_staged, directory_lock, sha256_file, staging_dir
-from compiler.manifest import MANIFEST, inside, now, read_manifest, spec_from_manifest, verified_onnx, write_manifest
-from compiler.settings import BuildSettings, hardware_compat_level
+from compiler.core.errors import InputError
+from compiler.core.files import commit_staged, directory_lock, sha256_file, staging_dir
+from compiler.core.manifest import (
+    MANIFEST,
+    inside,
+    now,
+    read_manifest,
+    spec_from_manifest,
+    verified_onnx,
+    write_manifest,
+)
+from compiler.core.settings import BuildSettings, hardware_compat_level
 
 __all__ = ["Staleness", "CheckResult", "RebuildResult", "stale_engines", "check_directory", "rebuild_directory",
            "merge_manifests", "tensorrt_can_run", "gpu_can_run", "NEVER_BUILT"]

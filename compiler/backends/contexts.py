@@ -6,8 +6,8 @@ and the two kinds of context that hold a bucket's buffers.
   (TensorRT, ONNX Runtime's CUDA provider and eager PyTorch on a GPU), with ``_ComputeOrder``
   keeping the model runs of one backend's contexts in sequence and ``_capture`` for CUDA graphs.
 
-The front end (``Engines``, ``load``) is ``compiler.runtime``; the backends are
-``compiler.runtime_tensorrt``, ``compiler.runtime_onnxruntime`` and ``compiler.runtime_torch``.
+The front end (``Engines``, ``load``) is ``compiler.serve.engines``; the backends are
+``compiler.backends.trt``, ``compiler.backends.onnxrt`` and ``compiler.backends.pytorch``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from compiler.specs import BATCH_DIM, ModelSpec
+from compiler.core.specs import BATCH_DIM, ModelSpec
 
 if TYPE_CHECKING:
     import torch

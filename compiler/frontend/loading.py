@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compiler.errors import InputError
-from compiler.specs import BATCH_DIM, DimRange, InputSpec
+from compiler.core.errors import InputError
+from compiler.core.specs import BATCH_DIM, DimRange, InputSpec
 
 __all__ = ["LoadedModel", "load_model", "detect_format", "specs_from_exported_program", "snapshot_into",
            "load_snapshot", "SNAPSHOT_DIR"]
@@ -117,7 +117,7 @@ def _exported_program(path: Path, trust_pickle: bool) -> LoadedModel:
 
 
 def _onnx(path: Path, trust_pickle: bool) -> LoadedModel:
-    from compiler.onnx_io import load_onnx
+    from compiler.core.onnx_io import load_onnx
 
     load_onnx(path, load_weights=False)  # validates the protobuf
     return LoadedModel("onnx", path, onnx_path=path)
@@ -197,7 +197,7 @@ def snapshot_into(directory: Path, loaded: LoadedModel) -> dict[str, Any] | None
     """
     import torch
 
-    from compiler.files import sha256_file
+    from compiler.core.files import sha256_file
 
     if loaded.is_onnx or loaded.module is None:
         return None
@@ -219,7 +219,7 @@ def load_snapshot(directory: Path, manifest: dict[str, Any], trust_pickle: bool 
     factory is called for its architecture and gets the snapshot's state dict. InputError for an
     ONNX source (no PyTorch model), a build without a snapshot (made by an older trtc) or a bad one.
     """
-    from compiler.manifest import verified_file
+    from compiler.core.manifest import verified_file
 
     source = manifest.get("source")
     fmt = source.get("format") if isinstance(source, dict) else None

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from compiler.onnx_io import MAX_IR_VERSION
+from compiler.core.onnx_io import MAX_IR_VERSION
 
 __all__ = ["PassResult", "run_passes", "DEFAULT_PASSES", "infer_shapes", "fold_constants", "fold_batchnorm",
            "cleanup"]

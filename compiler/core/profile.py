@@ -11,7 +11,7 @@ from typing import Any
 
 import tomllib
 
-from compiler.errors import InputError
+from compiler.core.errors import InputError
 
 __all__ = ["SCHEMA", "load_profile", "PATH_KEYS"]
 

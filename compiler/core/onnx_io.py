@@ -16,7 +16,7 @@ from typing import Any
 import onnx
 from google.protobuf.message import DecodeError
 
-from compiler.errors import InputError
+from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "save_onnx", "onnx_files", "ort_session", "usable_providers", "checking_providers",
            "MAX_IR_VERSION"]
@@ -119,7 +119,9 @@ def usable_providers(prefer: list[str] | None = None) -> list[str]:
 
 def _tensorrt_ep_works(ort_version: str) -> bool:
     """Whether ONNX Runtime ``ort_version``'s TensorRT provider can use the TensorRT installed here."""
-    from compiler.engines import tensorrt_version  # a real TensorRT, not a stub package that happens to import
+    from compiler.backends.trt_build import (
+        tensorrt_version,  # a real TensorRT, not a stub package that happens to import
+    )
 
     trt = tensorrt_version()
     if trt is None:

@@ -69,8 +69,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from compiler.errors import InputError, TrtcError
-from compiler.files import (
+from compiler.backends.runners import OrtRunner, TorchRunner
+from compiler.core.errors import InputError, TrtcError
+from compiler.core.files import (
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
@@ -78,11 +79,10 @@ from compiler.files import (
     read_json,
     require_directory,
 )
-from compiler.manifest import now, read_manifest, spec_from_manifest, tool_versions, verified_onnx
-from compiler.runners import OrtRunner, TorchRunner
-from compiler.settings import ExportSettings
-from compiler.specs import BATCH_DIM, ModelSpec
-from compiler.verify import compare_outputs
+from compiler.core.manifest import now, read_manifest, spec_from_manifest, tool_versions, verified_onnx
+from compiler.core.settings import ExportSettings
+from compiler.core.specs import BATCH_DIM, ModelSpec
+from compiler.frontend.verify import compare_outputs
 
 __all__ = ["BACKENDS", "BenchSettings", "Latency", "Accuracy", "BenchResult", "Skipped", "Regression",
            "BenchReport", "PerformanceRegression", "bench_directory", "bench_model", "time_runner",
@@ -384,7 +384,7 @@ def bench_inputs(target_dir: Path | None, manifest: dict[str, Any], spec: ModelS
     found, why = build_data(target_dir, manifest) if target_dir is not None else (None, "a temporary export")
     if found is not None:
         from calibration.data import calibration_data
-        from compiler.errors import CalibrationError
+        from compiler.core.errors import CalibrationError
 
         try:
             first = next(calibration_data(found, spec, batch_size=max(buckets), max_samples=max(buckets),
@@ -543,7 +543,7 @@ class _Unavailable(Exception):
 
 
 class ServedRunner:
-    """One context of a serving backend (``compiler.runtime.Engines``), staged for ``time_runner``.
+    """One context of a serving backend (``compiler.serve.engines.Engines``), staged for ``time_runner``.
 
     ``upload`` checks the feed as ``engines(x)`` does and queues its copy into the bucket's buffers,
     ``launch`` queues the model run (``compute``), ``download`` queues the outputs' copy to pinned host
@@ -620,7 +620,7 @@ def _cuda_available() -> bool:
 
 def _tensorrt_unavailable() -> str | None:
     """Why the tensorrt backend cannot run here, or None."""
-    from compiler.runtime import tensorrt_available
+    from compiler.serve.engines import tensorrt_available
 
     if not tensorrt_available():
         return "TensorRT is not installed (no real `tensorrt` imports); install trtc[tensorrt] on a machine " \
@@ -632,9 +632,9 @@ def _tensorrt_unavailable() -> str | None:
 
 def _plans(target: _Target, settings: BenchSettings, device: str, buckets: tuple[int, ...], tf32: bool,
            ) -> tuple[list[_Plan], list[Skipped]]:
-    from compiler.runtime import Engines, load
-    from compiler.runtime_onnxruntime import _OrtBackend
-    from compiler.runtime_torch import _TorchBackend
+    from compiler.backends.onnxrt import _OrtBackend
+    from compiler.backends.pytorch import _TorchBackend
+    from compiler.serve.engines import Engines, load
 
     manifest, spec, model = target.manifest, target.spec, target.model
     outputs = list(manifest.get("output_names") or [])
@@ -751,7 +751,7 @@ def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: boo
     factory called again. An ExportedProgram is moved to the device with torch's
     ``move_to_device_pass``, since its graph names devices literally.
     """
-    from compiler.loading import load_snapshot
+    from compiler.frontend.loading import load_snapshot
 
     source = manifest.get("source") or {}
     fmt, text = source.get("format"), str(source.get("path") or "")
@@ -950,7 +950,7 @@ def bench_directory(directory: Path, settings: BenchSettings) -> BenchReport:
 def bench_model(export: ExportSettings, settings: BenchSettings) -> BenchReport:
     """``trtc bench MODEL``: export ``export.source`` into a temporary directory, then benchmark eager PyTorch
     and ONNX Runtime FP32 on it. Reports go to ``settings.report_dir`` (default ``./bench-report``)."""
-    from compiler.pipeline import export_directory
+    from compiler.pipeline.export import export_directory
 
     with tempfile.TemporaryDirectory(prefix="trtc-bench-") as tmp:
         build = Path(tmp) / "build"
@@ -1061,7 +1061,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def _versions() -> dict[str, Any]:
-    from compiler.engines import tensorrt_version
+    from compiler.backends.trt_build import tensorrt_version
 
     return {**tool_versions(), "tensorrt": tensorrt_version()}
 

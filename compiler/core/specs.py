@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compiler.errors import InputError
+from compiler.core.errors import InputError
 
 __all__ = ["DimRange", "InputSpec", "ModelSpec", "parse_input_spec", "parse_dim_range", "parse_buckets",
            "BATCH_DIM", "DTYPES", "INTEGER_DTYPES"]

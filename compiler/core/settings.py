@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from compiler.errors import InputError
-from compiler.specs import ModelSpec
-from compiler.verify import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance
+from compiler.core.errors import InputError
+from compiler.core.specs import ModelSpec
+from compiler.frontend.verify import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance
 
 __all__ = ["ModelSource", "ExportSettings", "BuildSettings", "DEFAULT_BUCKETS", "PRECISIONS", "HARDWARE_COMPAT_LEVELS",
            "hardware_compat_level"]

@@ -34,8 +34,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from compiler.errors import InputError
-from compiler.specs import BATCH_DIM, ModelSpec
+from compiler.core.errors import InputError
+from compiler.core.specs import BATCH_DIM, ModelSpec
 
 __all__ = ["DynamicBatcher", "RequestTimeout", "BatcherClosed"]
 
@@ -51,7 +51,7 @@ class BatcherClosed(RuntimeError):
 
 
 class _Engines(Protocol):
-    """What the batcher needs of ``compiler.runtime.Engines``."""
+    """What the batcher needs of ``compiler.serve.engines.Engines``."""
 
     buckets: tuple[int, ...]
     input_names: list[str]

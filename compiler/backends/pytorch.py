@@ -8,8 +8,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from compiler.runtime_contexts import CheckedFeed, _capture, _ComputeOrder, _Context, _GpuContext, _HostContext
-from compiler.specs import ModelSpec
+from compiler.backends.contexts import CheckedFeed, _capture, _ComputeOrder, _Context, _GpuContext, _HostContext
+from compiler.core.specs import ModelSpec
 
 
 class _TorchBackend:

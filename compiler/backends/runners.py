@@ -1,7 +1,7 @@
 """Thin runners for checks: a feed dict of numpy arrays in, a dict of numpy arrays by output name out.
 
 Export verification, the accuracy gate (ONNX Runtime with Q/DQ run exactly as written, on the
-CPU) and bench's accuracy reference use them; ``compiler.runtime.Engines`` has the same
+CPU) and bench's accuracy reference use them; ``compiler.serve.engines.Engines`` has the same
 ``infer`` contract. Everything that is timed or served runs on the serving backends
 (``compiler.runtime_*``): TensorRT, CUDA graphs and device buffers live there only.
 """
@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from compiler.errors import InputError
+from compiler.core.errors import InputError
 
 __all__ = ["Runner", "OrtRunner", "TorchRunner", "check_feed"]
 
@@ -43,7 +43,7 @@ class OrtRunner:
 
     def __init__(self, path: str | Path | Any, providers: list[str] | None = None, threads: int = 0,
                  exact_qdq: bool = False, memory_arena: bool = True) -> None:
-        from compiler.onnx_io import ort_session, usable_providers
+        from compiler.core.onnx_io import ort_session, usable_providers
 
         self.providers = providers or usable_providers()
         self.session = ort_session(path, self.providers, threads=threads, exact_qdq=exact_qdq,

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from compiler.errors import InputError, TrtcError
-from compiler.manifest import verified_file
-from compiler.runtime_contexts import CheckedFeed, _call_values, _capture, _ComputeOrder, _GpuContext, _max_values
-from compiler.specs import ModelSpec
+from compiler.backends.contexts import CheckedFeed, _call_values, _capture, _ComputeOrder, _GpuContext, _max_values
+from compiler.core.errors import InputError, TrtcError
+from compiler.core.manifest import verified_file
+from compiler.core.specs import ModelSpec
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -241,14 +241,14 @@ class _TensorRTContext(_GpuContext):
 def _tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec, device: str | None,
                       cuda_graphs: bool) -> _TensorRTBackend:
     """The TensorRT backend after the checks ``trtc check`` makes: installed, engines built, none stale."""
-    from compiler.engines import require_tensorrt
+    from compiler.backends.trt_build import require_tensorrt
 
     require_tensorrt(directory)  # TensorRTNotInstalled, naming `trtc rebuild DIR`
     if not manifest.get("engines"):
         note = manifest.get("engines_note") or "none were built"
         raise EnginesNotRunnable(f"{directory} has no TensorRT engines ({note}); run `trtc rebuild {directory}` "
                                  "on a machine with TensorRT and a GPU, or load it with backend='onnxruntime'")
-    from compiler.check import stale_engines
+    from compiler.pipeline.check import stale_engines
 
     stale = stale_engines(directory)
     if stale:

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from compiler.errors import InputError, VerificationError
-from compiler.runners import Runner
-from compiler.specs import ModelSpec
+from compiler.backends.runners import Runner
+from compiler.core.errors import InputError, VerificationError
+from compiler.core.specs import ModelSpec
 
 __all__ = ["Comparison", "Tolerance", "compare_outputs", "verify_runners", "DEFAULT_ATOL", "DEFAULT_RTOL",
            "DEFAULT_MIN_COSINE", "FeedSource"]

@@ -1,0 +1,1 @@
+"""``trtc bench``: every backend of a build, timed on identical inputs."""

@@ -1,0 +1,1 @@
+"""Errors, files (atomic writes, the directory transaction), input specs, settings, profiles, manifest."""

@@ -1,0 +1,1 @@
+"""PyTorch in, folded and verified ONNX out: loading, export, verification, graph passes."""

@@ -1,0 +1,1 @@
+"""The commands that write build directories: export, build, check/rebuild/merge, Triton."""

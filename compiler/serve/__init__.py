@@ -1,0 +1,1 @@
+"""Serving: ``compiler.load`` and the dynamic batcher."""
