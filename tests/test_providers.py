@@ -22,7 +22,7 @@ def gpu_machine(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: list(ALL))
     monkeypatch.setattr(onnx_io, "_cuda_present", lambda: True)
-    monkeypatch.setattr("compiler.backends.trt_build.tensorrt_version", lambda: "10.13.0.35")
+    monkeypatch.setattr("compiler.core.installed.tensorrt_version", lambda: "10.13.0.35")
     return monkeypatch
 
 
@@ -38,7 +38,7 @@ def test_onnx_runtime_before_1_27_cannot_drive_tensorrt_11(gpu_machine: pytest.M
                                                            caplog: pytest.LogCaptureFixture) -> None:
     import onnxruntime
 
-    gpu_machine.setattr("compiler.backends.trt_build.tensorrt_version", lambda: "11.0.0.5")
+    gpu_machine.setattr("compiler.core.installed.tensorrt_version", lambda: "11.0.0.5")
     gpu_machine.setattr(onnxruntime, "__version__", "1.23.2")
     with caplog.at_level(logging.WARNING):
         assert onnx_io.usable_providers(list(ALL)) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -48,5 +48,5 @@ def test_onnx_runtime_before_1_27_cannot_drive_tensorrt_11(gpu_machine: pytest.M
 
 
 def test_without_tensorrt_the_tensorrt_provider_is_left_out_even_when_asked(gpu_machine: pytest.MonkeyPatch) -> None:
-    gpu_machine.setattr("compiler.backends.trt_build.tensorrt_version", lambda: None)
+    gpu_machine.setattr("compiler.core.installed.tensorrt_version", lambda: None)
     assert onnx_io.usable_providers(list(ALL)) == ["CUDAExecutionProvider", "CPUExecutionProvider"]

@@ -248,7 +248,7 @@ def _tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec
         note = manifest.get("engines_note") or "none were built"
         raise EnginesNotRunnable(f"{directory} has no TensorRT engines ({note}); run `trtc rebuild {directory}` "
                                  "on a machine with TensorRT and a GPU, or load it with backend='onnxruntime'")
-    from compiler.pipeline.check import stale_engines
+    from compiler.backends.trt_compat import stale_engines
 
     stale = stale_engines(directory)
     if stale:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.core.files import atomic_write_bytes, atomic_write_text, read_json, sha256_file, sha256_files
+from compiler.core.installed import tensorrt_version
 from compiler.core.manifest import inside
 from compiler.core.onnx_io import onnx_files
 from compiler.core.settings import BuildSettings
@@ -81,23 +82,6 @@ BuildStep = Callable[[Any, list["Shapes"]], tuple[bytes, list[str]]]
 
 
 # --- which TensorRT -------------------------------------------------------------------------------------------
-
-def tensorrt_version() -> str | None:
-    """The version of the TensorRT that imports here, or None.
-
-    Only a real TensorRT counts: a namespace package (a stray ``tensorrt/`` folder, type stubs on
-    the path) imports but has neither ``Builder`` nor ``__version__``.
-    """
-    try:
-        import tensorrt
-    except (ImportError, OSError) as err:  # OSError: the wheel is there but libnvinfer does not load
-        log.debug("TensorRT does not import: %s", err)
-        return None
-    version = getattr(tensorrt, "__version__", None)
-    if not hasattr(tensorrt, "Builder") or not isinstance(version, str):
-        return None
-    return version
-
 
 def _major(version: str) -> int:
     return int(version.split(".")[0])

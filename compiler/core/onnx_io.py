@@ -119,9 +119,7 @@ def usable_providers(prefer: list[str] | None = None) -> list[str]:
 
 def _tensorrt_ep_works(ort_version: str) -> bool:
     """Whether ONNX Runtime ``ort_version``'s TensorRT provider can use the TensorRT installed here."""
-    from compiler.backends.trt_build import (
-        tensorrt_version,  # a real TensorRT, not a stub package that happens to import
-    )
+    from compiler.core.installed import tensorrt_version  # a real TensorRT, not a stub package that imports
 
     trt = tensorrt_version()
     if trt is None:

@@ -7,12 +7,37 @@ from pathlib import Path
 
 from compiler.core.errors import InputError
 from compiler.core.specs import ModelSpec
-from compiler.frontend.verify import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance
 
-__all__ = ["ModelSource", "ExportSettings", "BuildSettings", "DEFAULT_BUCKETS", "PRECISIONS", "HARDWARE_COMPAT_LEVELS",
-           "hardware_compat_level"]
+__all__ = ["ModelSource", "ExportSettings", "BuildSettings", "Tolerance", "DEFAULT_BUCKETS", "DEFAULT_ATOL",
+           "DEFAULT_RTOL", "DEFAULT_MIN_COSINE", "PRECISIONS", "HARDWARE_COMPAT_LEVELS", "hardware_compat_level"]
 
 DEFAULT_BUCKETS = (1, 4, 8, 16)
+
+
+# The export check (compiler.frontend.verify): elementwise atol + rtol x |ref|, and a cosine floor. FP32 kernel
+# noise on the zoo (tests/test_zoo.py: YOLO-, ViT-, BERT-, GPT-style and segmentation models) stays well inside
+# these; a wrong operator in those models misses them by orders of magnitude.
+DEFAULT_ATOL = 1e-4
+DEFAULT_RTOL = 1e-3
+DEFAULT_MIN_COSINE = 0.9999
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a candidate may be from its reference (see the module docstring for the rule)."""
+
+    atol: float = DEFAULT_ATOL
+    rtol: float = DEFAULT_RTOL
+    min_cosine: float = DEFAULT_MIN_COSINE
+
+    def __post_init__(self) -> None:
+        if self.atol < 0 or self.rtol < 0 or (self.atol == 0 and self.rtol == 0):
+            raise InputError(f"--atol {self.atol:g} and --rtol {self.rtol:g} must be non-negative and not both 0")
+        if not -1 <= self.min_cosine <= 1:
+            raise InputError(f"minimum cosine {self.min_cosine:g} must lie in [-1, 1]")
+
+    def __str__(self) -> str:
+        return f"atol {self.atol:g} + rtol {self.rtol:g} x |ref|, cosine >= {self.min_cosine:g}"
 
 
 @dataclass(frozen=True)
