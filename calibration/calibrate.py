@@ -28,7 +28,6 @@ from calibration.fp16 import (
     fp16_model_from,
     int8_fp16_model_from,
     node_precisions,
-    weightless_copy,
 )
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.statistics import AMAX_METHODS, DEFAULT_MEMORY_BUDGET, collect_histograms, collect_max_abs
@@ -43,7 +42,7 @@ from compiler.core.manifest import (
     verified_onnx,
     write_manifest,
 )
-from compiler.core.onnx_io import checking_providers, load_onnx, save_onnx
+from compiler.core.onnx_io import checking_providers, load_onnx, save_onnx, weightless_copy
 from compiler.core.progress import progress, stage_timer
 from compiler.core.specs import ModelSpec
 from compiler.core.worker import in_worker, isolated, mark

@@ -27,7 +27,6 @@ weights smaller than its smallest subnormal, 6e-8, become that subnormal rather 
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,15 +34,14 @@ from typing import Any
 
 import numpy as np
 import onnx
-from google.protobuf.message import Message
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 from onnx.external_data_helper import uses_external_data
 
 from compiler.core.errors import InputError
-from compiler.core.onnx_io import MAX_IR_VERSION
+from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, weightless_copy
 
 __all__ = ["FP32_OPS", "FP16_MAX", "FP16_MIN_NORMAL", "Fp16Policy", "Fp16Report", "fp16_model_from",
-           "fp16_rounding_emulation", "int8_fp16_model_from", "node_precisions", "weightless_copy"]
+           "fp16_rounding_emulation", "int8_fp16_model_from", "node_precisions"]
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +92,6 @@ _DTYPE_ATTR_OPS = frozenset({"Cast", "ConstantOfShape", "EyeLike", "RandomNormal
                              "RandomUniform", "RandomUniformLike", "Bernoulli"})
 # (op, output index) whose float type is fixed by an attribute left as it is (stash_type=1: FP32 statistics).
 _FIXED_FP32_OUTPUTS = frozenset({("LayerNormalization", 1), ("LayerNormalization", 2)})
-_SMALL_INITIALIZER = 1024  # elements; larger ones are left out of the shape-inference copy
 _Formal = onnx.defs.OpSchema.FormalParameter
 
 
@@ -151,7 +148,7 @@ def fp16_model_from(model: onnx.ModelProto, policy: Fp16Policy | None = None,
     """
     policy = policy or Fp16Policy()
     max_abs = max_abs or {}
-    typed = onnx.shape_inference.infer_shapes(_skeleton(model))
+    typed = onnx.shape_inference.infer_shapes(weightless_copy(model))
     plan = _Plan(model, typed, policy, max_abs)
     plan.decide()
     out = _Rewriter(plan).model()
@@ -476,9 +473,9 @@ class _Rewriter:
         if clipped:
             log.warning("clipped %d FP16 constants to +-%g: %s (keep their consumers in FP32 with --keep-fp32 "
                         "if these are real weights, not mask fills)", len(clipped), FP16_MAX, ", ".join(clipped))
-        out = _copy_fields(plan.model, onnx.ModelProto(), skip={"graph"})
+        out = copy_fields(plan.model, onnx.ModelProto(), skip={"graph"})
         out.ir_version = min(out.ir_version, MAX_IR_VERSION)
-        g = _copy_fields(graph, out.graph, skip={"node", "initializer", "input", "output", "value_info"})
+        g = copy_fields(graph, out.graph, skip={"node", "initializer", "input", "output", "value_info"})
         g.node.extend(self.nodes)
         g.initializer.extend(initializers)
         for vi in graph.input:
@@ -609,13 +606,13 @@ def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
     inputs and outputs typed FLOAT16 become FLOAT. ``model`` is not modified. Will not emulate FP16 inside
     control-flow subgraphs (``fp16_model_from`` leaves them FP32).
     """
-    typed = onnx.shape_inference.infer_shapes(_skeleton(model))
+    typed = onnx.shape_inference.infer_shapes(weightless_copy(model))
     types = {vi.name: vi.type.tensor_type.elem_type
              for vi in [*typed.graph.input, *typed.graph.output, *typed.graph.value_info]
              if vi.type.HasField("tensor_type")}
-    out = _copy_fields(model, onnx.ModelProto(), skip={"graph"})
+    out = copy_fields(model, onnx.ModelProto(), skip={"graph"})
     graph = model.graph
-    g = _copy_fields(graph, out.graph, skip={"initializer", "node", "value_info", "input", "output"})
+    g = copy_fields(graph, out.graph, skip={"initializer", "node", "value_info", "input", "output"})
     for t in graph.initializer:
         if t.data_type == FLOAT16:
             g.initializer.append(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
@@ -721,47 +718,12 @@ def _retarget(node: onnx.NodeProto) -> bool:
     return False
 
 
-def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with initializers over 1024 elements turned into typed graph inputs, for shape inference."""
-    return _skeleton(model)
-
-
-def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with large initializers turned into typed graph inputs: cheap to copy and to type-check."""
-    sk = _copy_fields(model, onnx.ModelProto(), skip={"graph"})
-    graph = model.graph
-    g = _copy_fields(graph, sk.graph, skip={"initializer", "input"})
-    g.input.extend(graph.input)
-    inputs = {i.name for i in graph.input}
-    for t in graph.initializer:
-        small = math.prod(t.dims) <= _SMALL_INITIALIZER and not uses_external_data(t)
-        if small:
-            g.initializer.append(t)
-        elif t.name not in inputs:
-            g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    return sk
-
-
 def _check_types(model: onnx.ModelProto) -> None:
     try:
-        onnx.shape_inference.infer_shapes(_skeleton(model), strict_mode=True)
+        onnx.shape_inference.infer_shapes(weightless_copy(model), strict_mode=True)
     except onnx.shape_inference.InferenceError as err:
         raise ValueError(f"fp16_model_from produced inconsistent types ({err}); keep the node it names in FP32 "
                          "with --keep-fp32 and report this") from err
-
-
-def _copy_fields(source: Message, target: Any, skip: set[str]) -> Any:
-    """Copy every set field of a protobuf message except ``skip`` (to avoid copying large graphs twice)."""
-    for fd, value in source.ListFields():
-        if fd.name in skip:
-            continue
-        if fd.is_repeated:
-            getattr(target, fd.name).extend(value)
-        elif fd.message_type is not None:
-            getattr(target, fd.name).CopyFrom(value)
-        else:
-            setattr(target, fd.name, value)
-    return target
 
 
 def _outer_scope_names(graph: onnx.GraphProto) -> set[str]:

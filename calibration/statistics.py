@@ -47,9 +47,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from calibration.fp16 import weightless_copy
 from compiler.core.errors import CalibrationError
-from compiler.core.onnx_io import load_onnx, ort_session, save_onnx
+from compiler.core.onnx_io import load_onnx, ort_session, save_onnx, weightless_copy
 from compiler.core.worker import mark_step
 
 __all__ = ["AbsHistogram", "CalibrationStats", "AMAX_METHODS", "amax_from_histogram", "collect_histograms",

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "save_onnx", "onnx_files", "ort_session", "usable_providers", "checking_providers",
+           "copy_fields", "weightless_copy",
            "MAX_IR_VERSION"]
 
 log = logging.getLogger(__name__)
@@ -208,3 +209,40 @@ def _weight_bytes(model: onnx.ModelProto) -> int:
         total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data)
                                                                                       + len(t.double_data))
     return total
+
+
+SMALL_INITIALIZER = 1024  # elements: smaller initializers stay in a weightless copy (they may hold shapes)
+
+
+def copy_fields(source: Any, target: Any, skip: set[str]) -> Any:
+    """Copy every set field of a protobuf message except ``skip`` (so that large graphs are not copied twice)."""
+    for fd, value in source.ListFields():
+        if fd.name in skip:
+            continue
+        if fd.is_repeated:
+            getattr(target, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(target, fd.name).CopyFrom(value)
+        else:
+            setattr(target, fd.name, value)
+    return target
+
+
+def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with initializers over ``SMALL_INITIALIZER`` elements (or in external data) turned into typed
+    graph inputs: cheap to copy and to run shape inference on, whatever the model's size (no 2 GiB limit)."""
+    import math
+
+    from onnx.external_data_helper import uses_external_data
+
+    skeleton = copy_fields(model, onnx.ModelProto(), skip={"graph"})
+    graph = model.graph
+    g = copy_fields(graph, skeleton.graph, skip={"initializer", "input"})
+    g.input.extend(graph.input)
+    inputs = {i.name for i in graph.input}
+    for t in graph.initializer:
+        if math.prod(t.dims) <= SMALL_INITIALIZER and not uses_external_data(t):
+            g.initializer.append(t)
+        elif t.name not in inputs:
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return skeleton

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from compiler.core.onnx_io import MAX_IR_VERSION
+from compiler.core.onnx_io import MAX_IR_VERSION, weightless_copy
 
 __all__ = ["PassResult", "run_passes", "DEFAULT_PASSES", "infer_shapes", "fold_constants", "fold_batchnorm",
            "cleanup"]
@@ -56,47 +56,18 @@ def infer_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Any
     return model, {"value_infos": len(model.graph.value_info) - before}
 
 
-_SMALL_WEIGHT = 1024  # elements: smaller initializers stay in the shape-inference copy (they may hold shapes)
-
-
 def _typed_in_place(model: onnx.ModelProto, data_prop: bool = False) -> onnx.ModelProto:
     """Set ``model``'s value_info from shape inference on a copy whose large initializers are typed inputs."""
-    import math
-
-    from onnx.external_data_helper import uses_external_data
-
-    skeleton = _copy_fields(model, onnx.ModelProto(), skip={"graph"})
+    skeleton = weightless_copy(model)
     graph = model.graph
-    g = _copy_fields(graph, skeleton.graph, skip={"initializer", "input"})
-    g.input.extend(graph.input)
-    inputs = {i.name for i in graph.input}
-    large = set()
-    for t in graph.initializer:
-        if math.prod(t.dims) <= _SMALL_WEIGHT and not uses_external_data(t):
-            g.initializer.append(t)
-        elif t.name not in inputs:
-            large.add(t.name)
-            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    kept = {t.name for t in skeleton.graph.initializer} | {i.name for i in graph.input}
+    large = {t.name for t in graph.initializer if t.name not in kept}
     inferred = onnx.shape_inference.infer_shapes(skeleton, data_prop=data_prop)
     del model.graph.value_info[:]
     model.graph.value_info.extend(vi for vi in inferred.graph.value_info if vi.name not in large)
     del model.graph.output[:]
     model.graph.output.extend(inferred.graph.output)
     return model
-
-
-def _copy_fields(source: Any, target: Any, skip: set[str]) -> Any:
-    """Copy every set field of a protobuf message but ``skip`` (so that large graphs are not copied twice)."""
-    for fd, value in source.ListFields():
-        if fd.name in skip:
-            continue
-        if fd.is_repeated:
-            getattr(target, fd.name).extend(value)
-        elif fd.message_type is not None:
-            getattr(target, fd.name).CopyFrom(value)
-        else:
-            setattr(target, fd.name, value)
-    return target
 
 
 def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Any]]:
