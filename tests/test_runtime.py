@@ -472,6 +472,9 @@ def test_torch_backend_on_cuda_with_a_dynamic_dimension() -> None:
                 "attention_mask": np.ones((6, length), np.int64)}
         np.testing.assert_allclose(engines(feed)["output_0"], eager("transformer_encoder", feed), rtol=1e-3,
                                    atol=1e-3)
+    # each (bucket, sequence length) that ran got a CUDA graph of its own, captured on first use
+    graphs = {key for context in engines._contexts for key, g in context._graphs.items() if g is not None}
+    assert {(4, (5,)), (4, (16,))} <= graphs, graphs
     engines.close()
 
 

@@ -8,7 +8,15 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from compiler.backends.contexts import CheckedFeed, _capture, _ComputeOrder, _Context, _GpuContext, _HostContext
+from compiler.backends.contexts import (
+    CheckedFeed,
+    _capture,
+    _ComputeOrder,
+    _Context,
+    _GpuContext,
+    _HostContext,
+    _remember,
+)
 from compiler.core.specs import ModelSpec
 
 
@@ -69,7 +77,9 @@ class _TorchCpuContext(_HostContext):
 
 
 class _TorchCudaContext(_GpuContext):
-    """Eager PyTorch on the context's stream; one CUDA graph per bucket for fixed-shape models.
+    """Eager PyTorch on the context's stream, with CUDA graphs: one per bucket, captured at load, for a model whose
+    only dynamic dimension is the batch; one per bucket and size of the other dynamic dimensions (a sequence
+    length), captured the first time that shape runs and kept for the last ``_BINDING_CACHE`` shapes, for the rest.
 
     Without a graph the host launches every kernel in Python, holding the GIL: it is not free while
     the model runs (``overlaps`` False), so ``map`` runs such contexts in its sequential loop.
@@ -79,22 +89,31 @@ class _TorchCudaContext(_GpuContext):
         assert backend.order is not None
         super().__init__(backend.spec, backend.buckets, backend.device, None, backend.order)
         self._backend = backend
-        self._graphs: dict[int, tuple[Any, dict[str, Any]]] = {}
+        # (bucket, sizes of the other dynamic dims) -> (graph, its outputs), or None where capture failed
+        self._graphs: dict[tuple[int, tuple[int, ...]], tuple[Any, dict[str, Any]] | None] = {}
+        self._on_demand = backend.cuda_graphs and bool(backend.spec.dims)
         if backend.cuda_graphs and not backend.spec.dims:
             for b in backend.buckets:
-                args = self._args(b, CheckedFeed("numpy", {}, b, {}, ()))
-                captured = _capture(self.stream, functools.partial(backend.forward, args), f"bucket {b}")
-                if captured is not None:
-                    graph, outputs = captured
-                    self._graphs[b] = (graph, dict(zip(backend.output_names, outputs)))
-        self.overlaps = len(self._graphs) == len(backend.buckets)
+                self._graphs[b, ()] = self._captured(b, CheckedFeed("numpy", {}, b, {}, ()))
+        self.overlaps = self._on_demand or (
+            bool(self._graphs) and all(g is not None for g in self._graphs.values()))
 
     def _args(self, bucket: int, call: CheckedFeed) -> list[Any]:
         inputs = self.device_inputs(bucket, call)
         return [inputs[name] for name in self._spec.input_names]
 
+    def _captured(self, bucket: int, call: CheckedFeed) -> tuple[Any, dict[str, Any]] | None:
+        captured = _capture(self.stream, functools.partial(self._backend.forward, self._args(bucket, call)),
+                            f"bucket {bucket}" + (f" at {call.dims}" if call.dims else ""))
+        return None if captured is None else (captured[0], dict(zip(self._backend.output_names, captured[1])))
+
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
-        captured = self._graphs.get(bucket)
+        key = (bucket, call.key)
+        if key not in self._graphs and self._on_demand:
+            # the inputs are already queued on our stream: capture reads them when it warms up, then the graph
+            # replays below like every later call of this shape
+            _remember(self._graphs, key, self._captured(bucket, call))
+        captured = self._graphs.get(key)
         if captured is not None:
             captured[0].replay()  # on the current stream: run() has made it the context's
             return captured[1]
