@@ -90,6 +90,12 @@ def test_export_torchscript_and_exported_program_and_onnx_files(tmp_path: Path) 
     assert manifest["inputs"] == ["x:Bx64:float32"]
     feed = {"x": np.random.default_rng(4).normal(size=(7, 64)).astype(np.float32)}
     assert eager_vs_onnx(mlp, tmp_path / "ep" / "model.onnx", feed) < 1e-4
+    # the torch serving backend (bench's torch rows) runs the program's module, which has no train/eval switch
+    from compiler import load
+
+    with load(tmp_path / "ep", backend="torch", device="cpu") as engines:
+        np.testing.assert_allclose(engines(feed["x"]), mlp(torch.from_numpy(feed["x"])).detach().numpy(),
+                                   rtol=1e-5, atol=1e-5)
 
     # the exported ONNX goes through again as an ONNX input: no export, same passes
     code, output = export([str(tmp_path / "ep" / "model.onnx"), "--input", "x:Bx64", "--out", str(tmp_path / "ox")])

@@ -39,7 +39,11 @@ class _TorchBackend:
         self.cuda_graphs = cuda_graphs
         self.autocast = autocast_fp16 and target.type == "cuda"
         self.order = _ComputeOrder() if target.type == "cuda" else None
-        self.module = module.eval().to(target)
+        try:
+            module = module.eval()
+        except NotImplementedError:  # an ExportedProgram's module() has no train/eval switch: it runs as exported
+            pass
+        self.module = module.to(target)
         probe = spec.example_feed(self.buckets[0])
         count = len(self.forward([torch.from_numpy(probe[n]).to(target) for n in spec.input_names]))
         names = list(output_names or [])
