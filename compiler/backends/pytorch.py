@@ -4,6 +4,7 @@ a GPU. For nodes with neither TensorRT nor a usable ONNX, and to measure the run
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -39,10 +40,8 @@ class _TorchBackend:
         self.cuda_graphs = cuda_graphs
         self.autocast = autocast_fp16 and target.type == "cuda"
         self.order = _ComputeOrder() if target.type == "cuda" else None
-        try:
+        with contextlib.suppress(NotImplementedError):  # an ExportedProgram's module() has no eval(): runs as exported
             module = module.eval()
-        except NotImplementedError:  # an ExportedProgram's module() has no train/eval switch: it runs as exported
-            pass
         self.module = module.to(target)
         probe = spec.example_feed(self.buckets[0])
         count = len(self.forward([torch.from_numpy(probe[n]).to(target) for n in spec.input_names]))
