@@ -131,9 +131,11 @@ class AbsHistogram:
         flat = np.asarray(values).ravel()
         if flat.size == 0:
             return
-        batch_max = float(np.max(np.abs(flat)))  # NaN propagates; exact in the input's own float type
-        if not math.isfinite(batch_max):
+        # max and -min rather than max(|x|): no |x| copy of the batch; exact, and NaN propagates through both
+        high, low = float(np.max(flat)), float(np.min(flat))
+        if not (math.isfinite(high) and math.isfinite(low)):
             raise ValueError("AbsHistogram.update got NaN or Inf values; drop or report them before counting")
+        batch_max = max(high, -low)
         if batch_max > self.upper:
             self._grow_to(batch_max)
         if self.upper > 0.0:
