@@ -248,16 +248,21 @@ def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, 
             raise CalibrationError("INT8 needs calibration data: pass --calib-data PATH or --calib-loader, or "
                                    "--calib-cache with a calibration.json from an earlier build")
         start = time.perf_counter()
-        mark(f"INT8 calibration: histograms of {len(tensors)} tensors of the FP32 model")
+        # the FP16 remainder's max |x| of every float tensor comes from the same pass (scalars reduced in-graph)
+        floats = [] if settings.fp32_rest else _float_tensors(model)
+        mark(f"INT8 calibration: histograms of {len(tensors)} tensors and max |x| of {len(floats)} of the FP32 model")
         with progress(f"calibrating {len(tensors)} tensors", data.samples) as advance:
             stats = collect_histograms(fp32_path, tensors, data.batches(), progress=advance,
-                                       providers=checking_providers(), budget_bytes=settings.memory_budget)
+                                       providers=checking_providers(), budget_bytes=settings.memory_budget,
+                                       max_abs_names=floats)
         amax = stats.amax(settings.method, settings.percentile)
         record = {"model_sha256": model_sha, "method": settings.method, "percentile": settings.percentile,
                   "data": data.to_dict(), "seconds": round(time.perf_counter() - start, 2),
                   "provider": checking_providers()[0],
                   "excluded_values": stats.excluded,
                   "amax": amax}
+        if stats.max_abs is not None:
+            record["max_abs"] = stats.max_abs
         log.info("calibrated %d tensors on %d samples in %.1f s (%s)", len(amax), data.samples,
                  record["seconds"], settings.method)
     max_abs = None if settings.fp32_rest else _float_ranges(model, fp32_path, record, data, settings)
@@ -324,7 +329,11 @@ def _log_precisions(precisions: dict[str, Any]) -> None:
 def _float_ranges(model: onnx.ModelProto, fp32_path: Path, record: dict[str, Any], data: CalibrationData | None,
                   settings: CalibrationSettings,
                   ) -> dict[str, float] | None:
-    """max |x| of every float tensor, for the FP16 remainder's range rule; stored in calibration.json."""
+    """max |x| of every float tensor, for the FP16 remainder's range rule; stored in calibration.json.
+
+    Calibration measures it in its own pass (``record["max_abs"]``); only a reused calibration.json that
+    lacks it (written before that) costs a pass over the data here.
+    """
     if isinstance(record.get("max_abs"), dict):
         return {k: float(v) for k, v in record["max_abs"].items()}
     if data is None:

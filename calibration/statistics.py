@@ -131,9 +131,11 @@ class AbsHistogram:
         flat = np.asarray(values).ravel()
         if flat.size == 0:
             return
-        batch_max = float(np.max(np.abs(flat)))  # NaN propagates; exact in the input's own float type
-        if not math.isfinite(batch_max):
+        # max and -min rather than max(|x|): no |x| copy of the batch; exact, and NaN propagates through both
+        high, low = float(np.max(flat)), float(np.min(flat))
+        if not (math.isfinite(high) and math.isfinite(low)):
             raise ValueError("AbsHistogram.update got NaN or Inf values; drop or report them before counting")
+        batch_max = max(high, -low)
         if batch_max > self.upper:
             self._grow_to(batch_max)
         if self.upper > 0.0:
@@ -338,13 +340,15 @@ class CalibrationStats:
     """The |x| histogram of each calibrated tensor and how much data went in.
 
     ``samples`` counts the leading (batch) dimension of the first model input over all batches;
-    ``excluded`` counts, per tensor, the values left out as padding or mask biases.
+    ``excluded`` counts, per tensor, the values left out as padding or mask biases; ``max_abs`` is the
+    max |x| of each tensor of ``collect_histograms``' ``max_abs_names`` (None when none were asked for).
     """
 
     histograms: dict[str, AbsHistogram]
     batches: int
     samples: int
     excluded: dict[str, int] = field(default_factory=dict)
+    max_abs: dict[str, float] | None = None
 
     def amax(self, method: str, percentile: float = 99.99) -> dict[str, float]:
         """``amax_from_histogram`` for every tensor."""
@@ -355,7 +359,8 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
                        batches: Iterable[dict[str, np.ndarray]], *, providers: list[str] | None = None,
                        progress: Callable[[int], None] | None = None, num_bins: int = DEFAULT_BINS,
                        exclude_masked: bool = True, mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD,
-                       budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> CalibrationStats:
+                       budget_bytes: int = DEFAULT_MEMORY_BUDGET,
+                       max_abs_names: Iterable[str] = ()) -> CalibrationStats:
     """Run every batch through ONNX Runtime and histogram |x| of each tensor in ``tensor_names``.
 
     ``model`` is a proto or a path (external data beside it is loaded); it is not modified. Only the
@@ -364,11 +369,16 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     counted. A batch whose exposed tensors would exceed ``budget_bytes`` runs in slices of fewer samples
     (measured on the first sample), so memory is bounded whatever the batch size and the model.
     ``progress`` gets the number of samples after each slice. With ``exclude_masked`` (the default),
-    padding and mask biases stay out as the module docstring describes. Raises CalibrationError for an
-    unknown tensor, a batch that lacks an input or that ONNX Runtime rejects, NaN or Inf in a kept value,
-    or no batches at all.
+    padding and mask biases stay out as the module docstring describes. ``max_abs_names``: tensors whose
+    max |x| is measured in the same pass, as ``collect_max_abs`` with its defaults measures it (every value
+    counted, reduced inside the graph, only a scalar per tensor leaves ONNX Runtime), into
+    ``CalibrationStats.max_abs``: the FP16 remainder of an INT8 model needs no second pass over the data.
+    Raises CalibrationError for an unknown tensor, a batch that lacks an input or that ONNX Runtime rejects,
+    NaN or Inf in a kept value (or in a max |x| tensor, mask biases aside), or no batches at all.
     """
     histograms = {name: AbsHistogram(num_bins) for name in dict.fromkeys(tensor_names)}
+    reduced_names = tuple(dict.fromkeys(max_abs_names))
+    maxima = dict.fromkeys(reduced_names, 0.0)
     excluded = dict.fromkeys(histograms, 0)
     count = samples = 0
     # Binning batch n runs on worker threads (numpy releases the GIL) while ONNX Runtime computes batch
@@ -376,9 +386,11 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     with ThreadPoolExecutor(max_workers=max(1, min(len(histograms), os.cpu_count() or 1))) as pool:
         pending: list[Future[None]] = []
         for observed in _observed_batches(model, list(histograms), batches, providers, exclude_masked,
-                                          mask_bias_threshold, budget_bytes):
+                                          mask_bias_threshold, budget_bytes, reduced_names):
             for future in pending:
                 future.result()
+            for name, value in observed.maxima.items():
+                maxima[name] = max(maxima[name], value)
             pending = [pool.submit(histograms[name].update, values) for name, values in observed.values.items()]
             for name in observed.values:
                 excluded[name] += observed.excluded[name]
@@ -391,7 +403,8 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     _log_exclusions(excluded, mask_bias_threshold)
     log.info("collected |x| histograms of %d tensors from %d batches (%d samples)", len(histograms), count,
              samples)
-    return CalibrationStats(histograms, count, samples, {k: v for k, v in excluded.items() if v})
+    return CalibrationStats(histograms, count, samples, {k: v for k, v in excluded.items() if v},
+                            maxima if reduced_names else None)
 
 
 def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_names: list[str],
@@ -426,26 +439,7 @@ def _max_abs_in_graph(model: onnx.ModelProto | str | os.PathLike[str], names: li
     graph = probe.model.graph
     types = {o.name: o.type.tensor_type.elem_type for o in graph.output}
     del graph.output[:]
-    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
-    reduced: dict[str, str] = {}
-    reductions: dict[str, list[onnx.NodeProto]] = {}
-    for name in probe.fetched:
-        stem = f"{name}__absmax"
-        while stem in taken:
-            stem += "_"
-        taken.update({stem, f"{stem}_abs"})
-        reductions[name] = [helper.make_node("Abs", [name], [f"{stem}_abs"], name=f"{stem}_abs"),
-                            helper.make_node("ReduceMax", [f"{stem}_abs"], [stem], name=stem, keepdims=0)]
-        graph.output.append(helper.make_tensor_value_info(stem, types.get(name, TensorProto.FLOAT), []))
-        reduced[name] = stem
-    # each reduction right after the node producing its tensor: ONNX Runtime runs nodes in this order, and a
-    # tensor is freed once its last consumer ran, so the activations live as long as in plain inference
-    nodes = list(graph.node)
-    del graph.node[:]
-    for node in nodes:
-        graph.node.append(node)
-        for out in node.output:
-            graph.node.extend(reductions.get(out, []))
+    reduced = _add_max_abs_reductions(graph, probe.fetched, types)
     maxima = dict.fromkeys(names, 0.0)
     seen = 0
     with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
@@ -468,18 +462,55 @@ def _max_abs_in_graph(model: onnx.ModelProto | str | os.PathLike[str], names: li
                 values = {name: float(a) for name, a in zip(reduced, arrays)}
             for name in names:
                 if name not in reduced:  # a graph input: from the feed
-                    array = feed[name].ravel()
-                    _check_finite(index, name, array[array > -threshold] if name in probe.bias_cone else array)
-                    values[name] = max(float(array.max()), -float(array.min())) if array.size else 0.0
-                value = values[name]
-                if math.isnan(value) or (math.isinf(value) and name not in probe.bias_cone):
-                    raise CalibrationError(f"batch {index}: tensor {name!r} has NaN or Inf values; check that batch's "
-                                           "data (scaling, dtype, uninitialised arrays) or the model")
+                    values[name] = _input_max_abs(index, name, feed[name], name in probe.bias_cone, threshold)
+                value = _scalar_max_abs(index, name, values[name], name in probe.bias_cone)
                 maxima[name] = max(maxima[name], value)
             seen += 1
     if not seen:
         raise CalibrationError("the calibration data gave no batches; pass at least one batch of inputs")
     return maxima
+
+
+def _add_max_abs_reductions(graph: onnx.GraphProto, names: Iterable[str], types: dict[str, int]) -> dict[str, str]:
+    """Add Abs + ReduceMax of each tensor in ``names`` (node outputs) as scalar graph outputs; {tensor: output}.
+
+    Each reduction goes right after the node producing its tensor: run in graph order (``in_node_order``),
+    a tensor is still freed once its last consumer ran, so the activations live as long as in plain inference.
+    """
+    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | {o.name for o in graph.output}
+    reduced: dict[str, str] = {}
+    reductions: dict[str, list[onnx.NodeProto]] = {}
+    for name in names:
+        stem = f"{name}__absmax"
+        while stem in taken or f"{stem}_abs" in taken:
+            stem += "_"
+        taken.update({stem, f"{stem}_abs"})
+        reductions[name] = [helper.make_node("Abs", [name], [f"{stem}_abs"], name=f"{stem}_abs"),
+                            helper.make_node("ReduceMax", [f"{stem}_abs"], [stem], name=stem, keepdims=0)]
+        graph.output.append(helper.make_tensor_value_info(stem, types.get(name, TensorProto.FLOAT), []))
+        reduced[name] = stem
+    nodes = list(graph.node)
+    del graph.node[:]
+    for node in nodes:
+        graph.node.append(node)
+        for out in node.output:
+            graph.node.extend(reductions.get(out, []))
+    return reduced
+
+
+def _scalar_max_abs(index: int, name: str, value: float, in_cone: bool) -> float:
+    """A tensor's max |x| from its in-graph reduction; NaN, and Inf outside the mask-bias cone, raise."""
+    if math.isnan(value) or (math.isinf(value) and not in_cone):
+        raise CalibrationError(f"batch {index}: tensor {name!r} has NaN or Inf values; check that batch's "
+                               "data (scaling, dtype, uninitialised arrays) or the model")
+    return value
+
+
+def _input_max_abs(index: int, name: str, array: np.ndarray, in_cone: bool, threshold: float) -> float:
+    """The max |x| of a graph input read from the feed, every value counted (mask biases too)."""
+    flat = array.ravel()
+    _check_finite(index, name, flat[flat > -threshold] if in_cone else flat)
+    return max(float(flat.max()), -float(flat.min())) if flat.size else 0.0
 
 
 @dataclass(frozen=True)
@@ -493,6 +524,8 @@ class _Probe:
     padding_masks: tuple[str, ...]
     bias_cone: frozenset[str]
     weights_dir: Path | None = None  # loaded from a file without its external weights, which stay there
+    max_abs_names: tuple[str, ...] = ()  # tensors whose max |x| (all values) is measured too
+    reduced: dict[str, str] = field(default_factory=dict)  # of those computed by nodes: the in-graph scalar output
 
 
 @dataclass(frozen=True)
@@ -502,19 +535,20 @@ class _Observed:
     excluded: dict[str, int]
     nbytes: int = 0  # of the exposed tensors ONNX Runtime returned
     batch: int = 0  # index of the batch this slice belongs to
+    maxima: dict[str, float] = field(default_factory=dict)  # max |x| of each of the probe's max_abs_names
 
 
 def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
                       batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None,
                       exclude_masked: bool, threshold: float, budget_bytes: int = DEFAULT_MEMORY_BUDGET,
-                      ) -> Iterator[_Observed]:
+                      max_abs_names: tuple[str, ...] = ()) -> Iterator[_Observed]:
     if threshold <= 0:
         raise ValueError(f"mask_bias_threshold must be positive, got {threshold}")
-    probe = _probe_for(model, names, threshold)
+    probe = _probe_for(model, names, threshold, max_abs_names)
     seen = 0
     per_sample = 0  # bytes of exposed tensors per sample, from the first run
     with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
-        session = _session_for(probe, providers, Path(scratch))
+        session = _session_for(probe, providers, Path(scratch), in_node_order=bool(probe.reduced))
         skeleton = weightless_copy(probe.model)
         del probe.model.graph.initializer[:]  # a copy: the session has the weights, one copy is enough
         for index, batch in enumerate(batches):
@@ -577,7 +611,8 @@ def _slice(batch: dict[str, np.ndarray], inputs: tuple[str, ...], start: int, st
     return {name: (value[start:start + step] if name in inputs else value) for name, value in batch.items()}
 
 
-def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str], threshold: float) -> _Probe:
+def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str], threshold: float,
+               max_abs_names: tuple[str, ...] = ()) -> _Probe:
     weights_dir = None
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
@@ -590,7 +625,7 @@ def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str]
     weights = {t.name for t in graph.initializer}
     inputs = tuple(i.name for i in graph.input if i.name not in weights)
     computed = {out for node in graph.node for out in node.output if out}
-    for name in names:
+    for name in dict.fromkeys([*names, *max_abs_names]):
         if name in weights:
             raise CalibrationError(f"tensor {name!r} is a weight (initializer), not an activation: weights are "
                                    "quantized from their values; calibrate only activations")
@@ -599,10 +634,15 @@ def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str]
                                    "outputs")
     fetched = tuple(name for name in names if name in computed)
     _expose(model, fetched)
+    reduced: dict[str, str] = {}
+    if max_abs_names:
+        to_reduce = [name for name in max_abs_names if name in computed]
+        reduced = _add_max_abs_reductions(graph, to_reduce, _element_types(model, to_reduce))
     mask_inputs = [i for i in graph.input if i.name in inputs and "mask" in i.name.lower()]
     padding_masks = tuple(i.name for i in mask_inputs if i.type.tensor_type.elem_type in _MASK_TYPES)
     cone = _mask_bias_cone(graph, {i.name for i in mask_inputs} | _bias_constants(graph, threshold, weights_dir))
-    return _Probe(model, inputs, tuple(names), fetched, padding_masks, cone, weights_dir)
+    return _Probe(model, inputs, tuple(names), fetched, padding_masks, cone, weights_dir, tuple(max_abs_names),
+                  reduced)
 
 
 def _expose(model: onnx.ModelProto, names: tuple[str, ...]) -> None:
@@ -706,12 +746,15 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
         raise CalibrationError(f"batch {index} has no array for model input(s) {', '.join(missing)}; every batch "
                                f"must map each input name ({', '.join(probe.inputs)}) to an array")
     feed = {name: np.asarray(batch[name]) for name in probe.inputs}
+    outputs = [*probe.fetched, *probe.reduced.values()]
     try:
-        arrays = session.run(list(probe.fetched), feed) if probe.fetched else []
+        results = session.run(outputs, feed) if outputs else []
     except _ort_errors() as err:
         raise CalibrationError(f"batch {index}: ONNX Runtime could not run it ({err}); check the batch's "
                                "dtypes and shapes against the model inputs") from err
+    arrays = results[:len(probe.fetched)]
     tensors = dict(zip(probe.fetched, arrays))
+    scalars = dict(zip(probe.reduced, results[len(probe.fetched):]))
     mask = _padding_mask(probe, feed) if exclude_masked else None
     values: dict[str, np.ndarray] = {}
     excluded: dict[str, int] = {}
@@ -719,9 +762,14 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
         array = np.asarray(tensors[name] if name in tensors else feed[name])
         values[name] = _kept_values(index, name, array, mask, name in probe.bias_cone, exclude_masked, threshold)
         excluded[name] = array.size - values[name].size
+    maxima: dict[str, float] = {}
+    for name in probe.max_abs_names:
+        in_cone = name in probe.bias_cone
+        maxima[name] = _scalar_max_abs(index, name, float(scalars[name]), in_cone) if name in scalars \
+            else _input_max_abs(index, name, feed[name], in_cone, threshold)
     first = feed[probe.inputs[0]] if probe.inputs else np.zeros(())
     return _Observed(int(first.shape[0]) if first.ndim else 1, values, excluded, sum(a.nbytes for a in arrays),
-                     index)
+                     index, maxima)
 
 
 def _padding_mask(probe: _Probe, feed: dict[str, np.ndarray]) -> np.ndarray | None:

@@ -24,6 +24,7 @@ from click.testing import CliRunner, Result
 import calibration.calibrate as calibrate_module
 from calibration.data import calibration_data
 from calibration.qdq import tensors_to_calibrate
+from calibration.statistics import collect_max_abs
 from compiler.cli import cli
 from compiler.core.files import sha256_file, sha256_files
 from compiler.core.onnx_io import load_onnx, ort_session
@@ -361,6 +362,23 @@ def test_same_data_reuses_calibration_json_and_changed_data_recalibrates(
 
     result = calibrate(workdir, "--int8", "--calib-method", "max", "--calib-data", fewer, "--eval-data", cnn.eval)
     assert result.exit_code == 0 and len(histogram_calls) == 3  # another method: recalibrated
+
+
+def test_int8_measures_the_fp16_ranges_in_the_calibration_pass(
+        cnn: Exported, workdir: Path, histogram_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pass over the data: the histograms' run also reduces max |x| of every float tensor in-graph."""
+    second_passes: list[int] = []
+    monkeypatch.setattr(calibrate_module, "collect_max_abs", lambda *a, **k: second_passes.append(1) or {})
+    assert calibrate(workdir, "--int8", "--calib-data", cnn.calib, "--max-fallback", "0").exit_code == 0
+    assert len(histogram_calls) == 1 and not second_passes
+    max_abs = read(workdir / "calibration.json")["max_abs"]
+    model = load_onnx(cnn.directory / "model.onnx")
+    assert set(max_abs) == set(calibrate_module._float_tensors(model))
+    # the same numbers as a separate pass over the same data (the in-graph reduction either way)
+    data = calibration_data(cnn.calib, ModelSpec((parse_input_spec("images:Bx1x8x8"),)), batch_size=16,
+                            max_samples=512)
+    expected = collect_max_abs(cnn.directory / "model.onnx", list(max_abs), data.batches())
+    assert max_abs == pytest.approx(expected, rel=1e-6)
 
 
 def test_calib_cache_from_another_directory_needs_no_data(

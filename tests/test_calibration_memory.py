@@ -61,3 +61,50 @@ def test_a_batch_over_the_budget_runs_in_slices_with_the_same_statistics() -> No
         assert sliced.histograms[name].amax == whole.histograms[name].amax
         assert sliced.histograms[name].count == whole.histograms[name].count
     assert sliced.amax("max") == whole.amax("max")
+
+
+def test_histograms_and_max_abs_come_from_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_abs_names: the same max |x| as collect_max_abs, the same histograms, one session, one pass."""
+    sessions: list[Any] = []
+
+    def recording_session(*args: Any, **kwargs: Any) -> Any:
+        sessions.append(ort_session(*args, **kwargs))
+        return sessions[-1]
+
+    model, batches = _mlp(), _mlp_batches(4)
+    taken: list[int] = []
+
+    def counted() -> Any:
+        for b in batches:
+            taken.append(1)
+            yield b
+
+    separate = collect_histograms(model, ["h", "r"], batches, budget_bytes=600)
+    expected = collect_max_abs(model, ["x", "h", "r", "y"], batches)
+    monkeypatch.setattr(statistics, "ort_session", recording_session)
+    # a 600-byte budget runs 2 samples at a time: the maxima of the slices fold into the batch's
+    both = collect_histograms(model, ["h", "r"], counted(), budget_bytes=600, max_abs_names=["x", "h", "r", "y"])
+    assert len(sessions) == 1 and len(taken) == len(batches)
+    assert both.max_abs == expected  # in-graph reductions both ways: bit for bit
+    assert expected["x"] == max(float(np.abs(b["x"]).max()) for b in batches)
+    for name in ("h", "r"):
+        np.testing.assert_array_equal(both.histograms[name].counts, separate.histograms[name].counts)
+        assert both.histograms[name].amax == separate.histograms[name].amax
+    assert both.amax("percentile") == separate.amax("percentile")
+    # one scalar output per max |x| tensor computed by a node (x, a graph input, is read from the feed)
+    assert sum(o.shape == [] for o in sessions[0].get_outputs()) == 3
+    assert collect_histograms(model, ["h"], batches).max_abs is None
+
+
+def test_one_pass_max_abs_counts_mask_biases_and_names_nan() -> None:
+    from tests.test_statistics import _causal_model
+
+    x = np.random.default_rng(10).standard_normal((3, 4, 4)).astype(np.float32)
+    stats = collect_histograms(_causal_model(), ["biased"], [{"x": x}], max_abs_names=["biased", "shifted"])
+    assert stats.histograms["biased"].amax < 10.0  # the -1e9 fill stays out of the histogram
+    assert stats.max_abs is not None and stats.max_abs["biased"] == pytest.approx(1e9)  # but overflows FP16
+    assert stats.max_abs == collect_max_abs(_causal_model(), ["biased", "shifted"], [{"x": x}])
+    batches = _mlp_batches(2)
+    batches[1]["x"][0, 3] = np.nan
+    with pytest.raises(CalibrationError, match="batch 1: tensor 'y' has NaN"):
+        collect_histograms(_mlp(), [], batches, max_abs_names=["y"])
