@@ -32,7 +32,7 @@ from calibration.fp16 import (
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.statistics import AMAX_METHODS, DEFAULT_MEMORY_BUDGET, collect_histograms, collect_max_abs
 from compiler.core.errors import AccuracyGateError, CalibrationError
-from compiler.core.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
+from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file
 from compiler.core.manifest import (
     MANIFEST,
     now,
@@ -97,7 +97,8 @@ class CalibrationOutcome:
 def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[str, Any]:
     """``trtc calibrate DIR``: add model.int8.onnx or model.fp16.onnx to an export directory."""
     manifest = read_manifest(directory)
-    with directory_lock(directory, f"trtc calibrate --{settings.precision}"), staging_dir(directory) as stage:
+    with directory_transaction(directory, f"trtc calibrate --{settings.precision}") as transaction:
+        stage = transaction.stage
         for name in (CALIBRATION_JSON, ACCURACY_JSON):  # calibration.json is reused when nothing changed
             if (directory / name).is_file():
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +114,7 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
             # calibration.json must keep describing the model.int8.onnx that is there; the failed attempt's
             # ranges go beside its report
             os.replace(stage / CALIBRATION_JSON, stage / "report" / "calibration.failed.json")
-        commit_staged(stage, directory)
+        # a failed gate commits its report too, then raises below
     if not outcome.passed:
         raise AccuracyGateError(f"{outcome.message}; see {directory / ACCURACY_JSON}")
     return manifest

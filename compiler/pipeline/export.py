@@ -17,7 +17,7 @@ from typing import Any
 
 from compiler.backends.runners import OrtRunner, Runner, TorchRunner
 from compiler.core.errors import InputError
-from compiler.core.files import commit_staged, directory_lock, sha256_file, staging_dir
+from compiler.core.files import directory_transaction, sha256_file
 from compiler.core.manifest import MANIFEST, now, onnx_entry, refuse_other_model, tool_versions, write_manifest
 from compiler.core.onnx_io import save_onnx
 from compiler.core.progress import stage_timer
@@ -65,12 +65,10 @@ def export_directory(settings: ExportSettings, command: str = "trtc export") -> 
     if any(BATCH_DIM not in i.dims for i in spec.inputs):
         log.warning("an input has no batch dimension B; batching applies only to inputs that have one")
     fingerprint = source_fingerprint(loaded)
-    with directory_lock(out, command):
+    with directory_transaction(out, command) as transaction:
         refuse_other_model(out, fingerprint, settings.force)
-        with staging_dir(out) as stage:
-            manifest = exported_into(stage, loaded, spec, settings, fingerprint)
-            write_manifest(stage / MANIFEST, manifest)
-            commit_staged(stage, out)
+        manifest = exported_into(transaction.stage, loaded, spec, settings, fingerprint)
+        write_manifest(transaction.stage / MANIFEST, manifest)
     return manifest
 
 
