@@ -31,6 +31,7 @@ from calibration.fp16 import (
 )
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.statistics import AMAX_METHODS, DEFAULT_MEMORY_BUDGET, collect_histograms, collect_max_abs
+from compiler.core import defaults
 from compiler.core.errors import AccuracyGateError, CalibrationError
 from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file
 from compiler.core.manifest import (
@@ -62,16 +63,16 @@ class CalibrationSettings:
     precision: str  # "int8" | "fp16"
     data: str | None = None  # see calibration.data for the formats; "random" for smoke tests
     loader: str | None = None
-    samples: int = 512
-    batch_size: int = 16
-    method: str = "percentile"
-    percentile: float = 99.99
+    samples: int = defaults.CALIB_SAMPLES
+    batch_size: int = defaults.CALIB_BATCH
+    method: str = defaults.CALIB_METHOD
+    percentile: float = defaults.PERCENTILE
     eval_data: str | None = None  # default: the calibration data
     labels: str | None = None
     gate: GateSettings = field(default_factory=GateSettings)
     keep_fp32: tuple[str, ...] = ()
     quantize_attention: bool = False
-    fp32_rest: bool = False  # INT8 only: leave what is not quantized in FP32 instead of FP16
+    fp32_rest: bool = defaults.FP32_REST  # INT8 only: leave what is not quantized in FP32 instead of FP16
     calib_cache: Path | None = None
     image: ImagePreprocessing | None = None
     memory_budget: int = DEFAULT_MEMORY_BUDGET  # bytes of exposed activations per ONNX Runtime run
