@@ -115,3 +115,21 @@ def test_bench_option_defaults_are_the_dataclass_defaults() -> None:
     fields = {f.name: f.default for f in dataclasses.fields(BenchSettings)}
     assert shown["iterations"] == fields["iterations"] and shown["seed"] == fields["seed"]
     assert shown["max_regression"] == f"{fields['max_regression'] * 100:g}%"
+
+
+def test_library_functions_default_to_the_same_values() -> None:
+    """Functions users and tests call directly take the defaults the command line uses."""
+    import inspect
+
+    from calibration.data import calibration_data
+    from calibration.statistics import CalibrationStats, amax_from_histogram
+    from compiler.serve.engines import engines_from_module
+
+    def default(fn: Any, name: str) -> Any:
+        return inspect.signature(fn).parameters[name].default
+
+    assert default(calibration_data, "max_samples") == CALIBRATION.samples
+    assert default(calibration_data, "batch_size") == CALIBRATION.batch_size
+    assert default(amax_from_histogram, "percentile") == default(CalibrationStats.amax, "percentile") == \
+        CALIBRATION.percentile
+    assert tuple(default(engines_from_module, "buckets")) == EXPORT.buckets

@@ -1028,7 +1028,7 @@ def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
         if r.stopped_early:
             notes.append(f"{r.name} bucket {r.bucket}: stopped by --max-seconds after {r.iterations} runs")
     int8_cpu = [r for r in results if r.backend == "onnxruntime" and r.precision == "int8" and "CPU" in r.runner
-                and r.accuracy is not None and r.accuracy.cosine < 0.99]
+                and r.accuracy is not None and r.accuracy.cosine < defaults.GATE_MIN_COSINE]
     if int8_cpu:
         notes.append("onnxruntime/int8 on the CPU differs from FP32 more than the accuracy gate measured: ONNX "
                      "Runtime's fused integer kernels saturate on x86 CPUs without VNNI; the gate runs the Q/DQ "
