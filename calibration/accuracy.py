@@ -31,6 +31,7 @@ import onnx
 
 from calibration.fp16 import fp16_rounding_emulation
 from compiler.backends.runners import OrtRunner
+from compiler.core import defaults
 from compiler.core.onnx_io import checking_providers, load_onnx
 from compiler.core.worker import mark_step
 
@@ -42,10 +43,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GateSettings:
-    max_accuracy_drop: float = 0.5  # top-1 percentage points, with labels
-    min_cosine: float = 0.99  # mean row cosine floor, without labels
-    max_fallback: int = 8  # layers the gate may keep in higher precision
-    sensitivity_samples: int = 64  # samples used to score each layer alone
+    max_accuracy_drop: float = defaults.MAX_ACCURACY_DROP  # top-1 percentage points, with labels
+    min_cosine: float = defaults.GATE_MIN_COSINE  # mean row cosine floor, without labels
+    max_fallback: int = defaults.MAX_FALLBACK  # layers the gate may keep in higher precision
+    sensitivity_samples: int = defaults.SENSITIVITY_SAMPLES  # samples used to score each layer alone
 
 
 @dataclass

@@ -31,8 +31,9 @@ from calibration.fp16 import (
 )
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.statistics import AMAX_METHODS, DEFAULT_MEMORY_BUDGET, collect_histograms, collect_max_abs
+from compiler.core import defaults
 from compiler.core.errors import AccuracyGateError, CalibrationError
-from compiler.core.files import atomic_write_json, commit_staged, directory_lock, read_json, sha256_file, staging_dir
+from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file
 from compiler.core.manifest import (
     MANIFEST,
     now,
@@ -62,16 +63,16 @@ class CalibrationSettings:
     precision: str  # "int8" | "fp16"
     data: str | None = None  # see calibration.data for the formats; "random" for smoke tests
     loader: str | None = None
-    samples: int = 512
-    batch_size: int = 16
-    method: str = "percentile"
-    percentile: float = 99.99
+    samples: int = defaults.CALIB_SAMPLES
+    batch_size: int = defaults.CALIB_BATCH
+    method: str = defaults.CALIB_METHOD
+    percentile: float = defaults.PERCENTILE
     eval_data: str | None = None  # default: the calibration data
     labels: str | None = None
     gate: GateSettings = field(default_factory=GateSettings)
     keep_fp32: tuple[str, ...] = ()
     quantize_attention: bool = False
-    fp32_rest: bool = False  # INT8 only: leave what is not quantized in FP32 instead of FP16
+    fp32_rest: bool = defaults.FP32_REST  # INT8 only: leave what is not quantized in FP32 instead of FP16
     calib_cache: Path | None = None
     image: ImagePreprocessing | None = None
     memory_budget: int = DEFAULT_MEMORY_BUDGET  # bytes of exposed activations per ONNX Runtime run
@@ -97,7 +98,8 @@ class CalibrationOutcome:
 def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[str, Any]:
     """``trtc calibrate DIR``: add model.int8.onnx or model.fp16.onnx to an export directory."""
     manifest = read_manifest(directory)
-    with directory_lock(directory, f"trtc calibrate --{settings.precision}"), staging_dir(directory) as stage:
+    with directory_transaction(directory, f"trtc calibrate --{settings.precision}") as transaction:
+        stage = transaction.stage
         for name in (CALIBRATION_JSON, ACCURACY_JSON):  # calibration.json is reused when nothing changed
             if (directory / name).is_file():
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +115,7 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
             # calibration.json must keep describing the model.int8.onnx that is there; the failed attempt's
             # ranges go beside its report
             os.replace(stage / CALIBRATION_JSON, stage / "report" / "calibration.failed.json")
-        commit_staged(stage, directory)
+        # a failed gate commits its report too, then raises below
     if not outcome.passed:
         raise AccuracyGateError(f"{outcome.message}; see {directory / ACCURACY_JSON}")
     return manifest

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from compiler.core import defaults
 from compiler.core.errors import CalibrationError
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
@@ -132,7 +133,8 @@ class CalibrationData:
 
 
 def calibration_data(source: str | Path | None, spec: ModelSpec, *, loader: str | None = None,
-                     batch_size: int = 16, max_samples: int = 512, image: ImagePreprocessing | None = None,
+                     batch_size: int = defaults.CALIB_BATCH, max_samples: int = defaults.CALIB_SAMPLES,
+                     image: ImagePreprocessing | None = None,
                      labels: str | Path | None = None, seed: int = 0) -> CalibrationData:
     """Open a data source and check it fully (shapes, dtypes, NaN/Inf, count) before any model runs."""
     if batch_size < 1 or max_samples < 1:

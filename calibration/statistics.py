@@ -47,6 +47,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from compiler.core import defaults
 from compiler.core.errors import CalibrationError
 from compiler.core.onnx_io import load_onnx, ort_session, save_onnx, weightless_copy
 from compiler.core.worker import mark_step
@@ -320,7 +321,7 @@ AMAX_METHODS: dict[str, Callable[[AbsHistogram, float], float]] = {
 }
 
 
-def amax_from_histogram(hist: AbsHistogram, method: str, percentile: float = 99.99) -> float:
+def amax_from_histogram(hist: AbsHistogram, method: str, percentile: float = defaults.PERCENTILE) -> float:
     """The clipping threshold (amax, in the tensor's units) that ``method`` picks from ``hist``.
 
     Methods: ``max`` (exact max |x|), ``percentile`` (upper edge of the bin where ``percentile`` % of the
@@ -350,7 +351,7 @@ class CalibrationStats:
     excluded: dict[str, int] = field(default_factory=dict)
     max_abs: dict[str, float] | None = None
 
-    def amax(self, method: str, percentile: float = 99.99) -> dict[str, float]:
+    def amax(self, method: str, percentile: float = defaults.PERCENTILE) -> dict[str, float]:
         """``amax_from_histogram`` for every tensor."""
         return {name: amax_from_histogram(hist, method, percentile) for name, hist in self.histograms.items()}
 

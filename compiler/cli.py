@@ -16,10 +16,10 @@ from typing import Any
 
 import click
 
+from compiler.core import defaults
 from compiler.core.errors import EXIT_CODES, InputError, TrtcError
 from compiler.core.settings import HARDWARE_COMPAT_LEVELS
 from compiler.core.specs import DimRange, InputSpec, ModelSpec, parse_buckets, parse_dim_range, parse_input_spec
-from compiler.frontend.verify import DEFAULT_ATOL, DEFAULT_RTOL
 
 __all__ = ["cli", "main"]
 
@@ -161,9 +161,13 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def tolerance_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--atol and --rtol of the export check (shared by export and build)."""
     fn = click.option("--rtol", type=float, help="Export check, relative part: an element may differ by atol x "
-                      f"max(1, output scale) + rtol x |reference| (default {DEFAULT_RTOL:g}).")(fn)
+                      f"max(1, output scale) + rtol x |reference| (default {defaults.RTOL:g}).")(fn)
     return click.option("--atol", type=float, help="Export check, absolute part (default "
-                        f"{DEFAULT_ATOL:g}; see --rtol).")(fn)
+                        f"{defaults.ATOL:g}; see --rtol).")(fn)
+
+
+def _buckets(buckets: tuple[int, ...]) -> str:
+    return ",".join(str(b) for b in buckets)
 
 
 def _merged(profile: dict[str, dict[str, Any]], section: str, key: str, cli_value: Any, default: Any = None) -> Any:
@@ -176,7 +180,7 @@ def _merged(profile: dict[str, dict[str, Any]], section: str, key: str, cli_valu
 def export_settings_from(kw: dict[str, Any]) -> Any:
     """ExportSettings from the command-line options and the profile."""
     from compiler.core.profile import load_profile
-    from compiler.core.settings import DEFAULT_BUCKETS, ExportSettings, ModelSource
+    from compiler.core.settings import ExportSettings, ModelSource
 
     profile = load_profile(kw["profile"]) if kw.get("profile") else {}
     model = profile.get("model", {})
@@ -191,14 +195,14 @@ def export_settings_from(kw: dict[str, Any]) -> Any:
     if dims and not inputs:
         raise InputError("--dim given without --input: declare the inputs that use it")
     buckets = kw.get("buckets") or (parse_buckets(profile["build"]["buckets"]) if "buckets" in profile.get("build", {})
-                                    else DEFAULT_BUCKETS)
+                                    else defaults.BUCKETS)
     out = kw.get("out") or (Path(profile["build"]["out"]) if "out" in profile.get("build", {}) else None)
     if out is None:
         raise InputError("no output directory: pass --out DIR (or set build.out in the profile)")
     return ExportSettings(source=source, out=Path(out), spec=spec, buckets=tuple(buckets),
                           opset=_merged(profile, "export", "opset", kw.get("opset")),
-                          rtol=float(_merged(profile, "export", "rtol", kw.get("rtol"), DEFAULT_RTOL)),
-                          atol=float(_merged(profile, "export", "atol", kw.get("atol"), DEFAULT_ATOL)),
+                          rtol=float(_merged(profile, "export", "rtol", kw.get("rtol"), defaults.RTOL)),
+                          atol=float(_merged(profile, "export", "atol", kw.get("atol"), defaults.ATOL)),
                           output_names=tuple(model.get("output_names", [])), force=bool(kw.get("force"))), profile
 
 
@@ -218,7 +222,7 @@ cli.help = ("trtc: PyTorch model to verified ONNX, INT8/FP16 graphs and TensorRT
 @model_options
 @click.option("--out", type=click.Path(path_type=Path), help="Output directory (model.onnx, manifest.json).")
 @click.option("--buckets", type=BucketsType(), help="Batch buckets; the largest bounds the dynamic batch and is "
-              "verified. Default 1,4,8,16.")
+              f"verified (default {_buckets(defaults.BUCKETS)}).")
 @click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
 @tolerance_options
 @click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
@@ -248,20 +252,26 @@ def calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--calib-data", help="Calibration data: .npz/.npy file or folder, image folder, or 'random' "
                      "(smoke tests only)."),
         click.option("--calib-loader", metavar="PKG.MODULE:FN", help="A function yielding {input_name: array}."),
-        click.option("--calib-samples", type=int, help="Use at most N samples (default 512)."),
-        click.option("--calib-batch", type=int, help="Samples per calibration batch (default 16)."),
+        click.option("--calib-samples", type=int, help=f"Use at most N samples (default {defaults.CALIB_SAMPLES})."),
+        click.option("--calib-batch", type=int, help="Samples per calibration batch (default "
+                     f"{defaults.CALIB_BATCH})."),
         click.option("--calib-method", type=click.Choice(["percentile", "max", "entropy", "mse"]),
-                     help="How the INT8 range is chosen (default percentile: the --percentile quantile of |x|, "
+                     help=f"How the INT8 range is chosen (default {defaults.CALIB_METHOD}: the --percentile quantile "
+                     "of |x|, "
                      "raised where clipping would cost more than INT8 rounding saves)."),
-        click.option("--percentile", type=float, help="Percentile of |x| for --calib-method percentile (99.99)."),
+        click.option("--percentile", type=float, help="Percentile of |x| for --calib-method percentile "
+                     f"(default {defaults.PERCENTILE:g})."),
         click.option("--calib-cache", type=click.Path(path_type=Path), help="Reuse this calibration.json when model, "
                      "data and method match (no recalibration)."),
         click.option("--eval-data", help="Held-out data for the accuracy gate (default: the calibration data)."),
         click.option("--labels", help="Labels for top-1: a .npy file or the key in the .npz data (default "
                      "'labels' when present)."),
-        click.option("--max-accuracy-drop", type=float, help="Top-1 points the gate allows (default 0.5)."),
-        click.option("--min-cosine", type=float, help="Cosine floor vs FP32 without labels (default 0.99)."),
-        click.option("--max-fallback", type=int, help="Layers the gate may keep in FP32 (default 8)."),
+        click.option("--max-accuracy-drop", type=float, help="Top-1 points the gate allows (default "
+                     f"{defaults.MAX_ACCURACY_DROP:g})."),
+        click.option("--min-cosine", type=float, help="Cosine floor vs FP32 without labels (default "
+                     f"{defaults.GATE_MIN_COSINE:g})."),
+        click.option("--max-fallback", type=int, help="Layers the gate may keep in FP32 (default "
+                     f"{defaults.MAX_FALLBACK})."),
         click.option("--keep-fp32", multiple=True, help="Node name or op type to keep in FP32 (repeat)."),
         click.option("--quantize-attention", is_flag=True, default=None,
                      help="Also quantize attention score products (kept in higher precision by default)."),
@@ -281,17 +291,20 @@ def calibration_settings_from(kw: dict[str, Any], precision: str, profile: dict[
     def pick(option: str, key: str, default: Any = None) -> Any:
         return _merged(profile, "calibration", key, kw.get(option), default)
 
-    gate = GateSettings(max_accuracy_drop=float(pick("max_accuracy_drop", "max_accuracy_drop", 0.5)),
-                        min_cosine=float(pick("min_cosine", "min_cosine", 0.99)),
-                        max_fallback=int(pick("max_fallback", "max_fallback", 8)))
+    gate = GateSettings(max_accuracy_drop=float(pick("max_accuracy_drop", "max_accuracy_drop",
+                                                     defaults.MAX_ACCURACY_DROP)),
+                        min_cosine=float(pick("min_cosine", "min_cosine", defaults.GATE_MIN_COSINE)),
+                        max_fallback=int(pick("max_fallback", "max_fallback", defaults.MAX_FALLBACK)))
     image = profile.get("calibration", {}).get("image")
     return CalibrationSettings(
         precision=precision, data=pick("calib_data", "data"), loader=pick("calib_loader", "loader"),
-        samples=int(pick("calib_samples", "samples", 512)), batch_size=int(pick("calib_batch", "batch_size", 16)),
-        method=pick("calib_method", "method", "percentile"), percentile=float(pick("percentile", "percentile", 99.99)),
+        samples=int(pick("calib_samples", "samples", defaults.CALIB_SAMPLES)),
+        batch_size=int(pick("calib_batch", "batch_size", defaults.CALIB_BATCH)),
+        method=pick("calib_method", "method", defaults.CALIB_METHOD),
+        percentile=float(pick("percentile", "percentile", defaults.PERCENTILE)),
         eval_data=pick("eval_data", "eval_data"), labels=pick("labels", "labels"), gate=gate,
         keep_fp32=tuple(pick("keep_fp32", "keep_fp32", ())), quantize_attention=bool(kw.get("quantize_attention")),
-        fp32_rest=bool(pick("fp32_rest", "fp32_rest", False)),
+        fp32_rest=bool(pick("fp32_rest", "fp32_rest", defaults.FP32_REST)),
         calib_cache=kw.get("calib_cache"), image=ImagePreprocessing.from_profile(image) if image else None)
 
 
@@ -329,15 +342,16 @@ def build_settings_from(kw: dict[str, Any], profile: dict[str, dict[str, Any]], 
 
     timing_cache = pick("timing_cache", "timing_cache")
     workspace = pick("workspace", "workspace_mib")
-    return BuildSettings(buckets=buckets, precision=precision, multi_profile=bool(pick("multi_profile", "multi_profile",
-                                                                                       False)),
+    return BuildSettings(buckets=buckets, precision=precision,
+                         multi_profile=bool(pick("multi_profile", "multi_profile", defaults.MULTI_PROFILE)),
                          workspace_mib=int(workspace) if workspace is not None else None,
-                         opt_level=int(pick("opt_level", "opt_level", 3)),
-                         hardware_compat=pick("hardware_compat", "hardware_compat", "none"),
-                         version_compatible=bool(pick("version_compatible", "version_compatible", False)),
+                         opt_level=int(pick("opt_level", "opt_level", defaults.OPT_LEVEL)),
+                         hardware_compat=pick("hardware_compat", "hardware_compat", defaults.HARDWARE_COMPAT),
+                         version_compatible=bool(pick("version_compatible", "version_compatible",
+                                                      defaults.VERSION_COMPATIBLE)),
                          timing_cache=Path(timing_cache) if timing_cache else None,
-                         engine=pick("engine", "engine", "tensorrt"), jobs=int(kw.get("jobs") or 1),
-                         tf32=bool(pick("tf32", "tf32", True)))
+                         engine=pick("engine", "engine", defaults.ENGINE), jobs=int(kw.get("jobs") or defaults.JOBS),
+                         tf32=bool(pick("tf32", "tf32", defaults.TF32)))
 
 
 def build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -346,7 +360,8 @@ def build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--multi-profile", is_flag=True, default=None,
                      help="One engine with one optimization profile per bucket (weights stored once)."),
         click.option("--workspace", type=int, metavar="MIB", help="Builder workspace limit in MiB."),
-        click.option("--opt-level", type=click.IntRange(0, 5), help="Builder optimization level (default 3)."),
+        click.option("--opt-level", type=click.IntRange(0, 5), help="Builder optimization level (default "
+                     f"{defaults.OPT_LEVEL})."),
         click.option("--hardware-compat", type=click.Choice(HARDWARE_COMPAT_LEVELS), is_flag=False,
                      flag_value="ampere-plus", default=None, metavar="[LEVEL]",
                      help="Engines for other GPUs than the one building them: ampere-plus (the level when given "
@@ -360,7 +375,8 @@ def build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--jobs", type=int, help="Build buckets in parallel, one process per GPU (one process when no "
                      "GPU list is known: builds sharing a GPU time their tactics under load)."),
         click.option("--tf32/--no-tf32", default=None,
-                     help="Let FP32 layers use TF32 tensor cores (default on, as TensorRT and trtexec do; recorded "
+                     help=f"Let FP32 layers use TF32 tensor cores (default {'on' if defaults.TF32 else 'off'}, as "
+                     "TensorRT and trtexec do; recorded "
                           "as build.tf32). --no-tf32 keeps FP32 layers strict FP32."),
     ]
     for option in reversed(options):
@@ -371,7 +387,8 @@ def build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @cli.command("build")
 @model_options
 @click.option("--out", type=click.Path(path_type=Path), help="Output directory (default build/<model name>).")
-@click.option("--buckets", type=BucketsType(), help="Batch buckets, one engine each (default 1,4,8,16).")
+@click.option("--buckets", type=BucketsType(), help="Batch buckets, one engine each (default "
+              f"{_buckets(defaults.BUCKETS)}).")
 @click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
               "--calib-data; --fp32-rest for an FP32 rest).")
 @click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
@@ -537,23 +554,28 @@ def bench_settings_from(kw: dict[str, Any]) -> Any:
               "CUDA provider where usable, else the CPU).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Device of the torch backends (default: CUDA "
               "when present).")
-@click.option("--iterations", "-n", type=int, default=100, show_default=True,
+@click.option("--iterations", "-n", type=int, default=defaults.BENCH_ITERATIONS, show_default=True,
               help="At least this many timed runs per backend and bucket.")
-@click.option("--min-seconds", type=float, default=2.0, show_default=True, help="And at least this long.")
+@click.option("--min-seconds", type=float, default=defaults.BENCH_MIN_SECONDS, show_default=True,
+              help="And at least this long.")
 @click.option("--max-seconds", type=float, help="Stop a measurement after this long, even short of the minimums.")
-@click.option("--warmup", type=int, default=10, show_default=True, help="Untimed runs first, at least this many.")
-@click.option("--warmup-seconds", type=float, default=0.5, show_default=True, help="And for at least this long.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--warmup", type=int, default=defaults.BENCH_WARMUP, show_default=True,
+              help="Untimed runs first, at least this many.")
+@click.option("--warmup-seconds", type=float, default=defaults.BENCH_WARMUP_SECONDS, show_default=True,
+              help="And for at least this long.")
+@click.option("--seed", type=int, default=defaults.BENCH_SEED, show_default=True, help="Seed of the random inputs.")
 @click.option("--data", type=click.Path(path_type=Path), help="An .npz with one array per input instead of random "
               "inputs.")
-@click.option("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (default: its own choice).")
+@click.option("--threads", type=int, default=defaults.BENCH_THREADS,
+              help="ONNX Runtime intra-op threads (default: its own choice).")
 @click.option("--tf32/--no-tf32", default=None, help="TF32 for the FP32 math of every row (PyTorch allow_tf32, ONNX "
               "Runtime use_tf32; default: the manifest's build.tf32, else on).")
 @click.option("--wide", is_flag=True, help="Every column in the terminal table (default: those that fit 120 "
               "columns; bench.json and bench.csv always have all).")
 @click.option("--baseline", type=click.Path(path_type=Path), help="An earlier bench.json of this build: exit 1 on a "
               "regression.")
-@click.option("--max-regression", type=PercentType(), default="5%", show_default=True,
+@click.option("--max-regression", type=PercentType(), default=f"{defaults.BENCH_MAX_REGRESSION * 100:g}%",
+              show_default=True,
               help="Slower P50 or lower throughput than the baseline by more than this is a regression.")
 @click.option("--report-dir", type=click.Path(path_type=Path), help="Where bench.json/.csv/.png go (default "
               "DIR/report, or ./bench-report for a model file).")

@@ -24,7 +24,7 @@ from click.testing import CliRunner, Result
 import compiler
 from compiler.cli import cli
 from compiler.core.errors import DirectoryLocked, InputError
-from compiler.core.files import directory_lock
+from compiler.core.files import directory_lock, directory_transaction, file_mode
 from compiler.core.manifest import write_manifest
 from compiler.core.settings import BuildSettings
 from compiler.pipeline.check import rebuild_directory
@@ -227,6 +227,52 @@ def test_the_lock_still_excludes_a_second_writer_and_is_gone_after(tmp_path: Pat
     assert list(tmp_path.iterdir()) == []
     with directory_lock(tmp_path, "third"):
         assert (tmp_path / ".trtc.lock").is_file()
+
+
+def test_a_transaction_commits_manifest_last_then_removes_obsolete_files(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "manifest.json").write_text("old")
+    (tmp_path / "model_b8.engine").write_text("old engine")
+    events: list[str] = []
+    real_replace, real_unlink = os.replace, Path.unlink
+
+    def replace(src: Any, dst: Any) -> None:
+        events.append(f"move {Path(dst).name}")
+        real_replace(src, dst)
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        events.append(f"remove {self.name}")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    with directory_transaction(tmp_path, "trtc test") as transaction:
+        with pytest.raises(DirectoryLocked, match=r"\(trtc test\)"), directory_transaction(tmp_path, "second"):
+            pass
+        (transaction.stage / "manifest.json").write_text("new")
+        (transaction.stage / "a" / "model_b1.engine").parent.mkdir()
+        (transaction.stage / "a" / "model_b1.engine").write_text("new engine")
+        transaction.remove_after_commit(["model_b8.engine"])
+    assert events == ["move model_b1.engine", "move manifest.json", "remove model_b8.engine", "remove .trtc.lock"]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "a", "a/model_b1.engine", "manifest.json"]
+    assert (tmp_path / "manifest.json").read_text() == "new"
+    assert stat.S_IMODE((tmp_path / "a" / "model_b1.engine").stat().st_mode) == file_mode()
+
+
+def test_a_failed_transaction_leaves_the_directory_as_it_was(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text("old")
+    with pytest.raises(InputError, match="bad"), directory_transaction(tmp_path, "trtc test") as transaction:
+        (transaction.stage / "manifest.json").write_text("new")
+        transaction.remove_after_commit(["manifest.json"])
+        raise InputError("bad")
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+    assert (tmp_path / "manifest.json").read_text() == "old"
+    new_dir = tmp_path / "new"
+    with pytest.raises(InputError), directory_transaction(new_dir, "trtc test") as transaction:
+        (transaction.stage / "model.onnx").write_text("half")
+        raise InputError("bad")
+    assert not new_dir.exists()
 
 
 def test_out_naming_a_file_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -70,6 +70,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from compiler.backends.runners import OrtRunner, TorchRunner
+from compiler.core import defaults
 from compiler.core.errors import InputError, TrtcError
 from compiler.core.files import (
     atomic_write_bytes,
@@ -113,22 +114,23 @@ class BenchSettings:
 
     backends: tuple[str, ...] = BACKENDS
     buckets: tuple[int, ...] = ()  # empty: the build's buckets
-    iterations: int = 100  # at least this many timed runs per backend and bucket...
-    min_seconds: float = 2.0  # ...and at least this long
+    iterations: int = defaults.BENCH_ITERATIONS  # at least this many timed runs per backend and bucket...
+    min_seconds: float = defaults.BENCH_MIN_SECONDS  # ...and at least this long
     max_seconds: float | None = None  # stop a measurement (warm-up included) after this long; noted in the report
-    warmup: int = 10  # at least this many untimed runs first...
-    warmup_seconds: float = 0.5  # ...and at least this long
-    seed: int = 0
+    warmup: int = defaults.BENCH_WARMUP  # at least this many untimed runs first...
+    warmup_seconds: float = defaults.BENCH_WARMUP_SECONDS  # ...and at least this long
+    seed: int = defaults.BENCH_SEED
     data: Path | None = None  # an .npz with one array per input name (first axis = samples); None: seeded random
     ort_providers: tuple[str, ...] = ()  # empty: CUDA where usable, else the CPU; CPUExecutionProvider first: the CPU
     device: str | None = None  # for the torch backends: "cuda" or "cpu"; None: CUDA when present
     trust_pickle: bool = False  # load a pickled nn.Module source (runs code from the file)
-    max_spread: float = 0.2  # (P90 - P50) / P50 above this is reported as a wide spread
+    max_spread: float = defaults.BENCH_MAX_SPREAD  # (P90 - P50) / P50 above this is reported as a wide spread
     baseline: Path | None = None  # an earlier bench.json of the same build
-    max_regression: float = 0.05  # slower P50 or lower throughput than the baseline by more than this fails
+    # slower P50 or lower throughput than the baseline by more than this fails
+    max_regression: float = defaults.BENCH_MAX_REGRESSION
     report_dir: Path | None = None  # default DIR/report
     plot: bool = True
-    threads: int = 0  # ONNX Runtime intra-op threads; 0: its default
+    threads: int = defaults.BENCH_THREADS  # ONNX Runtime intra-op threads; 0: its default
     tf32: bool | None = None  # TF32 for FP32 math on every backend; None: the manifest's build.tf32, else True
     wide: bool = False  # the terminal table with every column (the files always have them)
 
@@ -1026,7 +1028,7 @@ def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
         if r.stopped_early:
             notes.append(f"{r.name} bucket {r.bucket}: stopped by --max-seconds after {r.iterations} runs")
     int8_cpu = [r for r in results if r.backend == "onnxruntime" and r.precision == "int8" and "CPU" in r.runner
-                and r.accuracy is not None and r.accuracy.cosine < 0.99]
+                and r.accuracy is not None and r.accuracy.cosine < defaults.GATE_MIN_COSINE]
     if int8_cpu:
         notes.append("onnxruntime/int8 on the CPU differs from FP32 more than the accuracy gate measured: ONNX "
                      "Runtime's fused integer kernels saturate on x86 CPUs without VNNI; the gate runs the Q/DQ "

@@ -14,15 +14,15 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from compiler.core.errors import DirectoryLocked, InputError
 
 __all__ = ["sha256_file", "sha256_files", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
-           "staging_dir", "commit_staged", "directory_lock", "read_json", "file_mode", "current_umask", "settle_modes",
-           "require_directory"]
+           "staging_dir", "commit_staged", "directory_lock", "directory_transaction", "Transaction", "read_json",
+           "file_mode", "current_umask", "settle_modes", "require_directory"]
 
 LOCK_NAME = ".trtc.lock"
 
@@ -210,3 +210,51 @@ def directory_lock(out_dir: Path, command: str) -> Iterator[None]:
         if created and not any(out_dir.iterdir()):
             out_dir.rmdir()  # a run that failed before writing anything leaves no trace, not even the directory
         os.close(fd)
+
+
+class Transaction:
+    """What a command writing a build directory sees inside ``directory_transaction``.
+
+    Write every new file under ``stage`` (the manifest as ``stage / "manifest.json"``); name files of
+    the previous build that the new manifest no longer lists with ``remove_after_commit``.
+    """
+
+    def __init__(self, directory: Path, stage: Path) -> None:
+        self.directory = directory
+        self.stage = stage
+        self.committed: list[str] = []
+        self._obsolete: list[str | os.PathLike[str]] = []
+        self._done = False
+
+    def remove_after_commit(self, names: Iterable[str | os.PathLike[str]]) -> None:
+        """Delete these files (relative to the directory, or paths checked to be inside it) after the manifest."""
+        self._obsolete += list(names)
+
+    def commit(self) -> list[str]:
+        """Move the staged files into the directory, manifest last, then delete the obsolete files.
+
+        Called by ``directory_transaction`` when its block ends without an exception; call it earlier
+        only to work on the committed directory while still holding the lock. Returns the files moved.
+        """
+        if not self._done:
+            self._done = True
+            self.committed = commit_staged(self.stage, self.directory)
+            for name in self._obsolete:
+                (self.directory / name).unlink(missing_ok=True)
+        return self.committed
+
+
+@contextlib.contextmanager
+def directory_transaction(out_dir: Path, command: str) -> Iterator[Transaction]:
+    """Lock ``out_dir``, stage inside it, and commit the staged files manifest last if the block succeeds.
+
+    The one way a command writes a build directory: ``directory_lock`` (a second writer is refused,
+    naming ``command``), a ``staging_dir`` on the same filesystem, and ``Transaction.commit`` when the
+    block ends normally (a ``return`` inside it too). An exception or a kill leaves the directory as it
+    was (the staging folder is removed, or cleaned by the next lock holder); an error the caller wants to
+    report *after* committing (say, the accuracy report of a failed gate) is raised after the block.
+    """
+    with directory_lock(out_dir, command), staging_dir(out_dir) as stage:
+        transaction = Transaction(out_dir, stage)
+        yield transaction
+        transaction.commit()

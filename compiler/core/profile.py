@@ -11,6 +11,7 @@ from typing import Any
 
 import tomllib
 
+from compiler.core import defaults
 from compiler.core.errors import InputError
 
 __all__ = ["SCHEMA", "load_profile", "PATH_KEYS"]
@@ -29,37 +30,41 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
     "export": {
         "opset": ((int,), "ONNX opset (default: the exporter's)"),
         "rtol": ((float, int), "verification, relative part: |got - ref| <= atol * max(1, scale) + rtol * |ref| "
-                 "(default 1e-3)"),
-        "atol": ((float, int), "verification, absolute part (default 1e-4)"),
+                 f"(default {defaults.RTOL:g})"),
+        "atol": ((float, int), f"verification, absolute part (default {defaults.ATOL:g})"),
     },
     "calibration": {
         "data": ((str,), "calibration data: .npz/.npy file or folder, image folder, or 'random' (smoke tests)"),
         "loader": ((str,), "pkg.module:function yielding {input_name: array} batches"),
-        "samples": ((int,), "maximum number of samples (default 512)"),
-        "batch_size": ((int,), "samples per calibration batch (default 16)"),
-        "method": ((str,), "percentile | max | entropy | mse (default percentile)"),
-        "percentile": ((float, int), "percentile for the percentile method (default 99.99)"),
+        "samples": ((int,), f"maximum number of samples (default {defaults.CALIB_SAMPLES})"),
+        "batch_size": ((int,), f"samples per calibration batch (default {defaults.CALIB_BATCH})"),
+        "method": ((str,), f"percentile | max | entropy | mse (default {defaults.CALIB_METHOD})"),
+        "percentile": ((float, int), f"percentile for the percentile method (default {defaults.PERCENTILE:g})"),
         "labels": ((str,), "labels for the accuracy gate: .npy file, or the key in the .npz calibration data"),
         "eval_data": ((str,), "held-out data for the accuracy gate (default: the calibration data)"),
-        "max_accuracy_drop": ((float, int), "top-1 points (with labels; default 0.5) the gate allows"),
-        "min_cosine": ((float, int), "cosine floor against FP32 without labels (default 0.99)"),
-        "max_fallback": ((int,), "layers the gate may keep in FP32 (default 8)"),
+        "max_accuracy_drop": ((float, int), f"top-1 points the gate allows, with labels (default "
+                              f"{defaults.MAX_ACCURACY_DROP:g})"),
+        "min_cosine": ((float, int), "cosine floor against FP32 without labels (default "
+                       f"{defaults.GATE_MIN_COSINE:g})"),
+        "max_fallback": ((int,), f"layers the gate may keep in FP32 (default {defaults.MAX_FALLBACK})"),
         "keep_fp32": ((list,), "node names or op types kept in FP32"),
-        "fp32_rest": ((bool,), "int8: run what is not INT8 in FP32 instead of FP16 (default false)"),
+        "fp32_rest": ((bool,), "int8: run what is not INT8 in FP32 instead of FP16 (default "
+                           f"{str(defaults.FP32_REST).lower()})"),
         "image": ((dict,), "image preprocessing: size, crop, mean, std, layout (NCHW/NHWC), input"),
     },
     "build": {
         "out": ((str,), "output directory"),
-        "buckets": ((list,), "batch buckets, e.g. [1, 4, 8, 16]"),
-        "precision": ((str,), "fp32 | fp16 | int8"),
+        "buckets": ((list,), f"batch buckets (default {list(defaults.BUCKETS)})"),
+        "precision": ((str,), f"fp32 | fp16 | int8 (default {defaults.PRECISION})"),
         "multi_profile": ((bool,), "one engine with one optimization profile per bucket"),
         "workspace_mib": ((int,), "builder workspace limit in MiB"),
-        "opt_level": ((int,), "builder optimization level 0-5 (default 3)"),
-        "hardware_compat": ((bool, str), "none | same-compute-capability | ampere-plus (true: ampere-plus)"),
-        "tf32": ((bool,), "FP32 layers may use TF32 tensor cores (default true)"),
+        "opt_level": ((int,), f"builder optimization level 0-5 (default {defaults.OPT_LEVEL})"),
+        "hardware_compat": ((bool, str), "none | same-compute-capability | ampere-plus (true: ampere-plus; "
+                                          f"default {defaults.HARDWARE_COMPAT})"),
+        "tf32": ((bool,), f"FP32 layers may use TF32 tensor cores (default {str(defaults.TF32).lower()})"),
         "version_compatible": ((bool,), "build engines that later TensorRT versions can run"),
         "timing_cache": ((str,), "timing cache shared across models"),
-        "engine": ((str,), "tensorrt | none"),
+        "engine": ((str,), f"tensorrt | none (default {defaults.ENGINE})"),
     },
 }
 PATH_KEYS = {("model", "source"), ("model", "weights"), ("calibration", "data"), ("calibration", "labels"),

@@ -22,14 +22,13 @@ import numpy as np
 
 from compiler.backends.trt_build import settings_to_dict
 from compiler.core.errors import AccuracyGateError, TensorRTNotInstalled
-from compiler.core.files import commit_staged, directory_lock, settle_modes, staging_dir
-from compiler.core.manifest import MANIFEST, refuse_other_model, write_manifest
+from compiler.core.files import directory_transaction, settle_modes
+from compiler.core.manifest import MANIFEST, write_manifest
 from compiler.core.progress import stage_timer
 from compiler.core.settings import BuildSettings, ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
-from compiler.frontend.loading import load_model
 from compiler.frontend.verify import FeedSource
-from compiler.pipeline.export import FP32_ONNX, check_against_model, exported_into, resolve_spec, source_fingerprint
+from compiler.pipeline.export import FP32_ONNX, export_step, model_to_export
 
 __all__ = ["build_directory", "FAILED_DIR"]
 
@@ -45,39 +44,34 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
 
     start = time.perf_counter()
     out = export.out
-    loaded = load_model(export.source.path, factory=export.source.factory, weights=export.source.weights,
-                        trust_pickle=export.source.trust_pickle)
-    spec = resolve_spec(loaded, export.spec)
-    check_against_model(loaded, spec, build.buckets)
-    fingerprint = source_fingerprint(loaded)
-    with directory_lock(out, command):
-        refuse_other_model(out, fingerprint, export.force)
-        with staging_dir(out) as stage:
-            feeds, feeds_from = _feeds_from_calibration_data(calibration, spec, export.max_batch)
-            manifest = exported_into(stage, loaded, spec, export, fingerprint, feeds, feeds_from)
-            del loaded  # the PyTorch model is not needed past export: its memory goes back before calibration
-            if calibration is not None:
-                cache = calibration.calib_cache or (out / CALIBRATION_JSON)
-                if Path(cache).is_file():
-                    shutil.copy2(cache, stage / CALIBRATION_JSON)
-                with stage_timer(f"{calibration.precision.upper()} calibration"):
-                    outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
-                if not outcome.passed:
-                    _keep_failed_attempt(stage, out, manifest)
-                    raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "
-                                            f"attempt is in {out / FAILED_DIR})")
-                manifest = merge_update(manifest, outcome.manifest_update)
-            manifest["build"] = settings_to_dict(build)
-            manifest["engines"] = []
-            missing: TensorRTNotInstalled | None = None
-            if build.engine == "none":
-                manifest["engines_note"] = "not built: --engine none"
-            else:
-                with stage_timer("engines"):
-                    missing = _engines_into(stage, out, manifest, spec, build)
-            manifest["build_seconds"] = round(time.perf_counter() - start, 2)
-            write_manifest(stage / MANIFEST, manifest)
-            commit_staged(stage, out)
+    model = model_to_export(export, build.buckets)
+    spec = model.spec
+    with directory_transaction(out, command) as transaction:
+        stage = transaction.stage
+        feeds, feeds_from = _feeds_from_calibration_data(calibration, spec, export.max_batch)
+        manifest = export_step(transaction, model, export, feeds, feeds_from)
+        del model  # the PyTorch model is not needed past export: its memory goes back before calibration
+        if calibration is not None:
+            cache = calibration.calib_cache or (out / CALIBRATION_JSON)
+            if Path(cache).is_file():
+                shutil.copy2(cache, stage / CALIBRATION_JSON)
+            with stage_timer(f"{calibration.precision.upper()} calibration"):
+                outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
+            if not outcome.passed:
+                _keep_failed_attempt(stage, out, manifest)
+                raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "
+                                        f"attempt is in {out / FAILED_DIR})")
+            manifest = merge_update(manifest, outcome.manifest_update)
+        manifest["build"] = settings_to_dict(build)
+        manifest["engines"] = []
+        missing: TensorRTNotInstalled | None = None
+        if build.engine == "none":
+            manifest["engines_note"] = "not built: --engine none"
+        else:
+            with stage_timer("engines"):
+                missing = _engines_into(stage, out, manifest, spec, build)
+        manifest["build_seconds"] = round(time.perf_counter() - start, 2)
+        write_manifest(stage / MANIFEST, manifest)
     if missing is not None:
         raise missing
     return manifest

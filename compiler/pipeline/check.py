@@ -34,7 +34,7 @@ from compiler.backends.trt_compat import (
     verify_recorded_onnx,
 )
 from compiler.core.errors import InputError
-from compiler.core.files import commit_staged, directory_lock, sha256_file, staging_dir
+from compiler.core.files import directory_transaction, sha256_file
 from compiler.core.manifest import (
     MANIFEST,
     inside,
@@ -134,7 +134,7 @@ def rebuild_directory(directory: Path, if_stale: bool, settings_override: BuildS
     it raises ``TensorRTNotInstalled``.
     """
     directory = Path(directory)
-    with directory_lock(directory, "trtc rebuild"):
+    with directory_transaction(directory, "trtc rebuild") as transaction:
         manifest = read_manifest(directory)
         here = env if env is not None else environment()
         stale = stale_in(directory, manifest, here)
@@ -148,15 +148,14 @@ def rebuild_directory(directory: Path, if_stale: bool, settings_override: BuildS
         onnx = recorded_onnx(manifest, settings.precision, directory)
         verify_recorded_onnx(directory, onnx)
         spec = spec_from_manifest(manifest)
-        with staging_dir(directory) as stage:
-            entries = build_engine_files(directory, stage, onnx["file"], spec, settings, build_step, env=here)
-            rebuilt = {**manifest, **manifest_engine_keys(settings, here, entries), "engines_built": now()}
-            if entries:
-                rebuilt.pop("engines_note", None)  # "not built: ..." no longer describes the directory
-            write_manifest(stage / MANIFEST, rebuilt)
-            commit_staged(stage, directory)
-        for name in sorted(_engine_files(old_entries) - _engine_files(entries)):
-            inside(directory, name).unlink(missing_ok=True)
+        stage = transaction.stage
+        entries = build_engine_files(directory, stage, onnx["file"], spec, settings, build_step, env=here)
+        rebuilt = {**manifest, **manifest_engine_keys(settings, here, entries), "engines_built": now()}
+        if entries:
+            rebuilt.pop("engines_note", None)  # "not built: ..." no longer describes the directory
+        write_manifest(stage / MANIFEST, rebuilt)
+        transaction.remove_after_commit(inside(directory, name)
+                                        for name in sorted(_engine_files(old_entries) - _engine_files(entries)))
         log.info("rebuilt %d engine(s) in %s", len(entries), directory)
         return RebuildResult(directory, True, stale, entries)
 
@@ -173,7 +172,7 @@ def merge_manifests(directory: Path, others: list[Path]) -> dict[str, Any]:
     timing caches are not merged (combining them needs TensorRT). Returns the new manifest.
     """
     directory = Path(directory)
-    with directory_lock(directory, "trtc merge"):
+    with directory_transaction(directory, "trtc merge") as transaction:
         base = read_manifest(directory)
         sources = [(directory, base)] + [(Path(o), read_manifest(Path(o))) for o in others]
         with_engines = [(d, m) for d, m in sources if engine_entries(m, d)]
@@ -220,15 +219,14 @@ def merge_manifests(directory: Path, others: list[Path]) -> dict[str, Any]:
                 merged[entry["bucket"]] = entry
                 if source_dir != directory:
                     copies += [(inside(source_dir, name), name) for name in sorted(_engine_files([entry]))]
-        with staging_dir(directory) as stage:
-            for source, name in copies:
-                if not source.is_file():
-                    raise InputError(f"{source} is missing; rebuild its directory before merging")
-                (stage / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source, stage / name)
-            engines = [merged[b] for b in sorted(merged)]
-            new = {**base, "build": {**build, "buckets": sorted(merged)}, "environment": ref.get("environment"),
-                   "engines": engines, "merged_from": [str(Path(o)) for o in others]}
-            write_manifest(stage / MANIFEST, new)
-            commit_staged(stage, directory)
-        return new
+        stage = transaction.stage
+        for source, name in copies:
+            if not source.is_file():
+                raise InputError(f"{source} is missing; rebuild its directory before merging")
+            (stage / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, stage / name)
+        engines = [merged[b] for b in sorted(merged)]
+        new = {**base, "build": {**build, "buckets": sorted(merged)}, "environment": ref.get("environment"),
+               "engines": engines, "merged_from": [str(Path(o)) for o in others]}
+        write_manifest(stage / MANIFEST, new)
+    return new

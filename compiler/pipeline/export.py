@@ -11,13 +11,13 @@ import hashlib
 import logging
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from compiler.backends.runners import OrtRunner, Runner, TorchRunner
 from compiler.core.errors import InputError
-from compiler.core.files import commit_staged, directory_lock, sha256_file, staging_dir
+from compiler.core.files import Transaction, directory_transaction, sha256_file
 from compiler.core.manifest import MANIFEST, now, onnx_entry, refuse_other_model, tool_versions, write_manifest
 from compiler.core.onnx_io import save_onnx
 from compiler.core.progress import stage_timer
@@ -28,7 +28,8 @@ from compiler.frontend.loading import LoadedModel, load_model, snapshot_into, sp
 from compiler.frontend.passes import run_passes
 from compiler.frontend.verify import FeedSource, verify_runners
 
-__all__ = ["export_directory", "exported_into", "source_fingerprint", "resolve_spec"]
+__all__ = ["export_directory", "ModelToExport", "model_to_export", "export_step", "exported_into",
+           "source_fingerprint", "resolve_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +57,45 @@ def resolve_spec(loaded: LoadedModel, spec: ModelSpec | None) -> ModelSpec:
                      "--input images:Bx3x224x224:float32 (or set model.inputs in the profile)")
 
 
-def export_directory(settings: ExportSettings, command: str = "trtc export") -> dict[str, Any]:
-    """Load, export, run the passes, verify and write ``OUT/model.onnx`` and ``OUT/manifest.json``."""
-    out = settings.out
+@dataclass
+class ModelToExport:
+    """The loaded model, its input spec and its fingerprint: what the export step starts from."""
+
+    loaded: LoadedModel
+    spec: ModelSpec
+    fingerprint: str
+
+
+def model_to_export(settings: ExportSettings, buckets: tuple[int, ...] | None = None) -> ModelToExport:
+    """Load ``settings.source`` and resolve its spec, before any directory is locked (bad input fails first).
+
+    With ``buckets`` (``trtc build``), they and the dim ranges are checked against what the model declares.
+    """
     loaded = load_model(settings.source.path, factory=settings.source.factory, weights=settings.source.weights,
                         trust_pickle=settings.source.trust_pickle)
     spec = resolve_spec(loaded, settings.spec)
-    if any(BATCH_DIM not in i.dims for i in spec.inputs):
+    if buckets is not None:
+        check_against_model(loaded, spec, buckets)
+    return ModelToExport(loaded, spec, source_fingerprint(loaded))
+
+
+def export_step(transaction: Transaction, model: ModelToExport, settings: ExportSettings,
+                feeds: FeedSource | None = None, feeds_from: str = "") -> dict[str, Any]:
+    """The export step of ``trtc export`` and ``trtc build``: refuse a directory that holds another model's build
+    (unless ``settings.force``), then export, fold and verify into the transaction's stage. Returns the manifest
+    (not yet written); ``feeds``/``feeds_from`` as for ``exported_into``."""
+    refuse_other_model(transaction.directory, model.fingerprint, settings.force)
+    return exported_into(transaction.stage, model.loaded, model.spec, settings, model.fingerprint, feeds, feeds_from)
+
+
+def export_directory(settings: ExportSettings, command: str = "trtc export") -> dict[str, Any]:
+    """Load, export, run the passes, verify and write ``OUT/model.onnx`` and ``OUT/manifest.json``."""
+    model = model_to_export(settings)
+    if any(BATCH_DIM not in i.dims for i in model.spec.inputs):
         log.warning("an input has no batch dimension B; batching applies only to inputs that have one")
-    fingerprint = source_fingerprint(loaded)
-    with directory_lock(out, command):
-        refuse_other_model(out, fingerprint, settings.force)
-        with staging_dir(out) as stage:
-            manifest = exported_into(stage, loaded, spec, settings, fingerprint)
-            write_manifest(stage / MANIFEST, manifest)
-            commit_staged(stage, out)
+    with directory_transaction(settings.out, command) as transaction:
+        manifest = export_step(transaction, model, settings)
+        write_manifest(transaction.stage / MANIFEST, manifest)
     return manifest
 
 

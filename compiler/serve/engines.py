@@ -55,6 +55,7 @@ from compiler.backends.onnxrt import _OrtBackend
 from compiler.backends.onnxrt import _OrtCpuContext as _OrtCpuContext  # where tests reach it, as before the split
 from compiler.backends.pytorch import _TorchBackend
 from compiler.backends.trt import EnginesNotRunnable, _tensorrt_backend
+from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
 
@@ -626,7 +627,7 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
 
 
 def engines_from_module(module: Any, inputs: Sequence[str | InputSpec] | ModelSpec,
-                        buckets: Sequence[int] = (1, 4, 8, 16), *, dims: Mapping[str, str | DimRange] | None = None,
+                        buckets: Sequence[int] = defaults.BUCKETS, *, dims: Mapping[str, str | DimRange] | None = None,
                         output_names: Sequence[str] | None = None, device: str | None = None, contexts: int = 2,
                         cuda_graphs: bool = True) -> Engines:
     """An in-process ``torch.nn.Module`` served like a build directory (backend ``torch``), without export.

@@ -1,0 +1,61 @@
+"""Every default of trtc's settings, once.
+
+The settings dataclasses (compiler.core.settings, calibration.calibrate.CalibrationSettings,
+calibration.accuracy.GateSettings, compiler.bench.harness.BenchSettings), the command-line options
+(their defaults and ``--help`` texts) and the profile schema's descriptions all read these names, so
+they cannot drift apart (tests/test_defaults.py checks that they agree). As Torch-TensorRT's
+``dynamo/_defaults.py``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BUCKETS", "ATOL", "RTOL", "EXPORT_MIN_COSINE",
+    "CALIB_SAMPLES", "CALIB_BATCH", "CALIB_METHOD", "PERCENTILE", "FP32_REST",
+    "MAX_ACCURACY_DROP", "GATE_MIN_COSINE", "MAX_FALLBACK", "SENSITIVITY_SAMPLES",
+    "PRECISION", "OPT_LEVEL", "HARDWARE_COMPAT", "TF32", "ENGINE", "JOBS", "MULTI_PROFILE", "VERSION_COMPATIBLE",
+    "BENCH_ITERATIONS", "BENCH_MIN_SECONDS", "BENCH_WARMUP", "BENCH_WARMUP_SECONDS", "BENCH_SEED",
+    "BENCH_MAX_SPREAD", "BENCH_MAX_REGRESSION", "BENCH_THREADS",
+]
+
+# --- export ---------------------------------------------------------------------------------------------------------
+BUCKETS = (1, 4, 8, 16)  # batch sizes, one engine each; the largest bounds the dynamic batch
+# The export check (compiler.frontend.verify): elementwise atol + rtol x |ref|, and a cosine floor. FP32 kernel
+# noise on the zoo (tests/test_zoo.py: YOLO-, ViT-, BERT-, GPT-style and segmentation models) stays well inside
+# these; a wrong operator in those models misses them by orders of magnitude.
+ATOL = 1e-4
+RTOL = 1e-3
+EXPORT_MIN_COSINE = 0.9999
+
+# --- calibration ----------------------------------------------------------------------------------------------------
+CALIB_SAMPLES = 512  # at most this many calibration samples
+CALIB_BATCH = 16  # samples per calibration batch
+CALIB_METHOD = "percentile"
+PERCENTILE = 99.99  # of |x|, for the percentile method
+FP32_REST = False  # INT8: what is not quantized runs in FP16 (as ModelOpt), not FP32
+
+# --- accuracy gate --------------------------------------------------------------------------------------------------
+MAX_ACCURACY_DROP = 0.5  # top-1 percentage points, with labels
+GATE_MIN_COSINE = 0.99  # mean row cosine against FP32, without labels
+MAX_FALLBACK = 8  # layers the gate may keep in higher precision
+SENSITIVITY_SAMPLES = 64  # samples used to score each layer alone
+
+# --- engine build ---------------------------------------------------------------------------------------------------
+PRECISION = "fp32"
+OPT_LEVEL = 3  # TensorRT builder optimization level, 0-5 (TensorRT's own default)
+HARDWARE_COMPAT = "none"  # engines run on the GPU model that built them
+TF32 = True  # FP32 layers may use TF32 tensor cores, as TensorRT and trtexec do
+ENGINE = "tensorrt"
+JOBS = 1
+MULTI_PROFILE = False
+VERSION_COMPATIBLE = False
+
+# --- bench ----------------------------------------------------------------------------------------------------------
+BENCH_ITERATIONS = 100  # at least this many timed runs per backend and bucket...
+BENCH_MIN_SECONDS = 2.0  # ...and at least this long
+BENCH_WARMUP = 10  # at least this many untimed runs first...
+BENCH_WARMUP_SECONDS = 0.5  # ...and at least this long
+BENCH_SEED = 0
+BENCH_MAX_SPREAD = 0.2  # (P90 - P50) / P50 above this is reported as a wide spread
+BENCH_MAX_REGRESSION = 0.05  # a fraction; --max-regression 5%
+BENCH_THREADS = 0  # ONNX Runtime intra-op threads; 0: its own choice
