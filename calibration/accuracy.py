@@ -97,8 +97,8 @@ def sample_cosines(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
     return _SampleComparison.of(got, ref).cosines()
 
 
-# float64 temporaries of a comparison stay under 8 MiB each (a GPT-2 sample's logits are 6.4 M values)
-_CHUNK = 1 << 20
+# float64 temporaries of a comparison stay under 2 MiB each (a GPT-2 sample's logits are 6.4 M values)
+_CHUNK = 1 << 18
 
 
 @dataclass
