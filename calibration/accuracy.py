@@ -30,9 +30,10 @@ import numpy as np
 import onnx
 
 from calibration.fp16 import fp16_rounding_emulation
+from calibration.statistics import DEFAULT_MEMORY_BUDGET
 from compiler.backends.runners import OrtRunner
 from compiler.core import defaults
-from compiler.core.onnx_io import checking_providers, load_onnx
+from compiler.core.onnx_io import MAX_IR_VERSION, checking_providers, copy_fields, load_onnx
 from compiler.core.worker import mark_step
 
 __all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors",
@@ -94,16 +95,55 @@ def sample_cosines(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
     NaN where both are all zero (nothing to compare: neither 1 nor 0 would be true), 0 where exactly one
     is, and 0 where the candidate holds NaN or inf. A 0-d output is one sample.
     """
-    a = got.reshape(len(got), -1).astype(np.float64) if got.ndim else got.reshape(1, 1).astype(np.float64)
-    b = ref.reshape(len(ref), -1).astype(np.float64) if ref.ndim else ref.reshape(1, 1).astype(np.float64)
-    finite = np.isfinite(a).all(axis=1)
-    a = np.where(np.isfinite(a), a, 0.0)
-    num = (a * b).sum(axis=1)
-    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    den = na * nb
-    cos = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
-    cos = np.where((na == 0) & (nb == 0), np.nan, cos)
-    return np.where(finite, cos, 0.0)
+    return _SampleComparison.of(got, ref).cosines()
+
+
+# float64 temporaries of a comparison stay under 2 MiB each (a GPT-2 sample's logits are 6.4 M values)
+_CHUNK = 1 << 18
+
+
+@dataclass
+class _SampleComparison:
+    """Per-sample sums of a comparison, accumulated in float64 over chunks of at most ``_CHUNK`` values.
+
+    Numpy has no float64 dot of float32 arrays without a float64 copy, so the copies are made a chunk
+    at a time: what the comparison holds does not grow with the size of an output.
+    """
+
+    dot: np.ndarray
+    got_sq: np.ndarray
+    ref_sq: np.ndarray
+    finite: np.ndarray
+    max_abs: np.ndarray  # per sample, NaN differences ignored
+
+    @classmethod
+    def of(cls, got: np.ndarray, ref: np.ndarray) -> _SampleComparison:
+        a = got.reshape(len(got), -1) if got.ndim else got.reshape(1, 1)
+        b = ref.reshape(len(ref), -1) if ref.ndim else ref.reshape(1, 1)
+        n, m = a.shape
+        sums = cls(np.zeros(n), np.zeros(n), np.zeros(n), np.ones(n, bool), np.zeros(n))
+        rows, cols = max(1, _CHUNK // max(m, 1)), max(1, min(m, _CHUNK))
+        for r in range(0, n, rows):
+            for c in range(0, m, cols):
+                x = a[r:r + rows, c:c + cols].astype(np.float64)
+                y = b[r:r + rows, c:c + cols].astype(np.float64)
+                ok = np.isfinite(x)
+                sums.finite[r:r + rows] &= ok.all(axis=1)
+                diff = np.abs(x - y)
+                sums.max_abs[r:r + rows] = np.maximum(
+                    sums.max_abs[r:r + rows], np.max(diff, axis=1, where=~np.isnan(diff), initial=0.0))
+                x = np.where(ok, x, 0.0)
+                sums.dot[r:r + rows] += np.einsum("ij,ij->i", x, y)
+                sums.got_sq[r:r + rows] += np.einsum("ij,ij->i", x, x)
+                sums.ref_sq[r:r + rows] += np.einsum("ij,ij->i", y, y)
+        return sums
+
+    def cosines(self) -> np.ndarray:
+        na, nb = np.sqrt(self.got_sq), np.sqrt(self.ref_sq)
+        den = na * nb
+        cos = np.where(den > 0, self.dot / np.where(den > 0, den, 1.0), 0.0)
+        cos = np.where((na == 0) & (nb == 0), np.nan, cos)
+        return np.where(self.finite, cos, 0.0)
 
 
 def row_cosines(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -123,61 +163,94 @@ class Evaluator:
     ``CalibrationData``, which reads its files again on each pass so that memory does not grow with
     the evaluation set (only the outputs are kept). ``providers`` run both the reference and every
     candidate (``checking_providers()`` by default: CUDA where present, else the CPU).
+
+    Memory: a batch runs in slices whose outputs stay under ``budget_bytes`` (the calibration budget,
+    64 MiB by default; one sample a run at least), and each slice is compared as it comes, so the gate
+    holds one slice of outputs from each model whatever the batch size (GPT-2's logits are 25 MB a
+    128-token sample). Reference outputs computed by :meth:`from_model` wait in files, and only the
+    slice being compared is read back. Per-sample cosines make the slicing exact.
     """
 
-    def __init__(self, batches: Iterable[dict[str, np.ndarray]], fp32_outputs: list[list[np.ndarray]],
+    def __init__(self, batches: Iterable[dict[str, np.ndarray]], fp32_outputs: list[list[np.ndarray | Path]],
                  labels: np.ndarray | None, settings: GateSettings, output_names: list[str] | None = None,
-                 providers: list[str] | None = None) -> None:
+                 providers: list[str] | None = None, budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> None:
         self.batches = batches
-        self.reference = fp32_outputs
+        self.reference = fp32_outputs  # per batch, per output: an array, or the .npy file holding it
         self.labels = labels
         self.settings = settings
+        self.budget_bytes = budget_bytes
         count = len(fp32_outputs[0]) if fp32_outputs else 0
         self.output_names = list(output_names or [f"output {i}" for i in range(count)])
         self.providers = list(providers or ["CPUExecutionProvider"])
-        self.fp32_top1 = self._top1([out[0] for out in fp32_outputs]) if labels is not None else None
-        self._scratch: tempfile.TemporaryDirectory[str] | None = None  # files holding the reference outputs
-        self.warnings = _reference_warnings(self.output_names, fp32_outputs)
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None  # reference outputs, candidate models
+        self.fp32_top1 = self._top1([_predictions(out[0], budget_bytes) for out in fp32_outputs]) \
+            if labels is not None else None
+        self.warnings = _reference_warnings(self.output_names, fp32_outputs, budget_bytes)
         for warning in self.warnings:
             log.warning("accuracy gate: %s", warning)
 
     @classmethod
     def from_model(cls, fp32: onnx.ModelProto | str, batches: Iterable[dict[str, np.ndarray]],
                    labels: np.ndarray | None, settings: GateSettings, providers: list[str] | None = None,
-                   ) -> Evaluator:
+                   budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> Evaluator:
         providers = providers or checking_providers()
         runner = OrtRunner(fp32, providers, memory_arena=False)
-        # the reference outputs go to files read back memory-mapped: a language model's logits for every
+        # the reference outputs go to files, written slice by slice: a language model's logits for every
         # evaluation sample would otherwise be held in memory (GPT-2: 25 MB per 128-token sample)
         scratch = tempfile.TemporaryDirectory(prefix="trtc-reference-")
-        outputs = []
+        outputs: list[list[np.ndarray | Path]] = []
         for i, batch in enumerate(batches):
-            mark_step(f"batch {i}")
-            arrays = []
-            for j, array in enumerate(runner.infer(batch).values()):
-                path = Path(scratch.name) / f"{i}-{j}.npy"
-                np.save(path, array)
-                arrays.append(np.load(path, mmap_mode="r"))
-            outputs.append(arrays)
+            paths = [Path(scratch.name) / f"{i}-{j}.npy" for j in range(len(runner.output_names))]
+            files: list[Any] = []
+            try:
+                for _start, stop, outs in _sliced_runs(runner.infer, batch, budget_bytes, f"batch {i}",
+                                                      _dynamic_batch(runner.session)):
+                    if stop is None:  # not sliceable: the batch ran whole
+                        for path, array in zip(paths, outs):
+                            np.save(path, array)
+                        continue
+                    if not files:
+                        files = [_open_npy(path, array, _leading(batch)) for path, array in zip(paths, outs)]
+                    for file, array in zip(files, outs):
+                        np.ascontiguousarray(array).tofile(file)
+            finally:
+                for file in files:
+                    file.close()
+            outputs.append(list(paths))
         names = runner.output_names
         runner.close()
-        evaluator = cls(batches, outputs, labels, settings, names, providers)
+        evaluator = cls(batches, outputs, labels, settings, names, providers, budget_bytes)
         evaluator._scratch = scratch  # removed with the evaluator
         return evaluator
 
-    def _top1(self, first_outputs: list[np.ndarray]) -> float:
+    def _top1(self, predictions: list[np.ndarray]) -> float:
         assert self.labels is not None
-        pred = np.concatenate([o.reshape(len(o), -1).argmax(axis=1) for o in first_outputs])
+        pred = np.concatenate(predictions)
         return float((pred == self.labels[: len(pred)]).mean())
 
     def _runner(self, model: onnx.ModelProto | str) -> tuple[OrtRunner, bool]:
-        """A session on ``model``, or on its FP16 rounding emulation on the CPU (whose proto is dropped here)."""
-        if self.providers[0] == "CPUExecutionProvider":
-            proto = model if isinstance(model, onnx.ModelProto) else load_onnx(model)
-            if _holds_fp16(proto):
-                return OrtRunner(fp16_rounding_emulation(proto), self.providers, exact_qdq=True,
-                                 memory_arena=False), True
-        return OrtRunner(model, self.providers, exact_qdq=True, memory_arena=False), False
+        """A session on ``model``, or on its FP16 rounding emulation on the CPU.
+
+        An in-memory model is saved (weights as external data) and ONNX Runtime reads the file: a
+        serialized copy next to the proto, and ONNX Runtime's parse of it, would hold the weights twice more.
+        """
+        proto = model if isinstance(model, onnx.ModelProto) else None
+        emulate = self.providers[0] == "CPUExecutionProvider" \
+            and _holds_fp16(proto if proto is not None else load_onnx(model, load_weights=False))
+        if emulate:
+            proto = fp16_rounding_emulation(proto if proto is not None else load_onnx(model))
+        if proto is None:
+            return OrtRunner(model, self.providers, exact_qdq=True, memory_arena=False), False
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="trtc-gate-")
+        path = Path(self._scratch.name) / "candidate.onnx"
+        files = _saved_for_session(proto, path)
+        del proto  # the emulation: ONNX Runtime reads the file
+        try:
+            return OrtRunner(str(path), self.providers, exact_qdq=True, memory_arena=False), emulate
+        finally:
+            for file in files:
+                file.unlink()
 
     def evaluate(self, model: onnx.ModelProto | str, limit: int | None = None) -> AccuracyResult:
         """Run ``model`` (Q/DQ executed exactly, as TensorRT would; FP16 rounded as FP16 hardware) against FP32."""
@@ -185,23 +258,22 @@ class Evaluator:
         runner, emulated = self._runner(model)
         cosines: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
         max_abs = dict.fromkeys(self.output_names, 0.0)
-        firsts: list[np.ndarray] = []
-        seen = 0
-        for batch, ref in zip(self.batches, self.reference):
+        predictions: list[np.ndarray] = []
+        seen, sliceable = 0, _dynamic_batch(runner.session)
+        for index, (batch, ref) in enumerate(zip(self.batches, self.reference)):
             if limit is not None and seen >= limit:
                 break
-            mark_step(f"batch {len(firsts)}")
-            outs = list(runner.infer(batch).values())
-            firsts.append(outs[0])
-            for name, got, want in zip(self.output_names, outs, ref):
-                if got.dtype.kind != "f":
-                    continue
-                # sample by sample: float64 copies of a language model's whole batch of logits are GiBs
-                for i in range(len(got) if got.ndim else 1):
-                    g, w = (got[i:i + 1], want[i:i + 1]) if got.ndim else (got, want)
-                    cosines[name].append(sample_cosines(g, w))
-                    diff = np.abs(g.astype(np.float64) - w)
-                    max_abs[name] = max(max_abs[name], float(np.nanmax(diff)) if diff.size else 0.0)
+            for start, stop, outs in _sliced_runs(runner.infer, batch, self.budget_bytes, f"batch {index}",
+                                                      sliceable):
+                if self.labels is not None:
+                    predictions.append(_argmax(outs[0]))
+                for name, got, item in zip(self.output_names, outs, ref):
+                    if got.dtype.kind != "f":
+                        continue
+                    sums = _SampleComparison.of(got, _part(item, start, stop))
+                    cosines[name].append(sums.cosines())
+                    max_abs[name] = max(max_abs[name], float(sums.max_abs.max(initial=0.0)))
+                del outs
             seen += len(next(iter(batch.values())))
         runner.close()
         per_output: dict[str, dict[str, float | None]] = {}
@@ -224,10 +296,134 @@ class Evaluator:
         result = AccuracyResult("cosine", cos_ok, None, None, None, mean, low, worst_abs, worst, per_output,
                                 list(self.warnings), provider, emulated)
         if self.labels is not None and limit is None:
-            result.metric, result.fp32_top1, result.top1 = "top1", self.fp32_top1, self._top1(firsts)
+            result.metric, result.fp32_top1, result.top1 = "top1", self.fp32_top1, self._top1(predictions)
             result.drop_points = 100 * ((self.fp32_top1 or 0) - result.top1)
             result.passed = result.drop_points <= self.settings.max_accuracy_drop
         return result
+
+
+def _saved_for_session(model: onnx.ModelProto, path: Path) -> list[Path]:
+    """Write ``model`` as ``path`` plus ``path.data`` for ONNX Runtime to read, leaving ``model`` untouched.
+
+    Own code rather than ``onnx.save_model(save_as_external_data=True)``: that clears the weights out of
+    the proto and ``save_onnx`` reloads them, and protobuf's arena keeps the cleared bytes, so the proto
+    would grow by its weights each time. Here one weight at a time is copied out (the graph file holds
+    references); initializers of subgraphs stay inline.
+    """
+    from onnx import numpy_helper
+
+    skeleton = copy_fields(model, onnx.ModelProto(), skip={"graph"})
+    skeleton.ir_version = min(skeleton.ir_version, MAX_IR_VERSION)
+    graph = copy_fields(model.graph, skeleton.graph, skip={"initializer"})
+    data = path.with_name(path.name + ".data")
+    offset = 0
+    with data.open("wb") as file:
+        for t in model.graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL or t.ByteSize() < 1024:
+                graph.initializer.append(t)
+                continue
+            payload = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+            file.write(payload)
+            ref = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
+                                   data_location=onnx.TensorProto.EXTERNAL)
+            for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(len(payload)))):
+                ref.external_data.add(key=key, value=value)
+            graph.initializer.append(ref)
+            offset += len(payload)
+            del payload
+    path.write_bytes(skeleton.SerializeToString())
+    return [path, data]
+
+
+def _leading(batch: dict[str, np.ndarray]) -> int:
+    """The leading dimension all of the batch's inputs share (its sample count), 0 when they share none."""
+    sizes = {np.shape(v)[0] if np.ndim(v) else -1 for v in batch.values()}
+    return sizes.pop() if len(sizes) == 1 and -1 not in sizes else 0
+
+
+def _sliced_runs(run: Callable[[dict[str, np.ndarray]], Any], batch: dict[str, np.ndarray], budget_bytes: int,
+                 step_name: str, sliceable: bool = True) -> Iterator[tuple[int, int | None, list[np.ndarray]]]:
+    """``run`` on ``batch`` in slices of samples whose outputs stay under ``budget_bytes``: (start, stop, outputs).
+
+    The first slice is one sample, which measures the output bytes per sample. A batch whose inputs share
+    no leading dimension, or whose outputs do not follow the inputs' (a model that reduces over the batch),
+    or a model with a fixed batch size (``sliceable`` False) runs whole once: (0, None, outputs).
+    """
+    size = _leading(batch) if sliceable else 0
+    start, step = 0, 1
+    while start < size:
+        stop = min(size, start + step)
+        mark_step(step_name + (f", samples {start}-{stop - 1}" if size > 1 else ""))
+        part = batch if (start, stop) == (0, size) else {k: v[start:stop] for k, v in batch.items()}
+        outs = _as_list(run(part))
+        if start == 0 and any(np.ndim(o) == 0 or len(o) != stop for o in outs):
+            break  # outputs not per sample: run the batch whole
+        yield start, stop, outs
+        if start == 0:
+            step = max(1, budget_bytes // max(1, sum(o.nbytes for o in outs)))
+        del outs
+        start = stop
+    if size and start >= size:
+        return
+    mark_step(step_name)
+    yield 0, None, _as_list(run(batch))
+
+
+def _dynamic_batch(session: Any) -> bool:
+    """Whether every input of the ONNX Runtime session takes any number of samples (a symbolic first axis)."""
+    return all(i.shape and not isinstance(i.shape[0], int) for i in session.get_inputs())
+
+
+def _as_list(outputs: Any) -> list[np.ndarray]:
+    return list(outputs.values()) if isinstance(outputs, dict) else list(outputs)
+
+
+def _open_npy(path: Path, first: np.ndarray, samples: int) -> Any:
+    """A .npy file open for appending the ``samples`` samples of an output shaped like ``first`` (one slice)."""
+    file = path.open("wb")
+    header = {"descr": np.lib.format.dtype_to_descr(first.dtype), "fortran_order": False,
+              "shape": (samples, *first.shape[1:])}
+    np.lib.format.write_array_header_2_0(file, header)
+    return file
+
+
+def _part(item: np.ndarray | Path, start: int, stop: int | None) -> np.ndarray:
+    """Samples ``start:stop`` of a reference output (all of it when ``stop`` is None).
+
+    From a file, only that slice is read, and its mapping is closed again: pages of a memory-mapped file
+    count in the process's RSS for as long as it stays mapped.
+    """
+    if isinstance(item, Path):
+        mapped = np.load(item, mmap_mode="r")
+        part = np.array(mapped[start:stop] if stop is not None and mapped.ndim else mapped)
+        del mapped
+        return part
+    return item[start:stop] if stop is not None and item.ndim else item
+
+
+def _row_blocks(item: np.ndarray | Path, budget_bytes: int) -> Iterator[np.ndarray]:
+    """A reference output in blocks of whole samples of at most ``budget_bytes`` (one sample at least)."""
+    if isinstance(item, Path):
+        mapped = np.load(item, mmap_mode="r")
+        shape, itemsize = mapped.shape, mapped.dtype.itemsize
+        del mapped
+    else:
+        shape, itemsize = item.shape, item.dtype.itemsize
+    if not shape:
+        yield _part(item, 0, None).reshape(1)
+        return
+    per_sample = max(1, itemsize * int(np.prod(shape[1:], dtype=np.int64)))
+    rows = max(1, budget_bytes // per_sample)
+    for start in range(0, shape[0], rows):
+        yield _part(item, start, start + rows)
+
+
+def _argmax(output: np.ndarray) -> np.ndarray:
+    return output.reshape(len(output), -1).argmax(axis=1) if output.ndim else output.reshape(1)
+
+
+def _predictions(item: np.ndarray | Path, budget_bytes: int) -> np.ndarray:
+    return np.concatenate([_argmax(block) for block in _row_blocks(item, budget_bytes)])
 
 
 def _worst(per_output: dict[str, dict[str, float | None]]) -> str | None:
@@ -250,20 +446,34 @@ def _holds_fp16(model: onnx.ModelProto) -> bool:
                for n in graph.node)
 
 
-def _reference_warnings(names: list[str], outputs: list[list[np.ndarray]]) -> list[str]:
-    """What makes a comparison with these FP32 outputs degenerate: all-zero samples, one value for all samples."""
+def _reference_warnings(names: list[str], outputs: list[list[np.ndarray | Path]],
+                        budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> list[str]:
+    """What makes a comparison with these FP32 outputs degenerate: all-zero samples, one value for all samples.
+
+    Reads the outputs in blocks of at most ``budget_bytes``; holds one sample (the first) besides.
+    """
     warnings = []
     for k, name in enumerate(names):
-        arrays = [batch[k] for batch in outputs if k < len(batch) and batch[k].dtype.kind == "f"]
-        if not arrays:
+        total = zero = 0
+        first: np.ndarray | None = None
+        same = True
+        for batch in outputs:
+            if k >= len(batch):
+                continue
+            for block in _row_blocks(batch[k], budget_bytes):
+                if block.dtype.kind != "f":
+                    break
+                rows = block.reshape(len(block), -1)
+                total += len(rows)
+                zero += int((~rows.any(axis=1)).sum())
+                if first is None:
+                    first = rows[0].copy()
+                same = same and all(np.array_equal(row, first) for row in rows)
+        if not total:
             continue
-        total = sum(len(a) if a.ndim else 1 for a in arrays)
-        zero = sum(int((~a.reshape(len(a) if a.ndim else 1, -1).any(axis=1)).sum()) for a in arrays)
         if zero:
             warnings.append(f"FP32 output {name} is all zero on {zero} of {total} samples: those samples are left "
                             "out of its cosine (a zero-initialised head? check the weights)")
-        first = arrays[0].reshape(len(arrays[0]) if arrays[0].ndim else 1, -1)[0]
-        same = all(np.array_equal(row, first) for a in arrays for row in a.reshape(len(a) if a.ndim else 1, -1))
         if total > 1 and same and zero < total:
             warnings.append(f"FP32 output {name} is the same for every sample: the gate cannot tell a broken "
                             "model from a working one on it (check the data and the weights)")
@@ -299,7 +509,8 @@ def gate_with_fallback(build: Callable[[frozenset[str]], onnx.ModelProto], layer
     if reference is None:
         raise ValueError("gate_with_fallback needs the FP32 reference model to rank layers")
     start = time.perf_counter()
-    errors = layer_errors(model, reference, layers, _limited(evaluator.batches, settings.sensitivity_samples))
+    errors = layer_errors(model, reference, layers, _limited(evaluator.batches, settings.sensitivity_samples),
+                          evaluator.budget_bytes)
     ranked = sorted(errors.items(), key=lambda item: -item[1])
     outcome.ranking_seconds = round(time.perf_counter() - start, 2)
     log.info("ranked %d layers by their own %s error in one pass (%.1f s); worst: %s", len(ranked), what,
@@ -332,27 +543,49 @@ def _limited(batches: Iterable[dict[str, np.ndarray]], samples: int) -> Iterator
 
 
 def layer_errors(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers: list[str],
-                 batches: Iterable[dict[str, np.ndarray]]) -> dict[str, float]:
-    """Each layer's own error in ``candidate``, all layers measured in one ONNX Runtime run per batch.
+                 batches: Iterable[dict[str, np.ndarray]], budget_bytes: int = DEFAULT_MEMORY_BUDGET,
+                 ) -> dict[str, float]:
+    """Each layer's own error in ``candidate``, all layers measured in one ONNX Runtime run per slice of a batch.
 
     Beside each layer of ``candidate`` (INT8 or FP16) runs an FP32 twin: the layer as ``reference`` has it
     (FP32 weights) reading the very inputs the candidate layer reads before their Q/DQ or Cast. The error is
     sum |y - y_fp32|^2 / sum |y_fp32|^2 over ``batches``: what the layer itself loses, not what it inherits
     from the layers before it. ``layers`` names nodes present in both models (the passes keep node names).
+    Batches run in slices whose outputs (two per layer) stay under ``budget_bytes``, one sample at least.
     """
     shadow, pairs = _with_fp32_twins(candidate, reference, layers)
-    runner = OrtRunner(shadow, ["CPUExecutionProvider"], exact_qdq=True)
+    with tempfile.TemporaryDirectory(prefix="trtc-ranking-") as scratch:
+        _saved_for_session(shadow, Path(scratch) / "model.onnx")
+        del shadow  # ONNX Runtime reads the file
+        runner = OrtRunner(str(Path(scratch) / "model.onnx"), ["CPUExecutionProvider"], exact_qdq=True,
+                           memory_arena=False)
     wanted = [name for pair in pairs.values() for name in pair]
     num = dict.fromkeys(pairs, 0.0)
     den = dict.fromkeys(pairs, 0.0)
-    for batch in batches:
-        outputs = dict(zip(wanted, runner.session.run(wanted, batch)))
-        for layer, (got, want) in pairs.items():
-            y, ref = outputs[got].astype(np.float64), outputs[want].astype(np.float64)
-            num[layer] += float(np.square(y - ref).sum())
-            den[layer] += float(np.square(ref).sum())
+    sliceable = _dynamic_batch(runner.session)
+    for index, batch in enumerate(batches):
+        for _, _, outs in _sliced_runs(lambda feed: runner.session.run(wanted, feed), batch, budget_bytes,
+                                       f"layer ranking, batch {index}", sliceable):
+            outputs = dict(zip(wanted, outs))
+            for layer, (got, want) in pairs.items():
+                n, d = _squared_error(outputs[got], outputs[want])
+                num[layer] += n
+                den[layer] += d
+            del outs, outputs
+    runner.close()
     return {layer: (num[layer] / den[layer] if den[layer] > 0 else (0.0 if num[layer] == 0 else math.inf))
             for layer in pairs}
+
+
+def _squared_error(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """(sum (got - ref)^2, sum ref^2) in float64, converted a chunk at a time."""
+    a, b = got.reshape(-1), ref.reshape(-1)
+    num = den = 0.0
+    for c in range(0, a.size, _CHUNK):
+        x, y = a[c:c + _CHUNK].astype(np.float64), b[c:c + _CHUNK].astype(np.float64)
+        num += float(np.square(x - y).sum())
+        den += float(np.square(y).sum())
+    return num, den
 
 
 def _with_fp32_twins(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers: list[str],

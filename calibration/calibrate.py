@@ -230,7 +230,8 @@ def _evaluator(model: Path, eval_data: CalibrationData | None, settings: Calibra
     # function may shuffle or augment, so its batches are held to keep them paired with the FP32 outputs
     batches = eval_data if eval_data.repeatable else list(eval_data.batches())
     mark(f"{settings.precision.upper()} accuracy gate: FP32 reference outputs")
-    return Evaluator.from_model(str(model), batches, eval_data.labels, settings.gate, providers=checking_providers())
+    return Evaluator.from_model(str(model), batches, eval_data.labels, settings.gate, providers=checking_providers(),
+                                budget_bytes=settings.memory_budget)
 
 
 def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, data: CalibrationData | None,

@@ -190,3 +190,76 @@ def test_the_provider_is_recorded_and_the_work_runs_in_a_worker(tmp_path: Any, p
     assert gate["provider"] == provider
     # INT8 keeps an FP16 remainder, so on the CPU both precisions run the FP16 rounding emulation
     assert gate["fp16_emulated"] == provider.startswith("CPU")
+
+
+def _wide(width: int, scale: float = 1.0) -> onnx.ModelProto:
+    """y = x @ W with W [4, width]: each sample's output is ``width`` floats, a language model's logits in small."""
+    w = np.random.default_rng(1).standard_normal((4, width)).astype(np.float32) * np.float32(scale)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", width])
+    model = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "wide",
+                                                [x], [y], [numpy_helper.from_array(w, "w")]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+_PEAK_SCRIPT = """
+import resource, sys
+import numpy as np
+from calibration.accuracy import Evaluator, GateSettings
+from calibration.fp16 import fp16_model_from
+from tests.test_gate_metrics import _wide
+
+model = _wide(1 << 16)  # 256 KiB of output per sample
+candidate = fp16_model_from(model)[0]
+batches = [{"x": np.random.default_rng(2).standard_normal((int(sys.argv[1]), 4)).astype(np.float32)}]
+kwargs = {"budget_bytes": int(sys.argv[2])} if len(sys.argv) > 2 else {}
+evaluator = Evaluator.from_model(model, batches, None, GateSettings(), providers=["CPUExecutionProvider"], **kwargs)
+result = evaluator.evaluate(candidate)
+assert result.passed and result.fp16_emulated, result.summary()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def _gate_peak_rss(samples: int, budget: int) -> int:
+    """Peak RSS in bytes of a fresh process that builds the FP32 reference and gates an FP16 candidate."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(samples), str(budget)], env=env,
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1])
+
+
+def test_the_gates_peak_rss_does_not_grow_with_the_batch() -> None:
+    # a 1 MiB budget: slices of 4 samples. The whole batch's outputs are 32 and 128 MiB; held from both
+    # models (the reference paged in from its file) they would add 192 MiB to the larger batch's peak
+    small, large = _gate_peak_rss(128, 1 << 20), _gate_peak_rss(512, 1 << 20)
+    assert large - small < 24 << 20, f"peak RSS {small / 2**20:.0f} MiB at 128 samples, {large / 2**20:.0f} at 512"
+
+
+def test_sliced_evaluation_is_exact() -> None:
+    model, candidate = _wide(1000), _wide(1000, scale=1.01)
+    candidate.graph.initializer[0].CopyFrom(numpy_helper.from_array(
+        numpy_helper.to_array(candidate.graph.initializer[0]) + np.float32(0.05), "w"))
+    batches = [{"x": np.random.default_rng(3).standard_normal((n, 4)).astype(np.float32)} for n in (7, 5)]
+    before = candidate.SerializeToString()
+    results = [Evaluator.from_model(model, batches, None, GateSettings(), providers=["CPUExecutionProvider"],
+                                    budget_bytes=budget).evaluate(candidate) for budget in (1, 3 * 4000, 1 << 30)]
+    assert candidate.SerializeToString() == before  # the candidate was written for ONNX Runtime, not changed
+    assert results[0].cosine_mean < 0.9999  # the candidate differs
+    for result in results[1:]:
+        assert result.per_output["y"] == pytest.approx(results[0].per_output["y"], rel=1e-12)
+        assert result.cosine_min == pytest.approx(results[0].cosine_min, rel=1e-12)
+
+
+def test_layer_ranking_in_slices_is_exact() -> None:
+    from calibration.accuracy import layer_errors
+
+    model, candidate = _wide(1000), fp16_model_from(_wide(1000))[0]
+    batches = [{"x": np.random.default_rng(4).standard_normal((9, 4)).astype(np.float32) * 300}]
+    errors = [layer_errors(candidate, model, ["mm"], batches, budget_bytes=b) for b in (1, 1 << 30)]
+    assert errors[0]["mm"] > 0 and errors[0] == pytest.approx(errors[1], rel=1e-9)
