@@ -36,7 +36,6 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.runtime_map_gpu import wall  # noqa: E402  (median wall time of a callable)
 
 
 @dataclass(frozen=True)
@@ -231,15 +232,6 @@ def _fingerprint(outputs: dict[str, Any], names: list[str]) -> np.ndarray:
     """The first 256 values of a one-row answer, as float32."""
     flat = np.concatenate([np.asarray(outputs[n], np.float32).ravel() for n in names])
     return flat[:256]
-
-
-def wall(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def postprocess(out: Any) -> Any:

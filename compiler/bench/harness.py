@@ -1011,12 +1011,13 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
 
 def _tf32(settings: BenchSettings, manifest: dict[str, Any]) -> tuple[bool, str]:
     """The run's TF32 policy and where it came from."""
+    from compiler.serve.engines import tf32_policy  # the rule compiler.load serves by
+
     if settings.tf32 is not None:
         return settings.tf32, "--tf32" if settings.tf32 else "--no-tf32"
-    value = (manifest.get("build") or {}).get("tf32")
-    if value is not None:
-        return bool(value), "the manifest's build.tf32"
-    return True, "default (the manifest records no build.tf32)"
+    recorded = (manifest.get("build") or {}).get("tf32") is not None
+    return tf32_policy(manifest), ("the manifest's build.tf32" if recorded
+                                   else "default (the manifest records no build.tf32)")
 
 
 def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:

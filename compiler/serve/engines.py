@@ -548,9 +548,9 @@ def tensorrt_available() -> bool:
 
 
 def tf32_policy(manifest: dict[str, Any]) -> bool:
-    """Whether FP32 math may use TF32: the manifest's ``build.tf32`` when it records one, else True."""
+    """Whether FP32 math may use TF32: the manifest's ``build.tf32`` when it records one, else the default (on)."""
     value = (manifest.get("build") or {}).get("tf32")
-    return True if value is None else bool(value)
+    return defaults.TF32 if value is None else bool(value)
 
 
 def onnx_for_precision(directory: Path, manifest: dict[str, Any], precision: str | None = None) -> Path:
