@@ -41,14 +41,22 @@ class Recording:
     def check(self, x: Any) -> Any:
         return self.engines.check(x)
 
+    def run_parts(self, calls: Any) -> Any:
+        x = {name: np.concatenate([c.arrays[name] for c in calls]) for name in self.input_names}
+        self._record(x)
+        return self.engines.run_parts(calls)
+
     def __call__(self, x: Any) -> Any:
-        x = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in x.items()}  # the batcher reuses its own
+        x = dict(x)
+        self._record(x)
+        return self.engines(x)
+
+    def _record(self, x: dict[str, Any]) -> None:
         self.feeds.append(x)
         self.batches.append(x[self.input_names[0]])
         self.entered.set()
         if self.gate is not None:
             assert self.gate.wait(timeout=10), "the test never opened the gate"
-        return self.engines(x)
 
 
 def rows(i: int, n: int = 1) -> np.ndarray:
@@ -209,35 +217,84 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     runs = {(r["precision"], r["contexts"]): r for r in report["runs"]}
     assert set(runs) == {("fp32", 1), ("fp32", 2), ("fp16", 1), ("fp16", 2)}
     for r in runs.values():
-        batcher = r["batcher"]
-        assert batcher["answered"] == 120 and batcher["lost"] == batcher["misrouted"] == batcher["duplicated_rows"] == 0
-        assert r["bound"]["rows_per_s"] > 0 and batcher["p99_ms"] >= batcher["p50_ms"] > 0
-        assert r["map"]["bound_ms"] == max(r["map"]["copy_ms"], r["map"]["compute_ms"], r["map"]["post_ms"])
-        assert set(r["targets"]) == {"batcher_throughput", "batcher_p99", "batcher_nothing_lost", "map_vs_bound",
-                                     "map_not_slower_than_loop"} and r["targets"]["batcher_nothing_lost"]
+        for batcher, mode in ((r["batcher"], "threads"), (r["batcher_asyncio"], "asyncio")):
+            assert batcher["mode"] == mode and batcher["answered"] == 120
+            assert batcher["lost"] == batcher["misrouted"] == batcher["duplicated_rows"] == 0
+            assert batcher["p99_ms"] >= batcher["p50_ms"] > 0 and r["targets"][f"batcher_{mode}_nothing_lost"]
+        assert r["bound"]["rows_per_s"] > 0
+        stages = r["map"]["copy_ms"], r["map"]["compute_ms"], r["map"]["post_ms"]
+        assert r["map"]["overlapped_bound_ms"] == max(stages)
+        assert r["map"]["bound_ms"] == (max(stages) if r["contexts"] > 1 else max(stages[0] + stages[1], stages[2]))
+        assert (r["parallel_calls"] is None) == (r["contexts"] == 1)
+        assert set(r["targets"]) == {"map_vs_bound", "map_not_slower_than_loop"} | {
+            f"batcher_{mode}_{what}" for mode in ("threads", "asyncio") for what in ("throughput", "p99", "nothing_lost")}
+    assert set(report["batcher_ceiling"]["cnn"]) == {"threads", "asyncio"}
     assert "serving at its bound" in done.stdout
 
 
-def test_a_worker_packs_batches_into_one_reused_buffer(engines: Engines) -> None:
-    """No fresh array per batch: a worker's second batch lands in its first one's memory; answers stay right."""
-    seen: list[np.ndarray] = []
+def test_requests_go_straight_into_the_contexts_buffers(engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No batch array of the batcher's own: 5 requests (6 rows) are 5 row-copies into the context's input buffer
+    (``upload_parts``), never a concatenation first; answers stay right."""
+    from compiler.backends import contexts
 
-    class Keeping(Recording):
-        def __call__(self, x: Any) -> Any:
-            seen.append(x["x"])  # the batcher's own array, as the engines get it
-            return super().__call__(x)
+    uploads: list[list[int]] = []
+    upload_parts = contexts._HostContext.upload_parts
 
-    gate = threading.Event()
-    keeping = Keeping(engines, gate)
-    with DynamicBatcher(keeping, max_wait_ms=50, workers=1) as batcher:  # type: ignore[arg-type]
-        first = [batcher.submit_async(rows(i)) for i in range(3)]
-        assert keeping.entered.wait(5)
-        second = [batcher.submit_async(rows(i)) for i in range(3, 7)]
-        gate.set()
-        results = [f.result(timeout=10) for f in first + second]
-    assert len(seen) == 2 and np.shares_memory(seen[0], seen[1])
+    def recording(self: Any, bucket: int, calls: Any) -> None:
+        uploads.append([c.rows for c in calls])
+        upload_parts(self, bucket, calls)
+
+    def no_concatenate(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the batcher packed a batch array")
+
+    monkeypatch.setattr(contexts._HostContext, "upload_parts", recording)
+    monkeypatch.setattr(np, "concatenate", no_concatenate)
+    with DynamicBatcher(engines, max_batch=5, max_wait_ms=2000, workers=1) as batcher:
+        futures = [batcher.submit_async(rows(i, 1 + i % 2)) for i in range(3)] + [
+            batcher.submit_async(rows(i)) for i in range(3, 5)]
+        results = [f.result(timeout=10) for f in futures]
+    monkeypatch.undo()
+    assert uploads and sum(len(u) for u in uploads) == 5 and sum(map(sum, uploads)) == 6
+    for i, out in enumerate(results):
+        np.testing.assert_allclose(out, engines(rows(i, len(out))), rtol=1e-6)
+
+
+def test_asyncio_requests_are_answered_in_one_loop_call_per_batch(engines: Engines) -> None:
+    """``await batcher.infer(x)`` from 64 coroutines: each gets its own rows; a batch's answers reach the loop
+    in one call_soon_threadsafe; a queue timeout and a caller's cancellation behave as in ``submit``."""
+    import asyncio
+
+    calls: list[int] = []
+
+    async def main() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        original = loop.call_soon_threadsafe
+
+        def counting(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return original(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        with DynamicBatcher(engines, max_batch=16, max_wait_ms=50, workers=2) as batcher:
+            return await asyncio.gather(*(batcher.infer(rows(i)) for i in range(64)))
+
+    results = asyncio.run(main())
     for i, out in enumerate(results):
         np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
+    assert 4 <= len(calls) <= 8  # one per batch of 16 (was one per request: 64)
+
+    async def timed_out() -> None:
+        gate = threading.Event()
+        with DynamicBatcher(Recording(engines, gate), max_batch=1, max_wait_ms=0,  # type: ignore[arg-type]
+                            workers=1) as batcher:
+            first = asyncio.ensure_future(batcher.infer(rows(0)))
+            await asyncio.sleep(0.05)
+            with pytest.raises(RequestTimeout, match="overloaded"):
+                await batcher.infer(rows(1), timeout=0.05)
+            gate.set()
+            np.testing.assert_allclose(await first, engines(rows(0)), rtol=1e-6)
+
+    asyncio.run(timed_out())
 
 
 def test_workers_are_woken_per_batch_not_per_request(engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:

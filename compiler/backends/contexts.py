@@ -71,6 +71,8 @@ class _Context(Protocol):
 
     def upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None: ...
 
+    def upload_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> None: ...
+
     def compute(self, bucket: int, call: CheckedFeed) -> None: ...
 
     def download(self, host: bool) -> None: ...
@@ -161,6 +163,19 @@ class _HostContext:
                 view[:rows] = call.arrays[name][start:stop]
             else:
                 view[...] = call.arrays[name]
+        self._rows = rows
+
+    def upload_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
+        first = calls[0]
+        rows = 0
+        for name, view, batched in self.input_views(bucket, first):
+            if not batched:
+                view[...] = first.arrays[name]
+                continue
+            rows = 0
+            for call in calls:
+                view[rows:rows + call.rows] = call.arrays[name]
+                rows += call.rows
         self._rows = rows
 
     def compute(self, bucket: int, call: CheckedFeed) -> None:
@@ -290,6 +305,29 @@ class _GpuContext:
             self.stream.wait_stream(self._torch.cuda.current_stream(self.device))
         with self._torch.cuda.stream(self.stream):
             self._upload(bucket, call, start, stop)
+
+    def upload_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
+        """Each host feed's rows into the pinned staging at its offset (one ``torch.cat`` per input: the GIL is
+        released and large copies run on several threads), then one copy to the device."""
+        torch = self._torch
+        first = calls[0]
+        rows = sum(call.rows for call in calls)
+        with torch.cuda.stream(self.stream):
+            for name, (device_view, host_view, host_np) in self._input_views(bucket, first).items():
+                if not self._batched[name]:
+                    self.stage(host_np, host_view, first.arrays[name])
+                    device_view.copy_(host_view, non_blocking=True)
+                    continue
+                parts = [call.arrays[name] for call in calls]
+                if all(p.dtype == host_np.dtype and p.flags.writeable and p.flags.c_contiguous for p in parts):
+                    torch.cat([torch.from_numpy(p) for p in parts], out=host_view[:rows])
+                else:  # read-only, strided or another dtype (an engine's int32 for int64 ids): numpy copies
+                    offset = 0
+                    for part in parts:
+                        np.copyto(host_np[offset:offset + len(part)], part)
+                        offset += len(part)
+                device_view[:rows].copy_(host_view[:rows], non_blocking=True)
+        self._rows = rows
 
     def compute(self, bucket: int, call: CheckedFeed) -> None:
         with self._torch.cuda.stream(self.stream):

@@ -27,6 +27,7 @@ from compiler.backends.contexts import (
     CheckedFeed,
     _call_values,
     _Context,
+    _ComputeOrder,
     _GpuContext,
     _HostContext,
     _max_values,
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 
 # CUDA provider options every context gets (``cuda_options`` adds to or overrides them)
 CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_workspace": "1"}
+# Whether the runs of a backend's CUDA contexts that only queue their kernels go to the GPU one after the other
+# (``_ComputeOrder``), as TensorRT's and torch's do; ``benchmarks/serving_gpu.py --ort-unordered`` compares.
+ORDER_RUNS = True
 
 
 class _OrtBackend:
@@ -83,6 +87,7 @@ class _OrtBackend:
         # on the CPU the contexts share one session (its runs are independent); on CUDA each context has its own
         self.session: Any = (ort_session(path, ["CPUExecutionProvider"], threads=threads) if self.device == "cpu"
                              else None)
+        self.order = _ComputeOrder() if self.device != "cpu" and ORDER_RUNS else None
         self.output_names = [o.name for o in graph.output]
         self.output_dtypes = {o.name: tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type) for o in graph.output}
         self._output_dims: dict[str, list[int | str | None]] = {
@@ -225,7 +230,8 @@ class _OrtCudaContext(_GpuContext):
     """ONNX Runtime's CUDA provider on device buffers bound by pointer, in a session of the context's own that
     computes on the context's stream. Its run only queues the kernels (no synchronization at the end of the
     run) when the session computes on our stream into our buffers; otherwise it returns when the stream is
-    done. The contexts are not ordered by a lock (a blocking run would hold it); the GPU interleaves them."""
+    done. Runs that only queue take the backend's compute order as TensorRT's do; a blocking run does not (it would
+hold the order, and so the other contexts' copies, for the whole run)."""
 
     def __init__(self, backend: _OrtBackend) -> None:
         import torch
@@ -249,6 +255,9 @@ class _OrtCudaContext(_GpuContext):
 
             self._queue_only = ort.RunOptions()
             self._queue_only.add_run_config_entry("disable_synchronize_execution_providers", "1")
+            # a run that only queues can hold the backend's compute order: the contexts' copies overlap, their
+            # kernels do not share the GPU (benchmarks/serving_gpu.py measures both ways)
+            self._order = backend.order
 
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
         import torch

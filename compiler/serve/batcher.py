@@ -10,30 +10,39 @@ Only requests whose non-batch shapes and dtypes agree are packed together (two s
 make two batches). Requests are checked when submitted, so a bad request fails its own caller
 at once and never a batch of others.
 
-Each worker packs numpy requests into a buffer of its own, reused from batch to batch: a fresh
-array per batch (38 MB for 64 ResNet-50 images) costs page faults and a second pass over the
-data with the GIL held, while the engines copy the batch into their own (pinned) buffers before
-they return anyway.
+Requests are never packed into a batch array of their own: each request's rows are copied
+straight into the (pinned) input buffers of the context that runs the batch
+(``Engines.run_parts``), which is one pass over the data instead of two.
+
+``submit`` blocks a thread per request; ``submit_async`` returns a ``concurrent.futures.Future``;
+``await batcher.infer(x)`` serves asyncio servers: their requests wait as coroutines of one
+event loop, and every answer of a batch reaches that loop in one ``call_soon_threadsafe``, so a
+batch of 64 costs one wake-up of the loop instead of 64 thread switches.
 
     batcher = DynamicBatcher(compiler.load("build/m"), max_wait_ms=5)
     y = batcher.submit(x, timeout=0.5)          # blocking
     future = batcher.submit_async(x)            # concurrent.futures.Future
+    y = await batcher.infer(x)                  # in a coroutine
     batcher.close()
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
+import sys
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
+from compiler.backends.contexts import CheckedFeed
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
@@ -58,21 +67,74 @@ class _Engines(Protocol):
     output_names: list[str]
     spec: ModelSpec
 
-    def check(self, x: Any) -> Any: ...
+    def check(self, x: Any) -> CheckedFeed: ...
+
+    def run_parts(self, calls: Sequence[CheckedFeed]) -> dict[str, np.ndarray]: ...
 
     def __call__(self, x: Any) -> Any: ...
 
 
+_OVERLOADED = "the server is overloaded; raise the timeout, or add contexts, workers or GPUs"
+
+
 @dataclass
 class _Request:
-    feed: dict[str, Any]
+    call: CheckedFeed
     single: bool  # submitted as one array: answered with one array when the model has one output
-    rows: int
     signature: tuple[Any, ...]  # requests with equal signatures can share a batch
     deadline: float  # time.monotonic() after which it fails
     timeout: float
     submitted: float
-    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+    future: Any  # a concurrent.futures.Future, or an asyncio.Future of ``loop``
+    loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.call.rows
+
+    def start(self) -> bool:
+        """Claim the request for a batch; False when its caller gave up (cancelled the future)."""
+        if self.loop is None:
+            return bool(self.future.set_running_or_notify_cancel())
+        return not self.future.done()  # read across threads: ``_settle`` checks again on the loop
+
+
+class _Answers:
+    """The answers of one batch: thread futures are set at once, asyncio futures in one call per event loop."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
+
+    def set(self, request: _Request, value: Any = None, error: BaseException | None = None) -> None:
+        if request.loop is None:
+            if error is None:
+                request.future.set_result(value)
+            else:
+                request.future.set_exception(error)
+        else:
+            self._by_loop.setdefault(request.loop, []).append((request.future, value, error))
+
+    def fail(self, request: _Request, error: BaseException) -> None:
+        """Fail a request not yet claimed for a batch (unless its caller gave up)."""
+        if request.start():
+            self.set(request, error=error)
+
+    def send(self) -> None:
+        for loop, items in self._by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these
+                loop.call_soon_threadsafe(_settle, items)
+        self._by_loop.clear()
+
+
+def _settle(items: list[tuple[Any, Any, BaseException | None]]) -> None:
+    """On the event loop: set each asyncio future that is still waiting."""
+    for future, value, error in items:
+        if future.done():  # cancelled by its caller (a timeout) meanwhile
+            continue
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
 
 
 class DynamicBatcher:
@@ -95,7 +157,7 @@ class DynamicBatcher:
         if workers < 1:
             raise InputError(f"workers={workers}: the batcher needs at least one worker")
         self.engines = engines
-        self._unbatched = {i.name for i in engines.spec.inputs if not i.dims or i.dims[0] != BATCH_DIM}
+        self._unbatched = tuple(sorted(i.name for i in engines.spec.inputs if not i.dims or i.dims[0] != BATCH_DIM))
         self.max_batch = max_batch or max(engines.buckets)
         self.max_wait = max_wait_ms / 1000.0
         self.timeout = timeout
@@ -105,7 +167,6 @@ class DynamicBatcher:
         self._queued = 0  # rows waiting in the lanes
         self._closed = False
         self._drain = True
-        self._scratch = threading.local()  # per worker: input name -> reusable flat array
         self._threads = [threading.Thread(target=self._work, name=f"trtc-batcher-{i}", daemon=True)
                          for i in range(workers)]
         for thread in self._threads:
@@ -127,26 +188,9 @@ class DynamicBatcher:
         with ``RequestTimeout`` when the request is still queued after ``timeout`` seconds (the
         batcher's default when None), with ``BatcherClosed`` when the batcher closes first.
         """
-        if timeout is not None and timeout <= 0:
-            raise InputError(f"timeout={timeout} must be positive")
-        single = not isinstance(x, Mapping)
-        checked = self.engines.check(x)
-        feed = {self.engines.input_names[0]: x} if single else dict(x)
-        limit = self.timeout if timeout is None else timeout
-        now = time.monotonic()
-        request = _Request(feed, single, checked.rows, _signature(feed, self._unbatched),
-                           now + limit if limit is not None else float("inf"), limit or 0.0, now)
-        with self._cond:
-            if self._closed:
-                raise BatcherClosed("the batcher is closed; make a new one")
-            was_empty = not (self._lanes[0] or self._lanes[1])
-            self._lanes[0 if priority else 1].append(request)
-            self._queued += request.rows
-            # wake a worker only when it has something new to do: a window to start, or a full batch. A wake-up per
-            # request (64 per batch of single requests) made the workers fight the submitting threads for the GIL.
-            if was_empty or self._queued - request.rows < self.max_batch <= self._queued:
-                self._cond.notify()
-        return request.future
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._enqueue(x, timeout, priority, future, None)
+        return future
 
     def submit(self, x: Any, *, timeout: float | None = None, priority: bool = False) -> Any:
         """Run one request through the batcher and return its outputs; blocks at most ``timeout`` seconds.
@@ -162,8 +206,51 @@ class DynamicBatcher:
             raise
         except concurrent.futures.TimeoutError:
             future.cancel()
-            raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: the server is overloaded; raise the "
-                                 "timeout, or add contexts, workers or GPUs") from None
+            raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}") from None
+
+    async def infer(self, x: Any, *, timeout: float | None = None, priority: bool = False) -> Any:
+        """``submit`` for asyncio: ``await batcher.infer(x)`` in a coroutine; the event loop is never blocked.
+
+        Raises as ``submit`` does; a request whose caller is cancelled (or times out) before its
+        batch starts is dropped.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._enqueue(x, timeout, priority, future, loop)
+        limit = self.timeout if timeout is None else timeout
+        if limit is None:
+            return await future
+        try:
+            if sys.version_info >= (3, 11):  # a timer handle only; wait_for adds a future and callbacks per request
+                async with asyncio.timeout(limit):
+                    return await future
+            return await asyncio.wait_for(future, limit)
+        except RequestTimeout:
+            raise
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no answer within {limit * 1000:.0f} ms: {_OVERLOADED}") from None
+
+    def _enqueue(self, x: Any, timeout: float | None, priority: bool, future: Any,
+                 loop: asyncio.AbstractEventLoop | None) -> None:
+        if timeout is not None and timeout <= 0:
+            raise InputError(f"timeout={timeout} must be positive")
+        single = not isinstance(x, Mapping)
+        call = self.engines.check(x)
+        feed = {self.engines.input_names[0]: x} if single else x
+        limit = self.timeout if timeout is None else timeout
+        now = time.monotonic()
+        request = _Request(call, single, _signature(call, feed, self._unbatched),
+                           now + limit if limit is not None else float("inf"), limit or 0.0, now, future, loop)
+        with self._cond:
+            if self._closed:
+                raise BatcherClosed("the batcher is closed; make a new one")
+            was_empty = not (self._lanes[0] or self._lanes[1])
+            self._lanes[0 if priority else 1].append(request)
+            self._queued += request.rows
+            # wake a worker only when it has something new to do: a window to start, or a full batch. A wake-up per
+            # request (64 per batch of single requests) made the workers fight the submitting threads for the GIL.
+            if was_empty or self._queued - request.rows < self.max_batch <= self._queued:
+                self._cond.notify()
 
     def close(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop taking requests; run the queued ones (``drain``) or fail them with ``BatcherClosed``."""
@@ -180,13 +267,15 @@ class DynamicBatcher:
 
     def _work(self) -> None:
         while True:
-            batch = self._next_batch()
+            answers = _Answers()
+            batch = self._next_batch(answers)
+            answers.send()  # requests that timed out in the queue
             if batch is None:
                 return
             if batch:
                 self._run(batch)
 
-    def _next_batch(self) -> list[_Request] | None:
+    def _next_batch(self, answers: _Answers) -> list[_Request] | None:
         """Wait for requests and take one batch of them; None when closed and empty."""
         high, normal = self._lanes
         with self._cond:
@@ -197,7 +286,7 @@ class DynamicBatcher:
             if self._closed and not self._drain:
                 for lane in self._lanes:
                     while lane:
-                        _fail(lane.popleft(), BatcherClosed("the batcher was closed before this request ran"))
+                        answers.fail(lane.popleft(), BatcherClosed("the batcher was closed before this request ran"))
                 self._queued = 0
                 return None
             first = high[0] if high else normal[0]
@@ -207,13 +296,13 @@ class DynamicBatcher:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            batch = self._take()
+            batch = self._take(answers)
             self._queued = sum(r.rows for lane in self._lanes for r in lane)
             if self._queued:
                 self._cond.notify()  # what is left is another worker's next batch
             return batch
 
-    def _take(self) -> list[_Request]:
+    def _take(self, answers: _Answers) -> list[_Request]:
         """Pop the requests of one batch (high lane first), failing the expired ones on the way."""
         now = time.monotonic()
         batch: list[_Request] = []
@@ -224,10 +313,9 @@ class DynamicBatcher:
             while lane:
                 request = lane.popleft()
                 if request.deadline < now:
-                    _fail(request, RequestTimeout(
+                    answers.fail(request, RequestTimeout(
                         f"the request waited {(now - request.submitted) * 1000:.0f} ms in the queue, over its timeout "
-                        f"of {request.timeout * 1000:.0f} ms: the server is overloaded; raise the timeout, or add "
-                        "contexts, workers or GPUs"))
+                        f"of {request.timeout * 1000:.0f} ms: {_OVERLOADED}"))
                     continue
                 if signature is None:
                     signature = request.signature
@@ -237,24 +325,21 @@ class DynamicBatcher:
                     if rows >= self.max_batch:
                         break
                     continue
-                if not request.future.set_running_or_notify_cancel():
-                    continue  # its caller gave up (submit's timeout)
+                if not request.start():
+                    continue  # its caller gave up (a timeout)
                 batch.append(request)
                 rows += request.rows
             lane.extendleft(reversed(kept))
         return batch
 
     def _run(self, batch: list[_Request]) -> None:
+        answers = _Answers()
         try:
-            if len(batch) == 1:
-                feed = batch[0].feed
-            else:
-                feed = {name: batch[0].feed[name] if name in self._unbatched else
-                        self._pack(name, [r.feed[name] for r in batch]) for name in self.engines.input_names}
-            outputs = self.engines(feed)
+            outputs = self._outputs(batch)
         except BaseException as err:  # every caller of the batch learns why; the worker keeps serving
             for request in batch:
-                request.future.set_exception(err)
+                answers.set(request, error=err)
+            answers.send()
             if not isinstance(err, Exception):
                 raise
             return
@@ -263,45 +348,35 @@ class DynamicBatcher:
         for request in batch:
             part = {name: outputs[name][offset:offset + request.rows] for name in names}
             offset += request.rows
-            request.future.set_result(part[names[0]] if request.single and len(names) == 1 else part)
+            if request.call.kind != "numpy" and isinstance(outputs[names[0]], np.ndarray):
+                part = _as_kind(part, request.call)
+            answers.set(request, part[names[0]] if request.single and len(names) == 1 else part)
+        answers.send()
+
+    def _outputs(self, batch: list[_Request]) -> dict[str, Any]:
+        """The batch's outputs, all rows in request order: host arrays, or CUDA tensors for requests on the GPU."""
+        calls = [r.call for r in batch]
+        if not any(call.on_device for call in calls):
+            return self.engines.run_parts(calls)
+        import torch
+
+        feed = {name: calls[0].arrays[name] if name in self._unbatched else torch.cat([c.arrays[name] for c in calls])
+                for name in self.engines.input_names}
+        outputs: dict[str, Any] = self.engines(feed)
+        return outputs
 
 
-    def _pack(self, name: str, parts: list[Any]) -> Any:
-        """The parts of one input, one after the other along the batch, in this worker's reusable buffer."""
-        if not isinstance(parts[0], np.ndarray):
-            return _concatenate(parts)
-        rows = sum(len(p) for p in parts)
-        first = parts[0]
-        shape = (rows, *first.shape[1:])
-        size = int(np.prod(shape))
-        buffers: dict[str, np.ndarray] = self._scratch.__dict__.setdefault("buffers", {})
-        flat = buffers.get(name)
-        if flat is None or flat.dtype != first.dtype or flat.size < size:
-            flat = np.empty(max(size, int(np.prod((self.max_batch, *first.shape[1:])))), first.dtype)
-            buffers[name] = flat
-        out = flat[:size].reshape(shape)
-        np.concatenate(parts, out=out)
-        return out
-
-
-def _fail(request: _Request, err: BaseException) -> None:
-    if request.future.set_running_or_notify_cancel():
-        request.future.set_exception(err)
-
-
-def _signature(feed: dict[str, Any], unbatched: set[str]) -> tuple[Any, ...]:
-    """What must agree for two requests to share a batch: array kind, device, dtype and non-batch shape.
-
-    An input without a batch dimension is shared by the whole batch, so only requests passing the
-    very same array for it are packed together.
-    """
-    return tuple((name, type(a).__name__, str(getattr(a, "device", "")), str(a.dtype),
-                  id(a) if name in unbatched else tuple(a.shape[1:])) for name, a in sorted(feed.items()))
-
-
-def _concatenate(parts: list[Any]) -> Any:
-    if isinstance(parts[0], np.ndarray):
-        return np.concatenate(parts)
+def _as_kind(outputs: dict[str, np.ndarray], call: CheckedFeed) -> dict[str, Any]:
+    """Host outputs as the request's kind: CPU tensors sharing the memory, or CUDA tensors on its device."""
     import torch
 
-    return torch.cat(parts)
+    if call.kind == "torch":
+        return {name: torch.from_numpy(a) for name, a in outputs.items()}
+    return {name: torch.from_numpy(a).to(call.device) for name, a in outputs.items()}
+
+
+def _signature(call: CheckedFeed, feed: Mapping[str, Any], unbatched: tuple[str, ...]) -> tuple[Any, ...]:
+    """What must agree for two requests to share a batch: the sizes of the dynamic dimensions, the device of
+    inputs on a GPU, and the very same array for every input without a batch dimension (shared by the whole
+    batch). dtypes and fixed sizes need no comparing: ``check`` held every request to the model's."""
+    return (call.key, call.device if call.on_device else None, *(id(feed[name]) for name in unbatched))

@@ -242,6 +242,30 @@ class Engines:
             return outputs[self._sole_output]
         return outputs
 
+    def run_parts(self, calls: Sequence[CheckedFeed]) -> dict[str, np.ndarray]:
+        """Run checked host feeds (``check``) with equal non-batch shapes as one batch: every output as one host
+        array, the parts' rows one after the other.
+
+        What the batcher runs: each part's rows go straight into one context's (pinned) input buffers,
+        so its requests are never packed into a batch array first. Feeds on a CUDA device, or more
+        rows than the largest bucket, are joined and run as one ``engines(...)`` call.
+        """
+        rows = sum(call.rows for call in calls)
+        if rows > self._largest or any(call.on_device for call in calls):
+            joined = {name: _concatenate([call.arrays[name] for call in calls]) for name in self.input_names}
+            outputs = self._run(self.check(joined))
+            return {name: a.cpu().numpy() if not isinstance(a, np.ndarray) else a for name, a in outputs.items()}
+        bucket = self._route[rows]
+        context = self._acquire()
+        try:
+            context.upload_parts(bucket, calls)
+            context.compute(bucket, calls[0])
+            context.download(True)
+            context.wait()
+            return context.copy_outputs()
+        finally:
+            self._idle.put(context)
+
     def check(self, x: Any) -> CheckedFeed:
         """Check a feed (one array or a dict by input name) against the spec; raises ``FeedError``.
 
