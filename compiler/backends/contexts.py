@@ -307,8 +307,9 @@ class _GpuContext:
             self._upload(bucket, call, start, stop)
 
     def upload_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
-        """Each host feed's rows into the pinned staging at its offset (one ``torch.cat`` per input: the GIL is
-        released and large copies run on several threads), then one copy to the device."""
+        """Each host feed's rows into the pinned staging at its offset, then one copy to the device. numpy packs
+        them (one call, GIL released): torch's ``cat`` into pinned memory took 140-740 ms for 64 images on a busy
+        2-core host, numpy 6 ms."""
         torch = self._torch
         first = calls[0]
         rows = sum(call.rows for call in calls)
@@ -318,14 +319,7 @@ class _GpuContext:
                     self.stage(host_np, host_view, first.arrays[name])
                     device_view.copy_(host_view, non_blocking=True)
                     continue
-                parts = [call.arrays[name] for call in calls]
-                if all(p.dtype == host_np.dtype and p.flags.writeable and p.flags.c_contiguous for p in parts):
-                    torch.cat([torch.from_numpy(p) for p in parts], out=host_view[:rows])
-                else:  # read-only, strided or another dtype (an engine's int32 for int64 ids): numpy copies
-                    offset = 0
-                    for part in parts:
-                        np.copyto(host_np[offset:offset + len(part)], part)
-                        offset += len(part)
+                np.concatenate([call.arrays[name] for call in calls], out=host_np[:rows], casting="same_kind")
                 device_view[:rows].copy_(host_view[:rows], non_blocking=True)
         self._rows = rows
 

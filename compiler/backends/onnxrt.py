@@ -26,8 +26,8 @@ from compiler.backends.contexts import (
     _NUMPY_DTYPES,
     CheckedFeed,
     _call_values,
-    _Context,
     _ComputeOrder,
+    _Context,
     _GpuContext,
     _HostContext,
     _max_values,
@@ -44,8 +44,11 @@ log = logging.getLogger(__name__)
 # CUDA provider options every context gets (``cuda_options`` adds to or overrides them)
 CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_workspace": "1"}
 # Whether the runs of a backend's CUDA contexts that only queue their kernels go to the GPU one after the other
-# (``_ComputeOrder``), as TensorRT's and torch's do; ``benchmarks/serving_gpu.py --ort-unordered`` compares.
-ORDER_RUNS = True
+# (``_ComputeOrder``), as TensorRT's and torch's do. Off: on an H200 (docs/benchmarks.md) ordering won 15-20 % for a
+# CNN with two concurrent callers but lost 30 % for a transformer, and behind a batcher with 64 client threads it
+# collapsed (489 req/s against 3,302): a worker holds the order across ONNX Runtime's run, which releases the GIL,
+# and then waits for the GIL with the order held. ``benchmarks/serving_gpu.py --ort-ordered`` compares.
+ORDER_RUNS = False
 
 
 class _OrtBackend:
@@ -230,8 +233,7 @@ class _OrtCudaContext(_GpuContext):
     """ONNX Runtime's CUDA provider on device buffers bound by pointer, in a session of the context's own that
     computes on the context's stream. Its run only queues the kernels (no synchronization at the end of the
     run) when the session computes on our stream into our buffers; otherwise it returns when the stream is
-    done. Runs that only queue take the backend's compute order as TensorRT's do; a blocking run does not (it would
-hold the order, and so the other contexts' copies, for the whole run)."""
+    done. The contexts' runs are not ordered (see ``ORDER_RUNS``); the GPU interleaves them."""
 
     def __init__(self, backend: _OrtBackend) -> None:
         import torch
@@ -255,9 +257,7 @@ hold the order, and so the other contexts' copies, for the whole run)."""
 
             self._queue_only = ort.RunOptions()
             self._queue_only.add_run_config_entry("disable_synchronize_execution_providers", "1")
-            # a run that only queues can hold the backend's compute order: the contexts' copies overlap, their
-            # kernels do not share the GPU (benchmarks/serving_gpu.py measures both ways)
-            self._order = backend.order
+            self._order = backend.order  # None unless ORDER_RUNS
 
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
         import torch
