@@ -552,3 +552,58 @@ def test_onnxruntime_cuda_contexts_have_sessions_of_their_own_on_their_streams(t
             t.join(timeout=60)
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_serving_sessions_do_not_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA context's ONNX Runtime session gets one intra-op thread that sleeps when idle (threads that spin
+    after each CPU node took the cores from the server's threads); ``spinning=False`` reaches ONNX Runtime."""
+    from compiler.backends.onnxrt import _OrtBackend
+    from compiler.core import onnx_io
+    from compiler.core.manifest import read_manifest
+    from compiler.serve.engines import onnx_for_precision
+
+    directory = build_directory(tmp_path / "mlp", "mlp")
+    path = onnx_for_precision(directory, read_manifest(directory))
+    real = onnx_io.ort_session(path, ["CPUExecutionProvider"], threads=1, spinning=False)
+    options = real.get_session_options()
+    assert options.intra_op_num_threads == 1
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+    seen: list[dict[str, Any]] = []
+
+    class CudaSession:
+        def get_providers(self) -> list[str]:
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def recording(model: Any, providers: Any = None, **kwargs: Any) -> CudaSession:
+        seen.append(kwargs)
+        return CudaSession()
+
+    with load(directory, backend="onnxruntime", device="cpu") as engines:
+        backend = engines._backend
+        assert isinstance(backend, _OrtBackend)
+        monkeypatch.setattr(onnx_io, "ort_session", recording)
+        backend.context_session(None)
+        backend.threads = 3
+        backend.context_session(None)
+    assert [(s["threads"], s["spinning"]) for s in seen] == [(1, False), (3, False)]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pack_puts_every_part_at_its_offset(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batcher's pack into pinned staging, split over threads for large batches: exactly ``np.concatenate``,
+    also for parts of several rows and for int64 ids into an engine's int32 buffer."""
+    from compiler.backends import contexts
+
+    monkeypatch.setattr(contexts, "_PACK_THREADS", threads)
+    monkeypatch.setattr(contexts, "_PACK_GROUP_BYTES", 64)
+    rng = np.random.default_rng(0)
+    for count in (1, 2, 5, 64):
+        parts = [rng.random((int(rng.integers(1, 4)), 3, 5)).astype(np.float32) for _ in range(count)]
+        out = np.zeros((sum(len(p) for p in parts), 3, 5), np.float32)
+        contexts._pack(parts, out)
+        np.testing.assert_array_equal(out, np.concatenate(parts))
+    ids = [rng.integers(0, 1000, size=(2, 7)) for _ in range(9)]
+    out32 = np.zeros((18, 7), np.int32)
+    contexts._pack(ids, out32)
+    np.testing.assert_array_equal(out32, np.concatenate(ids))

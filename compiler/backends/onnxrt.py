@@ -118,12 +118,18 @@ class _OrtBackend:
         """
         from compiler.core.onnx_io import ort_session
 
+        # One CPU thread that sleeps when idle (unless ``threads`` says otherwise): the CUDA provider's kernels run on
+        # the GPU, and a pool per context of one thread per core, spinning after each CPU node, took the cores from
+        # the server's threads (the batcher's workers waited for the GIL behind them).
+        threads = self.threads or 1
         try:
-            session, own = ort_session(self.path, self._providers(self.provider, stream), threads=self.threads), True
+            session, own = ort_session(self.path, self._providers(self.provider, stream), threads=threads,
+                                       spinning=False), True
         except Exception as err:  # onnxruntime's pybind errors share no narrower base class
             log.warning("ONNX Runtime does not take the context's CUDA stream (%s); its runs wait for the copies "
                         "on the host", str(err).splitlines()[0] if str(err) else type(err).__name__)
-            session, own = ort_session(self.path, self._providers(self.provider, None), threads=self.threads), False
+            session, own = ort_session(self.path, self._providers(self.provider, None), threads=threads,
+                                       spinning=False), False
         if session.get_providers()[0] != "CUDAExecutionProvider":
             raise InputError(f"{self.path}: ONNX Runtime could not start its CUDA provider (see its log above); "
                              "check the CUDA and cuDNN libraries onnxruntime-gpu needs, or load with device='cpu'")

@@ -161,7 +161,7 @@ def _cuda_present() -> bool:
 
 def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,
                 threads: int = 0, exact_qdq: bool = False, weights_dir: str | os.PathLike[str] | None = None,
-                memory_arena: bool = True, in_node_order: bool = False) -> Any:
+                memory_arena: bool = True, in_node_order: bool = False, spinning: bool = True) -> Any:
     """An ONNX Runtime session on the given model (path or in-memory proto), all graph optimizations on.
 
     ``exact_qdq`` runs Q/DQ pairs as written instead of fusing them into ONNX Runtime's integer
@@ -171,6 +171,8 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
     ``memory_arena=False`` returns each run's CPU buffers instead of keeping an arena sized by the largest
     run (rounded up to a power of two): slower by a few percent, but memory follows what is live.
     ``in_node_order`` runs nodes in the graph's order where ONNX Runtime may choose (priority-based order).
+    ``spinning=False``: ONNX Runtime's idle threads sleep instead of spinning for work (serving sessions, which
+    share the cores with the server's own threads).
     """
     import onnxruntime as ort
 
@@ -182,6 +184,9 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
     if threads:
         opts.intra_op_num_threads = threads
+    if not spinning:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
     if not memory_arena:
         opts.enable_cpu_mem_arena = False
     if in_node_order:
