@@ -367,6 +367,17 @@ def test_onnxruntime_tf32_follows_the_manifest_or_the_argument(tmp_path: Path) -
     assert runtime.tf32_policy({}) is True and runtime.tf32_policy({"build": {"tf32": False}}) is False
 
 
+def test_serving_and_rebuild_read_a_build_without_tf32_alike() -> None:
+    """A build section of an older trtc (no ``tf32``) was built with TF32 off: ``trtc rebuild`` and the serving
+    backends both read it so; no build section at all (nothing built) takes the default."""
+    from compiler.backends.trt_build import settings_from_dict
+    from compiler.core import defaults
+
+    older = {"buckets": [1, 4], "precision": "fp32", "engine": "per-bucket"}
+    assert settings_from_dict(older).tf32 is False and runtime.tf32_policy({"build": older}) is False
+    assert runtime.tf32_policy({}) is defaults.TF32
+
+
 # --- backends and loading -----------------------------------------------------------------------------------------
 
 def test_auto_backend_falls_back_to_onnx_runtime_and_says_so_once(tmp_path: Path,

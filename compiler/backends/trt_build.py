@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from compiler.core import defaults
 from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.core.files import atomic_write_bytes, atomic_write_text, read_json, sha256_file, sha256_files
 from compiler.core.installed import tensorrt_version
@@ -794,6 +795,15 @@ def settings_to_dict(settings: BuildSettings) -> dict[str, Any]:
     return out
 
 
+def recorded_tf32(build: dict[str, Any] | None) -> bool:
+    """Whether FP32 math may use TF32 for a build: its ``tf32``; a build section without one (a trtc that did not
+    record it) built with TF32 off; no build section at all: the default. One rule for ``trtc rebuild`` and for
+    the serving and bench backends."""
+    if build is None:
+        return defaults.TF32
+    return bool(build.get("tf32", False))
+
+
 def settings_from_dict(data: dict[str, Any]) -> BuildSettings:
     """``BuildSettings`` from ``manifest["build"]``; keys this trtc does not know are ignored (with a note)."""
     known = {f.name for f in dataclasses.fields(BuildSettings)}
@@ -801,7 +811,7 @@ def settings_from_dict(data: dict[str, Any]) -> BuildSettings:
     if unknown:
         log.info("manifest build settings %s are unknown to this trtc and ignored", ", ".join(unknown))
     values = {k: v for k, v in data.items() if k in known}
-    values.setdefault("tf32", False)  # engines of a trtc that did not record it were built with TF32 off
+    values["tf32"] = recorded_tf32(data)
     if "buckets" in values:
         values["buckets"] = tuple(int(b) for b in values["buckets"])
     if values.get("timing_cache") is not None:

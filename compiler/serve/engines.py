@@ -572,9 +572,11 @@ def tensorrt_available() -> bool:
 
 
 def tf32_policy(manifest: dict[str, Any]) -> bool:
-    """Whether FP32 math may use TF32: the manifest's ``build.tf32`` when it records one, else the default (on)."""
-    value = (manifest.get("build") or {}).get("tf32")
-    return defaults.TF32 if value is None else bool(value)
+    """Whether FP32 math may use TF32: the manifest's ``build.tf32`` (``recorded_tf32``: the rule ``trtc rebuild``
+    reads it by)."""
+    from compiler.backends.trt_build import recorded_tf32
+
+    return recorded_tf32(manifest.get("build"))
 
 
 def onnx_for_precision(directory: Path, manifest: dict[str, Any], precision: str | None = None) -> Path:
