@@ -373,7 +373,7 @@ def test_serving_and_rebuild_read_a_build_without_tf32_alike() -> None:
     from compiler.backends.trt_build import settings_from_dict
     from compiler.core import defaults
 
-    older = {"buckets": [1, 4], "precision": "fp32", "engine": "per-bucket"}
+    older = {"buckets": [1, 4], "precision": "fp32", "engine": "tensorrt"}
     assert settings_from_dict(older).tf32 is False and runtime.tf32_policy({"build": older}) is False
     assert runtime.tf32_policy({}) is defaults.TF32
 
