@@ -17,6 +17,8 @@ contexts (batcher workers = contexts):
   p99 <= max_wait + 2 x the largest bucket's batch time; and once per model the batcher's own
   ceiling in each mode (instant answers);
 * with 2 contexts, ``engines(x)`` from 2 threads at once (the backend's own concurrency);
+* ``engines.run_parts`` of the largest bucket's rows as single-row feeds, with no clients: what
+  packing the requests costs against one contiguous array;
 * ``map`` vs the sequential loop ``post(engines(x))`` over ``--map-batches`` batches of
   ``--map-batch`` rows, and the bound max(copy, compute, post) per batch measured stage by stage
   on one context (with one context, one buffer set: max(copy + compute, post)); targets: map >=
@@ -277,6 +279,22 @@ def _first_values(out: Any, names: list[str]) -> np.ndarray:
     return np.asarray(first).reshape(-1)[:256].astype(np.float32)
 
 
+def parts_throughput(engines: Any, feed: dict[str, np.ndarray], rows: int, seconds: float) -> dict[str, float]:
+    """``engines.run_parts`` of ``rows`` single-row feeds (a full batch as the batcher hands it over), back to back
+    with no clients: the pack into pinned memory against ``throughput``'s one contiguous array."""
+    calls = [engines.check({n: a[i:i + 1] for n, a in feed.items()}) for i in range(rows)]
+    for _ in range(3):
+        engines.run_parts(calls)
+    times: list[float] = []
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < seconds or len(times) < 10:
+        start = time.perf_counter()
+        engines.run_parts(calls)
+        times.append(time.perf_counter() - start)
+    mean = statistics.fmean(times)
+    return {"batch_ms_mean": 1e3 * mean, "rows_per_s": rows / mean, "calls": len(times)}
+
+
 def parallel_throughput(engines: Any, feed: Any, rows: int, threads: int, seconds: float) -> dict[str, float]:
     """``threads`` callers of ``engines(feed)`` at once for ``seconds``: rows/s and mean call time (each has its
     own context when ``threads`` <= contexts): what the backend itself does with concurrent calls."""
@@ -442,6 +460,7 @@ def main() -> None:
                 largest = engines.buckets[-1]
                 one = feed_of(engines, model, largest, seed=1)
                 bound = throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest, seconds)
+                parts = parts_throughput(engines, one, largest, seconds)
                 parallel = parallel_throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest,
                                                contexts, seconds) if contexts > 1 else None
                 coroutines = args.async_clients or (8 if smoke else largest * (contexts + 1))
@@ -476,13 +495,14 @@ def main() -> None:
                         and batched["duplicated_rows"] == 0})
                 runs.append({"model": model.name, "backend": backend, "precision": precision, "contexts": contexts,
                              "workers": contexts, "device": engines.device, "bound": bound,
-                             "parallel_calls": parallel,
+                             "parallel_calls": parallel, "run_parts": parts,
                              "ort_session_on_context_stream": on_own_stream if backend == "onnxruntime" else None,
                              "ort_runs_ordered": args.ort_ordered if backend == "onnxruntime" else None,
                              "batcher": modes["threads"], "batcher_asyncio": modes["asyncio"],
                              "map": mapped, "targets": targets})
                 console.print(f"{model.name} {backend}/{precision} contexts={contexts}: "
-                              f"bound {bound['rows_per_s']:,.0f} rows/s ({bound['batch_ms_mean']:.2f} ms)"
+                              f"bound {bound['rows_per_s']:,.0f} rows/s ({bound['batch_ms_mean']:.2f} ms), "
+                              f"run_parts {parts['batch_ms_mean']:.2f} ms"
                               + (f", {contexts} callers {parallel['rows_per_s']:,.0f} rows/s "
                                  f"({parallel['batch_ms_mean']:.2f} ms)" if parallel else "")
                               + "".join(f"; {mode} {b['requests_per_s']:,.0f} req/s p99 {b['p99_ms']:.1f} ms "
