@@ -141,3 +141,73 @@ def test_fp32_noise_passes_and_a_wrong_operator_is_caught(name: str, exported: d
         with pytest.raises(VerificationError, match="elements outside atol"):
             verify_runners(OrtRunner(_wrong(model, kind), ["CPUExecutionProvider"]), reference, spec, [1, 8], None,
                            f"export check with {kind}")
+
+
+# --- where the checks run ------------------------------------------------------------------------------------------
+
+def test_checks_run_on_the_gpu_with_tf32_off_where_the_cuda_provider_is_usable() -> None:
+    from compiler.frontend.verify import checking_devices
+
+    gpu = checking_devices(["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert gpu.torch_device == "cuda" and gpu.ort_provider == "CUDAExecutionProvider"
+    assert gpu.ort_providers[0][1]["use_tf32"] == "0" and gpu.ort_providers[1] == "CPUExecutionProvider"
+    cpu = checking_devices(["CPUExecutionProvider"])
+    assert (cpu.torch_device, cpu.ort_providers) == ("cpu", ("CPUExecutionProvider",))
+    assert checking_devices().torch_device == "cpu"  # this machine has no GPU
+
+
+def test_fp32_math_turns_tf32_off_and_restores_it() -> None:
+    import torch
+
+    from compiler.frontend.verify import fp32_math
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (cudnn.allow_tf32, matmul.allow_tf32)
+    try:
+        cudnn.allow_tf32 = matmul.allow_tf32 = True
+        with fp32_math():
+            assert (cudnn.allow_tf32, matmul.allow_tf32) == (False, False)
+        assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, True)
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = saved
+
+
+class _CpuOnly:
+    """A module that fails on any device but the CPU, as a graph with the CPU baked in fails on CUDA. Being moved to
+    "meta" (the stand-in for CUDA on this machine) is only recorded, so that its weights survive."""
+
+    def __new__(cls) -> Any:
+        import torch
+
+        class CpuOnly(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.scale = torch.nn.Parameter(torch.full((100,), 2.0))
+                self.placed = "cpu"
+
+            def to(self, device: Any, *args: Any, **kwargs: Any) -> Any:
+                self.placed = str(device)
+                return self if self.placed == "meta" else super().to(device, *args, **kwargs)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if self.placed != "cpu":
+                    raise RuntimeError(f"Expected all tensors to be on the same device, but found {x.device} and cpu")
+                return x * self.scale
+
+        return CpuOnly()
+
+
+def test_eager_reference_falls_back_to_the_cpu_and_ends_there(caplog: pytest.LogCaptureFixture) -> None:
+    from compiler.frontend.verify import EagerReference
+
+    module = _CpuOnly()
+    eager = EagerReference(module, ["x"], ["y"], device="meta")
+    assert module.placed == "meta"
+    feed = SPEC.example_feed(2)
+    with caplog.at_level(logging.WARNING):
+        got = eager.infer(feed)
+    assert eager.device == "cpu" and "cannot run the model on meta" in caplog.text
+    np.testing.assert_array_equal(got["y"], feed["x"] * 2.0)
+    module.placed = "meta"
+    eager.close()
+    assert module.placed == "cpu"

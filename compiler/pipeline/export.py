@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from compiler.backends.runners import OrtRunner, Runner, TorchRunner
+from compiler.backends.runners import Runner
 from compiler.core.errors import InputError
 from compiler.core.files import Transaction, directory_transaction, sha256_file
 from compiler.core.manifest import MANIFEST, now, onnx_entry, refuse_other_model, tool_versions, write_manifest
@@ -26,7 +26,7 @@ from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.frontend.export import ExportResult, onnx_from_torch
 from compiler.frontend.loading import LoadedModel, load_model, snapshot_into, specs_from_exported_program
 from compiler.frontend.passes import run_passes
-from compiler.frontend.verify import FeedSource, verify_runners
+from compiler.frontend.verify import EagerReference, FeedSource, checking_devices, verify_runners
 
 __all__ = ["export_directory", "ModelToExport", "model_to_export", "export_step", "exported_into",
            "source_fingerprint", "resolve_spec"]
@@ -112,7 +112,9 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         result: ExportResult = onnx_from_torch(loaded, spec, settings.max_batch, settings.opset,
                                                list(settings.output_names) or None, work, feeds)
     raw = result.model
-    reference: Runner | None = _reference_runner(loaded, spec, raw)
+    devices = checking_devices()  # the GPU where there is one, TF32 off on both sides
+    eager = _reference_runner(loaded, spec, raw, devices.torch_device)
+    reference: Runner | None = eager
     tol = settings.tolerance
     verification: dict[str, Any] = {"rtol": tol.rtol, "atol": tol.atol, "min_cosine": tol.min_cosine,
                                     "batches": settings.verify_batches,
@@ -120,7 +122,7 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     if reference is not None:
         with stage_timer("export check"):
             verification["export"] = [c.to_dict() for c in verify_runners(
-                OrtRunner(raw, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, tol,
+                devices.ort_runner(raw), reference, spec, settings.verify_batches, tol,
                 "export check (ONNX Runtime vs eager PyTorch)", feeds=feeds)]
     start = time.perf_counter()
     with stage_timer("graph passes"):
@@ -129,14 +131,20 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     onnx_path = stage / FP32_ONNX
     save_onnx(folded, onnx_path)
     if reference is None:
-        original = OrtRunner(raw, ["CPUExecutionProvider"])
+        original = devices.ort_runner(raw)
         original.name = "onnxruntime[original ONNX]"
         reference = original
+    folded_runner = devices.ort_runner(onnx_path)
     with stage_timer("pass check"):
         verification["passes"] = [c.to_dict() for c in verify_runners(
-            OrtRunner(onnx_path, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, tol,
+            folded_runner, reference, spec, settings.verify_batches, tol,
             "pass check (folded ONNX vs reference)", feeds=feeds)]
     verification["reference"] = reference.name
+    # where the checks ran, as calibration records its provider
+    verification["devices"] = {"onnxruntime": folded_runner.session.get_providers()[0],
+                               "torch": eager.device if eager else None, "tf32": False}
+    if eager is not None:
+        eager.close()
     shutil.rmtree(work)
     source: dict[str, Any] = {"path": settings.source.describe(), "format": loaded.format, "sha256": fingerprint}
     if settings.source.factory:
@@ -162,10 +170,10 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     }
 
 
-def _reference_runner(loaded: LoadedModel, spec: ModelSpec, model: Any) -> TorchRunner | None:
+def _reference_runner(loaded: LoadedModel, spec: ModelSpec, model: Any, device: str = "cpu") -> EagerReference | None:
     if loaded.module is None:
         return None
-    return TorchRunner(loaded.module, spec.input_names, [o.name for o in model.graph.output])
+    return EagerReference(loaded.module, spec.input_names, [o.name for o in model.graph.output], device)
 
 
 def check_against_model(loaded: LoadedModel, spec: ModelSpec, buckets: tuple[int, ...]) -> None:
