@@ -396,7 +396,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
                        progress: Callable[[int], None] | None = None, num_bins: int = DEFAULT_BINS,
                        exclude_masked: bool = True, mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD,
                        budget_bytes: int = DEFAULT_MEMORY_BUDGET,
-                       max_abs_names: Iterable[str] = (), device: str | None = None,
+                       max_abs_names: Iterable[str] = (), device: str = "auto",
                        device_budget_bytes: int | None = None) -> CalibrationStats:
     """Run every batch through ONNX Runtime and histogram |x| of each tensor in ``tensor_names``.
 
@@ -411,12 +411,13 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     counted, reduced inside the graph, only a scalar per tensor leaves ONNX Runtime), into
     ``CalibrationStats.max_abs``: the FP16 remainder of an INT8 model needs no second pass over the data.
 
-    On the GPU: when the session runs on ONNX Runtime's CUDA provider and torch sees CUDA (``device=None``
+    On the GPU: when the session runs on ONNX Runtime's CUDA provider and torch sees CUDA (``device="auto"``
     picks that), the exposed tensors stay on the device (IOBinding, read by torch through DLPack), the
     histograms are binned there (``AbsHistogram.update_tensor``: the same counts as on the host) and a run
     may hold ``device_budget_bytes`` of them (default: ``defaults.CALIB_DEVICE_MEMORY_FRACTION`` of the
     device's free memory) instead of ``budget_bytes``. ``device="cpu"`` runs that path on host tensors (the
-    tests compare it with numpy); otherwise everything stays on the host, as on a machine without a GPU.
+    tests compare it with numpy); ``device="host"`` keeps the host path (numpy) whatever the provider, as
+    ``"auto"`` does on a machine without a GPU.
     Raises CalibrationError for an unknown tensor, a batch that lacks an input or that ONNX Runtime rejects,
     NaN or Inf in a kept value (or in a max |x| tensor, mask biases aside), or no batches at all.
     """
@@ -599,7 +600,7 @@ class _Observed:
 def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
                       batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None,
                       exclude_masked: bool, threshold: float, budget_bytes: int = DEFAULT_MEMORY_BUDGET,
-                      max_abs_names: tuple[str, ...] = (), device: str | None = None,
+                      max_abs_names: tuple[str, ...] = (), device: str = "host",
                       device_budget_bytes: int | None = None,
                       on_device: Callable[[str | None], None] | None = None) -> Iterator[_Observed]:
     """The kept values of each batch (in slices within the budget). ``device``: as ``collect_histograms``;
@@ -611,14 +612,14 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
     per_sample = 0  # bytes of exposed tensors per sample, from the first run
     with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
         session = _session_for(probe, providers, Path(scratch), in_node_order=bool(probe.reduced))
-        device = _binning_device(session, device)
-        if device is not None:
-            budget_bytes = device_budget_bytes if device_budget_bytes is not None else _device_budget(device,
+        on = _binning_device(session, device)
+        if on is not None:
+            budget_bytes = device_budget_bytes if device_budget_bytes is not None else _device_budget(on,
                                                                                                    budget_bytes)
             log.info("exposed tensors stay on %s (IOBinding, read by torch through DLPack) and are binned there; "
-                     "runs hold at most %.0f MiB of them", device, budget_bytes / 2**20)
+                     "runs hold at most %.0f MiB of them", on, budget_bytes / 2**20)
         if on_device is not None:
-            on_device(device)
+            on_device(on)
         skeleton = weightless_copy(probe.model)
         del probe.model.graph.initializer[:]  # a copy: the session has the weights, one copy is enough
         for index, batch in enumerate(batches):
@@ -629,7 +630,7 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
                 step = 1 if not per_sample else max(1, budget_bytes // per_sample)
                 part = _slice(batch, probe.inputs, start, step, size)
                 mark_step(f"batch {index}" + (f", samples {start}-{min(size, start + step) - 1}" if size > 1 else ""))
-                observed = _observe(session, probe, index, part, exclude_masked, threshold, device)
+                observed = _observe(session, probe, index, part, exclude_masked, threshold, on)
                 if not per_sample and observed.samples:
                     per_sample = max(1, observed.nbytes // observed.samples)
                     log.debug("%d bytes of exposed tensors per sample: %d samples per run", per_sample,
@@ -851,10 +852,12 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
                      index, maxima, ort_values)
 
 
-def _binning_device(session: Any, requested: str | None) -> str | None:
-    """Where the exposed tensors are binned: ``requested`` if given, else "cuda" when the session computes on
-    ONNX Runtime's CUDA provider and torch sees a CUDA device, else None (numpy on the host)."""
-    if requested is not None:
+def _binning_device(session: Any, requested: str) -> str | None:
+    """Where the exposed tensors are binned, as a torch device, or None for numpy on the host: for "auto", "cuda"
+    when the session computes on ONNX Runtime's CUDA provider and torch sees a CUDA device, else None."""
+    if requested == "host":
+        return None
+    if requested != "auto":
         return requested
     if session.get_providers()[0] != "CUDAExecutionProvider":
         return None

@@ -471,7 +471,7 @@ def test_the_device_path_reports_nan_as_the_host_path() -> None:
     batches = _mlp_batches(4)
     batches[2]["x"][0, 0] = np.nan
     messages = []
-    for device in (None, "cpu"):
+    for device in ("auto", "cpu"):
         with pytest.raises(CalibrationError, match=r"batch 2: tensor 'h' has \d+ NaN or Inf") as err:
             collect_histograms(_mlp(), ["h"], batches, device=device)
         messages.append(str(err.value))
@@ -481,7 +481,7 @@ def test_the_device_path_reports_nan_as_the_host_path() -> None:
 def test_device_runs_are_sized_by_the_device_budget_not_the_host_one() -> None:
     pytest.importorskip("torch")
     batches = [{"x": b["x"]} for b in _mlp_batches(3)]  # 4, 5 and 6 samples
-    for device, device_budget, expected in [(None, None, [1] * 15),  # host: 1 byte -> one sample a run
+    for device, device_budget, expected in [("auto", None, [1] * 15),  # host: 1 byte -> one sample a run
                                             ("cpu", 1 << 30, [4, 5, 6]),  # device: whole batches
                                             ("cpu", 1, [1] * 15)]:
         slices: list[int] = []
@@ -504,8 +504,9 @@ def test_binning_goes_to_cuda_only_with_the_cuda_provider_and_torch_cuda(monkeyp
                                            (False, "CUDAExecutionProvider", None),
                                            (True, "CPUExecutionProvider", None)]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda value=torch_cuda: value)
-        assert statistics._binning_device(Session(provider), None) == expected
+        assert statistics._binning_device(Session(provider), "auto") == expected
     assert statistics._binning_device(Session("CPUExecutionProvider"), "cpu") == "cpu"
+    assert statistics._binning_device(Session("CUDAExecutionProvider"), "host") is None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 140 << 30))
     assert statistics._device_budget("cuda", 64 << 20) == int((80 << 30) * defaults.CALIB_DEVICE_MEMORY_FRACTION)
     assert statistics._device_budget("cpu", 64 << 20) == 64 << 20
