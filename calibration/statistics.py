@@ -429,8 +429,8 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     chosen: list[str | None] = []
     # Binning batch n runs on worker threads (numpy releases the GIL) while ONNX Runtime computes batch
     # n+1; each histogram gets its batches in order, and at most two batches are held at once. On a device
-    # the binning is queued right away (each update waits for its own kernels before the next run reuses
-    # ONNX Runtime's memory).
+    # each slice is binned before the next run starts (update_tensor returns when its kernels are done, so
+    # ONNX Runtime may reuse the memory): the GPU bins in milliseconds, there is little to overlap.
     with ThreadPoolExecutor(max_workers=max(1, min(len(histograms), os.cpu_count() or 1))) as pool:
         pending: list[Future[None]] = []
         for observed in _observed_batches(model, list(histograms), batches, providers, exclude_masked,
