@@ -211,3 +211,52 @@ def test_eager_reference_falls_back_to_the_cpu_and_ends_there(caplog: pytest.Log
     module.placed = "meta"
     eager.close()
     assert module.placed == "cpu"
+
+
+class _OffOnTheDevice:
+    """x * 2, but 1% off when placed anywhere but "cpu": a device kernel that misses the FP32 tolerance."""
+
+    def __new__(cls, off: float = 1.01, off_on_cpu: float = 1.0) -> Any:
+        import torch
+
+        class OffOnTheDevice(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.scale = torch.nn.Parameter(torch.full((100,), 2.0))
+                self.placed = "cpu"
+
+            def to(self, device: Any, *args: Any, **kwargs: Any) -> Any:
+                self.placed = str(device)
+                return super().to(device, *args, **kwargs)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x * self.scale * (off if self.placed != "cpu" else off_on_cpu)
+
+        return OffOnTheDevice()
+
+
+def _times_two() -> onnx.ModelProto:
+    return make_model([onnx.helper.make_node("Mul", ["x", "scale"], ["y"])], [tensor("x", ["B", 4, 100])],
+                      [tensor("y", ["B", 4, 100])], {"scale": np.full(100, 2.0, np.float32)})
+
+
+def test_a_failed_gpu_check_is_judged_on_the_cpu(caplog: pytest.LogCaptureFixture) -> None:
+    from compiler.frontend.verify import CheckingDevices, ExportChecks
+
+    gpu = CheckingDevices("cpu:0", ("CPUExecutionProvider",))  # "cpu:0" stands in for CUDA on this machine
+    checks = ExportChecks(_OffOnTheDevice(), ["x"], ["y"], devices=gpu)
+    with caplog.at_level(logging.WARNING):
+        results = checks.run(_times_two(), None, SPEC, [1, 3], None, "export check")
+    assert "export check failed on the GPU" in caplog.text and "checking again on the CPU" in caplog.text
+    assert [r.batch for r in results] == [1, 3] and all(r.mismatched == 0 for r in results)
+    assert checks.record() == {"onnxruntime": "CPUExecutionProvider", "torch": "cpu", "tf32": False}
+    checks.run(_times_two(), None, SPEC, [2], None, "pass check")  # later checks stay on the CPU
+    checks.close()
+
+    wrong = ExportChecks(_OffOnTheDevice(off_on_cpu=1.01), ["x"], ["y"], devices=gpu)  # a real error fails
+    with pytest.raises(VerificationError, match=r"export check: onnxruntime.* differs from torch"):
+        wrong.run(_times_two(), None, SPEC, [1], None, "export check")
+    # without an eager model the original ONNX is the reference
+    onnx_only = ExportChecks(None, ["x"], ["y"], devices=CheckingDevices("cpu", ("CPUExecutionProvider",)))
+    assert onnx_only.run(_times_two(), _times_two(), SPEC, [2], None, "pass check")[0].max_abs == 0.0
+    assert onnx_only.reference_name == "onnxruntime[original ONNX]" and onnx_only.record()["torch"] is None

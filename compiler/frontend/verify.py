@@ -33,7 +33,8 @@ from compiler.core.settings import DEFAULT_ATOL, DEFAULT_MIN_COSINE, DEFAULT_RTO
 from compiler.core.specs import ModelSpec
 
 __all__ = ["Comparison", "Tolerance", "compare_outputs", "verify_runners", "DEFAULT_ATOL", "DEFAULT_RTOL",
-           "DEFAULT_MIN_COSINE", "FeedSource", "CheckingDevices", "checking_devices", "EagerReference", "fp32_math"]
+           "DEFAULT_MIN_COSINE", "FeedSource", "CheckingDevices", "checking_devices", "EagerReference", "fp32_math",
+           "ExportChecks"]
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +148,9 @@ def verify_runners(candidate: Runner, reference: Runner, spec: ModelSpec, batche
     return results
 
 
-# ONNX Runtime's CUDA provider for the FP32 checks: no TF32 (on by default in the provider), and cuDNN's heuristic
-# choice of convolution algorithms (an exhaustive search per shape costs seconds and changes no result beyond noise)
-_CHECK_CUDA_OPTIONS = {"use_tf32": "0", "cudnn_conv_algo_search": "HEURISTIC"}
+# ONNX Runtime's CUDA provider for the FP32 checks: no TF32 (on by default in the provider; off, its Conv sets cuDNN's
+# FMA math before searching algorithms, and its MatMul/Gemm use FP32 cuBLAS math)
+_CHECK_CUDA_OPTIONS = {"use_tf32": "0"}
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,10 @@ class EagerReference:
         self.device = device
         self._runner = self._on(device)
 
+    def move_to(self, device: str) -> None:
+        self.device = device
+        self._runner = self._on(device)
+
     def _on(self, device: str) -> TorchRunner:
         if device != "cpu":
             try:
@@ -239,3 +244,62 @@ class EagerReference:
 
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+
+
+class ExportChecks:
+    """The export and pass checks of one export: on the GPU where there is one (``checking_devices``), and
+    judged on the CPU when a GPU check fails.
+
+    The tolerance was set on FP32 CPU kernels; a GPU library that still takes a reduced-precision path
+    (TF32 somewhere despite the flags) must not fail a correct export, so a failed GPU check runs again on
+    the CPU, whose verdict stands (with a warning naming the GPU's error), and the remaining checks stay
+    there. ``module`` is the eager model (None for an ONNX input, whose reference is then the original ONNX).
+    """
+
+    def __init__(self, module: Any, input_names: list[str], output_names: list[str],
+                 devices: CheckingDevices | None = None) -> None:
+        self.devices = devices or checking_devices()
+        self.eager = EagerReference(module, input_names, output_names, self.devices.torch_device) \
+            if module is not None else None
+        self.provider = self.devices.ort_provider  # the provider of the last check's candidate session
+
+    @property
+    def reference_name(self) -> str:
+        return self.eager.name if self.eager is not None else "onnxruntime[original ONNX]"
+
+    def run(self, candidate: Any, original: Any, spec: ModelSpec, batches: list[int], tol: Tolerance | None,
+            what: str, feeds: FeedSource | None = None) -> list[Comparison]:
+        """``verify_runners`` of ``candidate`` (an ONNX path or proto) against the eager model, or against
+        ``original`` (ONNX) where there is none."""
+        try:
+            return self._run(candidate, original, spec, batches, tol, what, feeds)
+        except VerificationError as err:
+            if self.devices.torch_device == "cpu" and self.devices.ort_provider == "CPUExecutionProvider":
+                raise
+            log.warning("%s failed on the GPU (%s); checking again on the CPU, whose verdict stands", what,
+                        str(err).split(": ", 1)[-1])
+            self.devices = checking_devices(["CPUExecutionProvider"])
+            if self.eager is not None:
+                self.eager.move_to("cpu")
+            return self._run(candidate, original, spec, batches, tol, what, feeds)
+
+    def _run(self, candidate: Any, original: Any, spec: ModelSpec, batches: list[int], tol: Tolerance | None,
+             what: str, feeds: FeedSource | None) -> list[Comparison]:
+        runner = self.devices.ort_runner(candidate)
+        self.provider = runner.session.get_providers()[0]
+        reference: Runner
+        if self.eager is not None:
+            reference = self.eager
+        else:
+            reference = self.devices.ort_runner(original)
+            reference.name = self.reference_name
+        return verify_runners(runner, reference, spec, batches, tol, what, feeds=feeds)
+
+    def record(self) -> dict[str, Any]:
+        """Where the checks ran, for the manifest's ``verification.devices``."""
+        return {"onnxruntime": self.provider, "torch": self.eager.device if self.eager is not None else None,
+                "tf32": False}
+
+    def close(self) -> None:
+        if self.eager is not None:
+            self.eager.close()
