@@ -94,6 +94,8 @@ def build(work: Path, precision: str, samples: int, factory: str, inputs: str, b
                            "log": str(work / f"vit-{precision}.log")}
     binned = _BINNED.search(log)
     row["histograms_binned_on"] = binned["where"] if binned else None
+    # a GPU check judged on the CPU, binning that fell back to the host, a module that could not run on CUDA
+    row["warnings"] = [" ".join(line.split()) for line in log.splitlines() if line.lstrip().startswith("WARNING")]
     if code:
         row["output_tail"] = log[-4000:]
         return row
