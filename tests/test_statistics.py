@@ -510,3 +510,20 @@ def test_binning_goes_to_cuda_only_with_the_cuda_provider_and_torch_cuda(monkeyp
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 140 << 30))
     assert statistics._device_budget("cuda", 64 << 20) == int((80 << 30) * defaults.CALIB_DEVICE_MEMORY_FRACTION)
     assert statistics._device_budget("cpu", 64 << 20) == 64 << 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["mlp", "padding", "mask bias", "baked mask"])
+def test_cuda_binning_gives_the_host_histograms_of_the_same_cuda_runs(case: str) -> None:
+    model, names, batches, max_abs = _cases()[case]
+    cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    whole = 1 << 30  # whole batches on both paths: the same ONNX Runtime runs
+    host = collect_histograms(model, names, batches, providers=cuda, max_abs_names=max_abs, device="host",
+                              budget_bytes=whole)
+    gpu = collect_histograms(model, names, batches, providers=cuda, max_abs_names=max_abs, budget_bytes=whole,
+                             device_budget_bytes=whole)
+    assert (host.binned_on, gpu.binned_on) == ("host", "cuda")
+    for name in names:
+        assert np.array_equal(gpu.histograms[name].counts, host.histograms[name].counts), name
+        assert gpu.histograms[name].amax == host.histograms[name].amax, name
+    assert (gpu.excluded, gpu.max_abs) == (host.excluded, host.max_abs)

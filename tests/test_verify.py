@@ -260,3 +260,25 @@ def test_a_failed_gpu_check_is_judged_on_the_cpu(caplog: pytest.LogCaptureFixtur
     onnx_only = ExportChecks(None, ["x"], ["y"], devices=CheckingDevices("cpu", ("CPUExecutionProvider",)))
     assert onnx_only.run(_times_two(), _times_two(), SPEC, [2], None, "pass check")[0].max_abs == 0.0
     assert onnx_only.reference_name == "onnxruntime[original ONNX]" and onnx_only.record()["torch"] is None
+
+
+@pytest.mark.gpu
+def test_export_checks_run_on_cuda_with_tf32_off_and_pass_fp32_noise(caplog: pytest.LogCaptureFixture,
+                                                                     tmp_path: Path) -> None:
+    import torch
+
+    from compiler.frontend.verify import ExportChecks
+
+    torch.manual_seed(0)
+    # a convolution and a matmul with a long reduction (6400), where TF32 on either side would show
+    module = torch.nn.Sequential(torch.nn.Conv1d(4, 64, 3, padding=1), torch.nn.GELU(), torch.nn.Flatten(),
+                                 torch.nn.Linear(6400, 10)).eval()
+    exported = onnx_from_torch(LoadedModel("factory", None, module=module), SPEC, 8, workdir=tmp_path)
+    checks = ExportChecks(module, ["x"], [o.name for o in exported.model.graph.output])
+    assert (checks.devices.torch_device, checks.devices.ort_provider) == ("cuda", "CUDAExecutionProvider")
+    with caplog.at_level(logging.WARNING):
+        results = checks.run(exported.model, None, SPEC, [1, 8], None, "export check")
+    assert "failed on the GPU" not in caplog.text and all(r.mismatched == 0 for r in results)
+    assert checks.record() == {"onnxruntime": "CUDAExecutionProvider", "torch": "cuda", "tf32": False}
+    checks.close()
+    assert next(module.parameters()).device.type == "cpu"
