@@ -19,8 +19,9 @@ outputs; it records both times and how many histogram counts differ (expected: n
 Runtime's CUDA kernels are not deterministic from run to run, which the percentile amax would show).
 
 The JSON is rewritten after every step, so a crash leaves what was measured; each build's full log is
-in WORK/vit-PRECISION.log and its last lines in the JSON when it fails. A build is killed after 170 s and the
-check after 120 s, so the script ends within 9 minutes whatever happens.
+in WORK/vit-PRECISION.log and its last lines in the JSON when it fails. Last, where pytest is installed, it runs
+the GPU tests of the calibration statistics and the export checks (``pytest -m gpu``). A build is killed after
+150 s, the check after 120 s and the tests after 90 s, so the script ends within 9 minutes whatever happens.
 
 Usage (from the repository root, on the GPU machine; about 3 minutes on an H200):
     python benchmarks/build_gpu.py --out benchmarks/results/build_gpu.json [--work /tmp/trtc-build-gpu]
@@ -44,10 +45,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# a build is killed after BUILD_TIMEOUT_S, the binning check after CHECK_TIMEOUT_S: even then the script ends within
-# 9 minutes (2 x 170 + 120 s, plus a few seconds of imports)
-BUILD_TIMEOUT_S = 170
+# a build is killed after BUILD_TIMEOUT_S, the binning check after CHECK_TIMEOUT_S, the GPU tests after TESTS_TIMEOUT_S:
+# even then the script ends within 9 minutes (2 x 150 + 120 + 90 s, plus a few seconds of imports)
+BUILD_TIMEOUT_S = 150
 CHECK_TIMEOUT_S = 120
+TESTS_TIMEOUT_S = 90
+GPU_TESTS = ["tests/test_statistics.py", "tests/test_verify.py"]  # their @pytest.mark.gpu tests
 # stage lines of compiler.core.progress.stage_timer in a log that is not a terminal: "INFO     export: 3.2 s"
 _STAGE = re.compile(r"^(?:INFO\s+)?(?P<name>[A-Za-z0-9][A-Za-z0-9 ]*?): (?P<seconds>\d+(?:\.\d+)?) s\s*$")
 _BINNED = re.compile(r"binned on (?P<where>\S+)")
@@ -231,6 +234,20 @@ def run_binning_check(work: Path, inputs: str, samples: int) -> dict[str, Any]:
     return dict(json.loads(lines[-1]))
 
 
+def run_gpu_tests() -> dict[str, Any]:
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return {"skipped": "pytest is not installed here"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TESTS]
+    try:
+        proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"killed after {TESTS_TIMEOUT_S} s"}
+    return {"command": " ".join(cmd[1:]), "exit_code": proc.returncode,
+            "output_tail": (proc.stdout + proc.stderr)[-3000:]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/trtc-build-gpu"))
@@ -241,6 +258,7 @@ def main() -> None:
     parser.add_argument("--buckets", default="1,8")
     parser.add_argument("--check-samples", type=int, default=64)
     parser.add_argument("--no-binning-check", action="store_true")
+    parser.add_argument("--no-gpu-tests", action="store_true")
     parser.add_argument("--binning-check", type=Path, help=argparse.SUPPRESS)  # the check's own process
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "build_gpu.json")
     args = parser.parse_args()
@@ -270,6 +288,10 @@ def main() -> None:
         result["binning_check"] = run_binning_check(args.work, args.input, args.check_samples)
         save()
         print(json.dumps(result["binning_check"]), flush=True)
+    if not args.no_gpu_tests:
+        result["gpu_tests"] = run_gpu_tests()
+        save()
+        print(json.dumps(result["gpu_tests"]), flush=True)
     print(f"wrote {args.out}")
 
 
