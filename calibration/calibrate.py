@@ -261,7 +261,7 @@ def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, 
         amax = stats.amax(settings.method, settings.percentile)
         record = {"model_sha256": model_sha, "method": settings.method, "percentile": settings.percentile,
                   "data": data.to_dict(), "seconds": round(time.perf_counter() - start, 2),
-                  "provider": checking_providers()[0],
+                  "provider": checking_providers()[0], "binned_on": stats.binned_on,
                   "excluded_values": stats.excluded,
                   "amax": amax}
         if stats.max_abs is not None:

@@ -68,6 +68,7 @@ _MSE_CHUNK = 128  # thresholds evaluated at once: a chunk x bins matrix of float
 # Values binned at once by AbsHistogram.update: 128 KiB of float64, reused from malloc's heap batch after batch.
 # With 4x larger chunks the peak RSS of a 224x224 CNN's calibration crept up 10% over its first 20 batches.
 _UPDATE_CHUNK = 1 << 14
+_TORCH_UPDATE_CHUNK = 1 << 24  # values binned at once on the GPU: 128 MiB of float64 and as much int64
 
 # Bytes of exposed tensors one ONNX Runtime run may hold: a batch with more is run in slices of fewer samples.
 # Exposed tensors cannot share ONNX Runtime's buffers and two runs' worth are held at once (one being binned
@@ -153,6 +154,39 @@ class AbsHistogram:
             self.counts[0] += flat.size  # only zeros so far: bin 0 of whatever range comes later
         self.amax = max(self.amax, batch_max)
         self.count += flat.size
+
+    def update_tensor(self, values: Any) -> None:
+        """``update`` for a torch tensor, binned where the tensor lives (a CUDA tensor stays on its GPU).
+
+        The same counts as ``update`` on the same values, bit for bit: |x| in float64 times the same
+        float64 scale, truncated to a bin index, the top clamped into the last bin; the range grows by the
+        same rule (on the host, from the batch's max and min). Raises ValueError on NaN or Inf as ``update``.
+        Returns once the GPU has finished (the counts come back to the host): the caller may free ``values``.
+        """
+        import torch
+
+        flat = values.reshape(-1)
+        if flat.numel() == 0:
+            return
+        low, high = (float(v) for v in torch.stack(torch.aminmax(flat)).tolist())
+        if not (math.isfinite(high) and math.isfinite(low)):
+            raise ValueError("AbsHistogram.update got NaN or Inf values; drop or report them before counting")
+        batch_max = max(high, -low)
+        if batch_max > self.upper:
+            self._grow_to(batch_max)
+        if self.upper > 0.0:
+            scale = self.num_bins / self.upper
+            counts = torch.zeros(self.num_bins, dtype=torch.int64, device=flat.device)
+            for start in range(0, flat.numel(), _TORCH_UPDATE_CHUNK):
+                scaled = flat[start:start + _TORCH_UPDATE_CHUNK].to(torch.float64).abs_()
+                scaled *= scale
+                index = scaled.to(torch.int64).clamp_(max=self.num_bins - 1)
+                counts += torch.bincount(index, minlength=self.num_bins)
+            self.counts += counts.cpu().numpy()
+        else:
+            self.counts[0] += flat.numel()
+        self.amax = max(self.amax, batch_max)
+        self.count += flat.numel()
 
     def _grow_to(self, new_max: float) -> None:
         if self.upper == 0.0:
@@ -350,6 +384,7 @@ class CalibrationStats:
     samples: int
     excluded: dict[str, int] = field(default_factory=dict)
     max_abs: dict[str, float] | None = None
+    binned_on: str = "host"  # where the histograms were counted: "host" (numpy) or a torch device ("cuda")
 
     def amax(self, method: str, percentile: float = defaults.PERCENTILE) -> dict[str, float]:
         """``amax_from_histogram`` for every tensor."""
@@ -361,7 +396,8 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
                        progress: Callable[[int], None] | None = None, num_bins: int = DEFAULT_BINS,
                        exclude_masked: bool = True, mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD,
                        budget_bytes: int = DEFAULT_MEMORY_BUDGET,
-                       max_abs_names: Iterable[str] = ()) -> CalibrationStats:
+                       max_abs_names: Iterable[str] = (), device: str = "auto",
+                       device_budget_bytes: int | None = None) -> CalibrationStats:
     """Run every batch through ONNX Runtime and histogram |x| of each tensor in ``tensor_names``.
 
     ``model`` is a proto or a path (external data beside it is loaded); it is not modified. Only the
@@ -374,6 +410,14 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     max |x| is measured in the same pass, as ``collect_max_abs`` with its defaults measures it (every value
     counted, reduced inside the graph, only a scalar per tensor leaves ONNX Runtime), into
     ``CalibrationStats.max_abs``: the FP16 remainder of an INT8 model needs no second pass over the data.
+
+    On the GPU: when the session runs on ONNX Runtime's CUDA provider and torch sees CUDA (``device="auto"``
+    picks that), the exposed tensors stay on the device (IOBinding, read by torch through DLPack), the
+    histograms are binned there (``AbsHistogram.update_tensor``: the same counts as on the host) and a run
+    may hold ``device_budget_bytes`` of them (default: ``defaults.CALIB_DEVICE_MEMORY_FRACTION`` of the
+    device's free memory) instead of ``budget_bytes``. ``device="cpu"`` runs that path on host tensors (the
+    tests compare it with numpy); ``device="host"`` keeps the host path (numpy) whatever the provider, as
+    ``"auto"`` does on a machine without a GPU.
     Raises CalibrationError for an unknown tensor, a batch that lacks an input or that ONNX Runtime rejects,
     NaN or Inf in a kept value (or in a max |x| tensor, mask biases aside), or no batches at all.
     """
@@ -382,19 +426,29 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     maxima = dict.fromkeys(reduced_names, 0.0)
     excluded = dict.fromkeys(histograms, 0)
     count = samples = 0
+    chosen: list[str | None] = []
     # Binning batch n runs on worker threads (numpy releases the GIL) while ONNX Runtime computes batch
-    # n+1; each histogram gets its batches in order, and at most two batches are held at once.
+    # n+1; each histogram gets its batches in order, and at most two batches are held at once. On a device
+    # each slice is binned before the next run starts (update_tensor returns when its kernels are done, so
+    # ONNX Runtime may reuse the memory): the GPU bins in milliseconds, there is little to overlap.
     with ThreadPoolExecutor(max_workers=max(1, min(len(histograms), os.cpu_count() or 1))) as pool:
         pending: list[Future[None]] = []
         for observed in _observed_batches(model, list(histograms), batches, providers, exclude_masked,
-                                          mask_bias_threshold, budget_bytes, reduced_names):
+                                          mask_bias_threshold, budget_bytes, reduced_names, device,
+                                          device_budget_bytes, chosen.append):
             for future in pending:
                 future.result()
             for name, value in observed.maxima.items():
                 maxima[name] = max(maxima[name], value)
-            pending = [pool.submit(histograms[name].update, values) for name, values in observed.values.items()]
             for name in observed.values:
                 excluded[name] += observed.excluded[name]
+            if chosen[0] is None:
+                pending = [pool.submit(histograms[name].update, values) for name, values in observed.values.items()]
+            else:
+                for name, values in observed.values.items():
+                    histograms[name].update_tensor(values)
+                observed.values.clear()  # the run's device memory goes back before the next run
+                observed.ort_values.clear()
             count = observed.batch + 1
             samples += observed.samples
             if progress is not None:
@@ -402,10 +456,11 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
         for future in pending:
             future.result()
     _log_exclusions(excluded, mask_bias_threshold)
-    log.info("collected |x| histograms of %d tensors from %d batches (%d samples)", len(histograms), count,
-             samples)
+    binned_on = (chosen[0] if chosen else None) or "host"
+    log.info("collected |x| histograms of %d tensors from %d batches (%d samples), binned on %s", len(histograms),
+             count, samples, binned_on)
     return CalibrationStats(histograms, count, samples, {k: v for k, v in excluded.items() if v},
-                            maxima if reduced_names else None)
+                            maxima if reduced_names else None, binned_on)
 
 
 def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_names: list[str],
@@ -537,12 +592,19 @@ class _Observed:
     nbytes: int = 0  # of the exposed tensors ONNX Runtime returned
     batch: int = 0  # index of the batch this slice belongs to
     maxima: dict[str, float] = field(default_factory=dict)  # max |x| of each of the probe's max_abs_names
+    # On the device path: the OrtValues whose memory ``values`` (torch tensors, through DLPack) share; held
+    # until the histograms have read them.
+    ort_values: list[Any] = field(default_factory=list)
 
 
 def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
                       batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None,
                       exclude_masked: bool, threshold: float, budget_bytes: int = DEFAULT_MEMORY_BUDGET,
-                      max_abs_names: tuple[str, ...] = ()) -> Iterator[_Observed]:
+                      max_abs_names: tuple[str, ...] = (), device: str = "host",
+                      device_budget_bytes: int | None = None,
+                      on_device: Callable[[str | None], None] | None = None) -> Iterator[_Observed]:
+    """The kept values of each batch (in slices within the budget). ``device``: as ``collect_histograms``;
+    ``on_device`` is told the device chosen (None: the host path) once the session exists."""
     if threshold <= 0:
         raise ValueError(f"mask_bias_threshold must be positive, got {threshold}")
     probe = _probe_for(model, names, threshold, max_abs_names)
@@ -550,6 +612,14 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
     per_sample = 0  # bytes of exposed tensors per sample, from the first run
     with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
         session = _session_for(probe, providers, Path(scratch), in_node_order=bool(probe.reduced))
+        on = _binning_device(session, device)
+        if on is not None:
+            budget_bytes = device_budget_bytes if device_budget_bytes is not None else _device_budget(on,
+                                                                                                   budget_bytes)
+            log.info("exposed tensors stay on %s (IOBinding, read by torch through DLPack) and are binned there; "
+                     "runs hold at most %.0f MiB of them", on, budget_bytes / 2**20)
+        if on_device is not None:
+            on_device(on)
         skeleton = weightless_copy(probe.model)
         del probe.model.graph.initializer[:]  # a copy: the session has the weights, one copy is enough
         for index, batch in enumerate(batches):
@@ -560,7 +630,7 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
                 step = 1 if not per_sample else max(1, budget_bytes // per_sample)
                 part = _slice(batch, probe.inputs, start, step, size)
                 mark_step(f"batch {index}" + (f", samples {start}-{min(size, start + step) - 1}" if size > 1 else ""))
-                observed = _observe(session, probe, index, part, exclude_masked, threshold)
+                observed = _observe(session, probe, index, part, exclude_masked, threshold, on)
                 if not per_sample and observed.samples:
                     per_sample = max(1, observed.nbytes // observed.samples)
                     log.debug("%d bytes of exposed tensors per sample: %d samples per run", per_sample,
@@ -741,36 +811,115 @@ def _ort_errors() -> tuple[type[Exception], ...]:
 
 
 def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarray], exclude_masked: bool,
-             threshold: float) -> _Observed:
+             threshold: float, device: str | None = None) -> _Observed:
     missing = [name for name in probe.inputs if name not in batch]
     if missing:
         raise CalibrationError(f"batch {index} has no array for model input(s) {', '.join(missing)}; every batch "
                                f"must map each input name ({', '.join(probe.inputs)}) to an array")
     feed = {name: np.asarray(batch[name]) for name in probe.inputs}
     outputs = [*probe.fetched, *probe.reduced.values()]
+    ort_values: list[Any] = []
     try:
-        results = session.run(outputs, feed) if outputs else []
+        if device is None:
+            results = session.run(outputs, feed) if outputs else []
+        else:
+            results, ort_values = _run_on_device(session, feed, probe, device)
     except _ort_errors() as err:
         raise CalibrationError(f"batch {index}: ONNX Runtime could not run it ({err}); check the batch's "
                                "dtypes and shapes against the model inputs") from err
     arrays = results[:len(probe.fetched)]
     tensors = dict(zip(probe.fetched, arrays))
     scalars = dict(zip(probe.reduced, results[len(probe.fetched):]))
-    mask = _padding_mask(probe, feed) if exclude_masked else None
-    values: dict[str, np.ndarray] = {}
+    mask: Any = _padding_mask(probe, feed) if exclude_masked else None
+    if device is not None and mask is not None:
+        mask = _on_device(mask, device)
+    values: dict[str, Any] = {}
     excluded: dict[str, int] = {}
     for name in probe.requested:
-        array = np.asarray(tensors[name] if name in tensors else feed[name])
+        if name in tensors:
+            array = tensors[name] if device is not None else np.asarray(tensors[name])
+        else:  # a graph input, read from the feed
+            array = feed[name] if device is None else _on_device(feed[name], device)
         values[name] = _kept_values(index, name, array, mask, name in probe.bias_cone, exclude_masked, threshold)
-        excluded[name] = array.size - values[name].size
+        excluded[name] = _numel(array) - _numel(values[name])
     maxima: dict[str, float] = {}
     for name in probe.max_abs_names:
         in_cone = name in probe.bias_cone
         maxima[name] = _scalar_max_abs(index, name, float(scalars[name]), in_cone) if name in scalars \
             else _input_max_abs(index, name, feed[name], in_cone, threshold)
     first = feed[probe.inputs[0]] if probe.inputs else np.zeros(())
-    return _Observed(int(first.shape[0]) if first.ndim else 1, values, excluded, sum(a.nbytes for a in arrays),
-                     index, maxima)
+    return _Observed(int(first.shape[0]) if first.ndim else 1, values, excluded, sum(_nbytes(a) for a in arrays),
+                     index, maxima, ort_values)
+
+
+def _binning_device(session: Any, requested: str) -> str | None:
+    """Where the exposed tensors are binned, as a torch device, or None for numpy on the host: for "auto", "cuda"
+    when the session computes on ONNX Runtime's CUDA provider and torch sees a CUDA device, else None."""
+    if requested == "host":
+        return None
+    if requested != "auto":
+        return requested
+    if session.get_providers()[0] != "CUDAExecutionProvider":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        log.warning("ONNX Runtime runs calibration on CUDA but torch sees no CUDA device: binning on the host")
+        return None
+    return "cuda"
+
+
+def _device_budget(device: str, host_budget: int) -> int:
+    """Bytes of exposed tensors one run may keep on ``device``: a fraction of its free memory (the host budget on
+    "cpu", where the torch path runs only to be tested against numpy)."""
+    if device == "cpu":
+        return host_budget
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return max(host_budget, int(free * defaults.CALIB_DEVICE_MEMORY_FRACTION))
+
+
+def _run_on_device(session: Any, feed: dict[str, np.ndarray], probe: _Probe, device: str,
+                   ) -> tuple[list[Any], list[Any]]:
+    """One run with the exposed tensors bound on ``device`` ("cuda", or "cpu" for tests): (results, OrtValues).
+
+    The results are torch tensors sharing the OrtValues' memory (DLPack, no copy), then the in-graph max |x|
+    scalars as numpy (bound on the host: one number each). ONNX Runtime has finished the run when it returns
+    (it synchronizes its stream at the end of a run by default), so torch may read the tensors on any stream.
+    """
+    import torch
+
+    binding = session.io_binding()
+    for name, array in feed.items():
+        binding.bind_cpu_input(name, np.ascontiguousarray(array))
+    kind = torch.device(device)
+    for name in probe.fetched:
+        binding.bind_output(name, kind.type, kind.index or 0)
+    for name in probe.reduced.values():
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    ort_values = list(binding.get_outputs())
+    fetched = len(probe.fetched)
+    results = [torch.from_dlpack(v) for v in ort_values[:fetched]] + [v.numpy() for v in ort_values[fetched:]]
+    return results, ort_values
+
+
+def _on_device(array: np.ndarray, device: str) -> Any:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def _numel(values: Any) -> int:
+    """Elements of a numpy array or a torch tensor (whose ``size`` is a method)."""
+    return int(values.size) if isinstance(values, np.ndarray) else int(values.numel())
+
+
+def _nbytes(values: Any) -> int:
+    return int(values.nbytes) if isinstance(values, np.ndarray) else int(values.numel() * values.element_size())
 
 
 def _padding_mask(probe: _Probe, feed: dict[str, np.ndarray]) -> np.ndarray | None:
@@ -781,9 +930,13 @@ def _padding_mask(probe: _Probe, feed: dict[str, np.ndarray]) -> np.ndarray | No
     return None
 
 
-def _kept_values(index: int, name: str, array: np.ndarray, mask: np.ndarray | None, in_cone: bool,
-                 exclude_masked: bool, threshold: float) -> np.ndarray:
-    """The flattened values of ``array`` that enter the statistics; raises on NaN or non-bias Inf."""
+def _kept_values(index: int, name: str, array: Any, mask: Any, in_cone: bool, exclude_masked: bool,
+                 threshold: float) -> Any:
+    """The flattened values of ``array`` that enter the statistics; raises on NaN or non-bias Inf.
+
+    ``array`` and ``mask`` are numpy arrays, or torch tensors on one device (the device path): the same
+    indexing on either.
+    """
     if mask is not None:
         array = _unpadded(array, mask, in_cone)
     flat = array.ravel()
@@ -795,23 +948,28 @@ def _kept_values(index: int, name: str, array: np.ndarray, mask: np.ndarray | No
     return flat[~biases] if exclude_masked else flat
 
 
-def _unpadded(array: np.ndarray, mask: np.ndarray, in_cone: bool) -> np.ndarray:
+def _unpadded(array: Any, mask: Any, in_cone: bool) -> Any:
     """The elements of ``array`` at real-token positions (see the module docstring for the two shapes)."""
     b, s = mask.shape
     shape = array.shape
     if array.ndim >= 3 and shape[0] == b and shape[-2:] == (s, s) and (array.ndim >= 4 or in_cone):
         pairs = mask[:, :, None] & mask[:, None, :]
         keep = pairs.reshape((b,) + (1,) * (array.ndim - 3) + (s, s))
-        return array[np.broadcast_to(keep, shape)]
+        return array[np.broadcast_to(keep, shape) if isinstance(keep, np.ndarray) else keep.expand(shape)]
     if array.ndim >= 2 and shape[:2] == (b, s):
         return array[mask]
     return array
 
 
-def _check_finite(index: int, name: str, values: np.ndarray) -> None:
-    bad = int(np.count_nonzero(~np.isfinite(values)))
+def _check_finite(index: int, name: str, values: Any) -> None:
+    if isinstance(values, np.ndarray):
+        bad = int(np.count_nonzero(~np.isfinite(values)))
+    else:
+        import torch
+
+        bad = int((~torch.isfinite(values)).sum())
     if bad:
-        raise CalibrationError(f"batch {index}: tensor {name!r} has {bad} NaN or Inf value(s) of {values.size}; "
+        raise CalibrationError(f"batch {index}: tensor {name!r} has {bad} NaN or Inf value(s) of {_numel(values)}; "
                                "check that batch's data (scaling, dtype, uninitialised arrays) or the model")
 
 

@@ -264,6 +264,7 @@ def test_calibration_json_records_amax_method_and_data(cnn: Exported, calibrated
     assert sorted(record["amax"]) == sorted(expected) and len(expected) == 8
     assert all(np.isfinite(v) and v > 0 for v in record["amax"].values())
     assert record["method"] == "percentile" and record["percentile"] == 99.99
+    assert (record["provider"], record["binned_on"]) == ("CPUExecutionProvider", "host")  # no GPU here
     assert record["model_sha256"] == sha256_file(cnn.directory / "model.onnx")
     spec = ModelSpec((parse_input_spec("images:Bx1x8x8"),))
     fingerprint = calibration_data(cnn.calib, spec).fingerprint

@@ -77,6 +77,8 @@ def test_export_torchscript_and_exported_program_and_onnx_files(tmp_path: Path) 
     assert code == 0, output
     manifest = json.loads((tmp_path / "ts" / "manifest.json").read_text())
     assert manifest["export"]["exporter"] == "torchscript" and manifest["source"]["format"] == "torchscript"
+    # no GPU here: both sides of the checks ran on the CPU, and the manifest says so
+    assert manifest["verification"]["devices"] == {"onnxruntime": "CPUExecutionProvider", "torch": "cpu", "tf32": False}
     feed = {"images": np.random.default_rng(3).normal(size=(5, 1, 8, 8)).astype(np.float32)}
     assert eager_vs_onnx(model, tmp_path / "ts" / "model.onnx", feed) < 1e-4
 
@@ -103,6 +105,7 @@ def test_export_torchscript_and_exported_program_and_onnx_files(tmp_path: Path) 
     manifest = json.loads((tmp_path / "ox" / "manifest.json").read_text())
     assert manifest["export"]["exporter"] == "onnx-input"
     assert manifest["verification"]["reference"] == "onnxruntime[original ONNX]"
+    assert manifest["verification"]["devices"]["torch"] is None
 
 
 @pytest.mark.slow

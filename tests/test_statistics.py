@@ -18,6 +18,7 @@ from calibration.statistics import (
     collect_histograms,
     collect_max_abs,
 )
+from compiler.core import defaults
 from compiler.core.errors import CalibrationError
 from compiler.core.onnx_io import ort_session, save_onnx
 from tests.onnx_helpers import make_model, tensor
@@ -404,3 +405,125 @@ def test_baked_mask_constants_are_excluded_up_to_the_softmax_only() -> None:
     assert stats.histograms["shifted"].count == x.size  # past the Softmax, values near -5000 are real
     assert stats.histograms["shifted"].amax > 4990.0
     assert collect_max_abs(_causal_model(), ["biased"], [{"x": x}])["biased"] == pytest.approx(1e9)
+
+
+# --- binning on the device (torch), tested on CPU tensors -------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_torch_update_counts_exactly_as_numpy(dtype: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(statistics, "_TORCH_UPDATE_CHUNK", 97)  # several chunks per batch, a ragged last one
+    rng = np.random.default_rng(11)
+    batches = [np.zeros(0), np.zeros(50), rng.standard_normal(300) * 1e-3,  # empty, zeros first, then a range
+               rng.standard_normal((7, 40)) * 0.5,  # grows by a factor
+               np.array([0.5, -0.5, 0.25]),  # values on bin edges
+               rng.standard_normal(1000) * 900.0,  # grows past several factors at once
+               np.zeros(13), -np.abs(rng.standard_normal(200)) * 3.0]  # only negatives
+    host, device = AbsHistogram(2048), AbsHistogram(2048)
+    for batch in batches:
+        values = np.asarray(batch, dtype=dtype)
+        host.update(values)
+        device.update_tensor(torch.from_numpy(values))
+        assert np.array_equal(device.counts, host.counts)
+        assert (device.upper, device.amax, device.count) == (host.upper, host.amax, host.count)
+    assert host.count == sum(np.size(b) for b in batches) and host.upper > 900.0
+    edge = AbsHistogram(8)  # a value exactly at the top of the range falls in the last bin, as in numpy
+    edge.update_tensor(torch.tensor([2.0, 1.0, 0.0]))
+    assert edge.counts.tolist() == [1, 0, 0, 0, 1, 0, 0, 1]
+    for bad in (np.nan, np.inf, -np.inf):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            device.update_tensor(torch.tensor([1.0, bad], dtype=torch.float32))
+    assert np.array_equal(device.counts, host.counts)  # a rejected batch leaves the histogram alone
+
+
+def _cases() -> dict[str, tuple[onnx.ModelProto, list[str], list[dict[str, np.ndarray]], list[str]]]:
+    """(model, tensors, batches, max |x| tensors) covering plain, padded, mask-bias and baked-mask models."""
+    padded = _padded_batches([[3, 5], [4, 2]], [5, 4])
+    for b in padded:
+        b["x"][b["attention_mask"] == 0] = 30.0
+    causal = [{"x": np.random.default_rng(10).standard_normal((3, 4, 4)).astype(np.float32)}]
+    return {"mlp": (_mlp(), ["h", "r", "x"], _mlp_batches(5), ["y", "h"]),
+            "padding": (_token_model(), ["h", "y"], _padded_batches([[3, 6], [2, 4, 4], [5]], [6, 4, 8]), ["h"]),
+            "mask bias": (_attention_model(), ["biased", "bias4", "probs"], padded, ["biased"]),
+            "baked mask": (_causal_model(), ["biased", "shifted"], causal, [])}
+
+
+@pytest.mark.parametrize("case", ["mlp", "padding", "mask bias", "baked mask"])
+@pytest.mark.parametrize("budget", [1, statistics.DEFAULT_MEMORY_BUDGET])
+def test_the_device_path_gives_the_host_histograms(case: str, budget: int) -> None:
+    pytest.importorskip("torch")
+    model, names, batches, max_abs = _cases()[case]
+    host = collect_histograms(model, names, batches, max_abs_names=max_abs, budget_bytes=budget)
+    device = collect_histograms(model, names, batches, max_abs_names=max_abs, device="cpu",
+                                device_budget_bytes=budget)
+    assert (host.binned_on, device.binned_on) == ("host", "cpu")
+    for name in names:
+        h, d = host.histograms[name], device.histograms[name]
+        assert np.array_equal(d.counts, h.counts), name
+        assert (d.upper, d.amax, d.count) == (h.upper, h.amax, h.count), name
+    assert (device.batches, device.samples, device.excluded, device.max_abs) == \
+        (host.batches, host.samples, host.excluded, host.max_abs)
+    assert device.amax("percentile") == host.amax("percentile")
+
+
+def test_the_device_path_reports_nan_as_the_host_path() -> None:
+    pytest.importorskip("torch")
+    batches = _mlp_batches(4)
+    batches[2]["x"][0, 0] = np.nan
+    messages = []
+    for device in ("auto", "cpu"):
+        with pytest.raises(CalibrationError, match=r"batch 2: tensor 'h' has \d+ NaN or Inf") as err:
+            collect_histograms(_mlp(), ["h"], batches, device=device)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+
+
+def test_device_runs_are_sized_by_the_device_budget_not_the_host_one() -> None:
+    pytest.importorskip("torch")
+    batches = [{"x": b["x"]} for b in _mlp_batches(3)]  # 4, 5 and 6 samples
+    for device, device_budget, expected in [("auto", None, [1] * 15),  # host: 1 byte -> one sample a run
+                                            ("cpu", 1 << 30, [4, 5, 6]),  # device: whole batches
+                                            ("cpu", 1, [1] * 15)]:
+        slices: list[int] = []
+        collect_histograms(_mlp(), ["h"], batches, budget_bytes=1, device=device, device_budget_bytes=device_budget,
+                           progress=slices.append)
+        assert slices == expected, device
+
+
+def test_binning_goes_to_cuda_only_with_the_cuda_provider_and_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+
+    class Session:
+        def __init__(self, provider: str) -> None:
+            self.provider = provider
+
+        def get_providers(self) -> list[str]:
+            return [self.provider, "CPUExecutionProvider"]
+
+    for torch_cuda, provider, expected in [(True, "CUDAExecutionProvider", "cuda"),
+                                           (False, "CUDAExecutionProvider", None),
+                                           (True, "CPUExecutionProvider", None)]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda value=torch_cuda: value)
+        assert statistics._binning_device(Session(provider), "auto") == expected
+    assert statistics._binning_device(Session("CPUExecutionProvider"), "cpu") == "cpu"
+    assert statistics._binning_device(Session("CUDAExecutionProvider"), "host") is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 140 << 30))
+    assert statistics._device_budget("cuda", 64 << 20) == int((80 << 30) * defaults.CALIB_DEVICE_MEMORY_FRACTION)
+    assert statistics._device_budget("cpu", 64 << 20) == 64 << 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["mlp", "padding", "mask bias", "baked mask"])
+def test_cuda_binning_gives_the_host_histograms_of_the_same_cuda_runs(case: str) -> None:
+    model, names, batches, max_abs = _cases()[case]
+    cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    whole = 1 << 30  # whole batches on both paths: the same ONNX Runtime runs
+    host = collect_histograms(model, names, batches, providers=cuda, max_abs_names=max_abs, device="host",
+                              budget_bytes=whole)
+    gpu = collect_histograms(model, names, batches, providers=cuda, max_abs_names=max_abs, budget_bytes=whole,
+                             device_budget_bytes=whole)
+    assert (host.binned_on, gpu.binned_on) == ("host", "cuda")
+    for name in names:
+        assert np.array_equal(gpu.histograms[name].counts, host.histograms[name].counts), name
+        assert gpu.histograms[name].amax == host.histograms[name].amax, name
+    assert (gpu.excluded, gpu.max_abs) == (host.excluded, host.max_abs)

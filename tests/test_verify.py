@@ -141,3 +141,144 @@ def test_fp32_noise_passes_and_a_wrong_operator_is_caught(name: str, exported: d
         with pytest.raises(VerificationError, match="elements outside atol"):
             verify_runners(OrtRunner(_wrong(model, kind), ["CPUExecutionProvider"]), reference, spec, [1, 8], None,
                            f"export check with {kind}")
+
+
+# --- where the checks run ------------------------------------------------------------------------------------------
+
+def test_checks_run_on_the_gpu_with_tf32_off_where_the_cuda_provider_is_usable() -> None:
+    from compiler.frontend.verify import checking_devices
+
+    gpu = checking_devices(["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert gpu.torch_device == "cuda" and gpu.ort_provider == "CUDAExecutionProvider"
+    assert gpu.ort_providers[0][1]["use_tf32"] == "0" and gpu.ort_providers[1] == "CPUExecutionProvider"
+    cpu = checking_devices(["CPUExecutionProvider"])
+    assert (cpu.torch_device, cpu.ort_providers) == ("cpu", ("CPUExecutionProvider",))
+    assert checking_devices().torch_device == "cpu"  # this machine has no GPU
+
+
+def test_fp32_math_turns_tf32_off_and_restores_it() -> None:
+    import torch
+
+    from compiler.frontend.verify import fp32_math
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (cudnn.allow_tf32, matmul.allow_tf32)
+    try:
+        cudnn.allow_tf32 = matmul.allow_tf32 = True
+        with fp32_math():
+            assert (cudnn.allow_tf32, matmul.allow_tf32) == (False, False)
+        assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, True)
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = saved
+
+
+class _CpuOnly:
+    """A module that fails on any device but the CPU, as a graph with the CPU baked in fails on CUDA. Being moved to
+    "meta" (the stand-in for CUDA on this machine) is only recorded, so that its weights survive."""
+
+    def __new__(cls) -> Any:
+        import torch
+
+        class CpuOnly(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.scale = torch.nn.Parameter(torch.full((100,), 2.0))
+                self.placed = "cpu"
+
+            def to(self, device: Any, *args: Any, **kwargs: Any) -> Any:
+                self.placed = str(device)
+                return self if self.placed == "meta" else super().to(device, *args, **kwargs)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if self.placed != "cpu":
+                    raise RuntimeError(f"Expected all tensors to be on the same device, but found {x.device} and cpu")
+                return x * self.scale
+
+        return CpuOnly()
+
+
+def test_eager_reference_falls_back_to_the_cpu_and_ends_there(caplog: pytest.LogCaptureFixture) -> None:
+    from compiler.frontend.verify import EagerReference
+
+    module = _CpuOnly()
+    eager = EagerReference(module, ["x"], ["y"], device="meta")
+    assert module.placed == "meta"
+    feed = SPEC.example_feed(2)
+    with caplog.at_level(logging.WARNING):
+        got = eager.infer(feed)
+    assert eager.device == "cpu" and "cannot run the model on meta" in caplog.text
+    np.testing.assert_array_equal(got["y"], feed["x"] * 2.0)
+    module.placed = "meta"
+    eager.close()
+    assert module.placed == "cpu"
+
+
+class _OffOnTheDevice:
+    """x * 2, but 1% off when placed anywhere but "cpu": a device kernel that misses the FP32 tolerance."""
+
+    def __new__(cls, off: float = 1.01, off_on_cpu: float = 1.0) -> Any:
+        import torch
+
+        class OffOnTheDevice(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.scale = torch.nn.Parameter(torch.full((100,), 2.0))
+                self.placed = "cpu"
+
+            def to(self, device: Any, *args: Any, **kwargs: Any) -> Any:
+                self.placed = str(device)
+                return super().to(device, *args, **kwargs)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x * self.scale * (off if self.placed != "cpu" else off_on_cpu)
+
+        return OffOnTheDevice()
+
+
+def _times_two() -> onnx.ModelProto:
+    return make_model([onnx.helper.make_node("Mul", ["x", "scale"], ["y"])], [tensor("x", ["B", 4, 100])],
+                      [tensor("y", ["B", 4, 100])], {"scale": np.full(100, 2.0, np.float32)})
+
+
+def test_a_failed_gpu_check_is_judged_on_the_cpu(caplog: pytest.LogCaptureFixture) -> None:
+    from compiler.frontend.verify import CheckingDevices, ExportChecks
+
+    gpu = CheckingDevices("cpu:0", ("CPUExecutionProvider",))  # "cpu:0" stands in for CUDA on this machine
+    checks = ExportChecks(_OffOnTheDevice(), ["x"], ["y"], devices=gpu)
+    with caplog.at_level(logging.WARNING):
+        results = checks.run(_times_two(), None, SPEC, [1, 3], None, "export check")
+    assert "export check failed on the GPU" in caplog.text and "checking again on the CPU" in caplog.text
+    assert [r.batch for r in results] == [1, 3] and all(r.mismatched == 0 for r in results)
+    assert checks.record() == {"onnxruntime": "CPUExecutionProvider", "torch": "cpu", "tf32": False}
+    checks.run(_times_two(), None, SPEC, [2], None, "pass check")  # later checks stay on the CPU
+    checks.close()
+
+    wrong = ExportChecks(_OffOnTheDevice(off_on_cpu=1.01), ["x"], ["y"], devices=gpu)  # a real error fails
+    with pytest.raises(VerificationError, match=r"export check: onnxruntime.* differs from torch"):
+        wrong.run(_times_two(), None, SPEC, [1], None, "export check")
+    # without an eager model the original ONNX is the reference
+    onnx_only = ExportChecks(None, ["x"], ["y"], devices=CheckingDevices("cpu", ("CPUExecutionProvider",)))
+    assert onnx_only.run(_times_two(), _times_two(), SPEC, [2], None, "pass check")[0].max_abs == 0.0
+    assert onnx_only.reference_name == "onnxruntime[original ONNX]" and onnx_only.record()["torch"] is None
+
+
+@pytest.mark.gpu
+def test_export_checks_run_on_cuda_with_tf32_off_and_pass_fp32_noise(caplog: pytest.LogCaptureFixture,
+                                                                     tmp_path: Path) -> None:
+    import torch
+
+    from compiler.frontend.verify import ExportChecks
+
+    torch.manual_seed(0)
+    # a convolution and a matmul with a long reduction (6400), where TF32 on either side would show
+    module = torch.nn.Sequential(torch.nn.Conv1d(4, 64, 3, padding=1), torch.nn.GELU(), torch.nn.Flatten(),
+                                 torch.nn.Linear(6400, 10)).eval()
+    exported = onnx_from_torch(LoadedModel("factory", None, module=module), SPEC, 8, workdir=tmp_path)
+    checks = ExportChecks(module, ["x"], [o.name for o in exported.model.graph.output])
+    assert (checks.devices.torch_device, checks.devices.ort_provider) == ("cuda", "CUDAExecutionProvider")
+    with caplog.at_level(logging.WARNING):
+        results = checks.run(exported.model, None, SPEC, [1, 8], None, "export check")
+    assert "failed on the GPU" not in caplog.text and all(r.mismatched == 0 for r in results)
+    assert checks.record() == {"onnxruntime": "CUDAExecutionProvider", "torch": "cuda", "tf32": False}
+    checks.close()
+    assert next(module.parameters()).device.type == "cpu"

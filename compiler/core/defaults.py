@@ -11,7 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "BUCKETS", "ATOL", "RTOL", "EXPORT_MIN_COSINE",
-    "CALIB_SAMPLES", "CALIB_BATCH", "CALIB_METHOD", "PERCENTILE", "FP32_REST",
+    "CALIB_SAMPLES", "CALIB_BATCH", "CALIB_METHOD", "PERCENTILE", "FP32_REST", "CALIB_DEVICE_MEMORY_FRACTION",
     "MAX_ACCURACY_DROP", "GATE_MIN_COSINE", "MAX_FALLBACK", "SENSITIVITY_SAMPLES",
     "PRECISION", "OPT_LEVEL", "HARDWARE_COMPAT", "TF32", "ENGINE", "JOBS", "MULTI_PROFILE", "VERSION_COMPATIBLE",
     "BENCH_ITERATIONS", "BENCH_MIN_SECONDS", "BENCH_WARMUP", "BENCH_WARMUP_SECONDS", "BENCH_SEED",
@@ -33,6 +33,10 @@ CALIB_BATCH = 16  # samples per calibration batch
 CALIB_METHOD = "percentile"
 PERCENTILE = 99.99  # of |x|, for the percentile method
 FP32_REST = False  # INT8: what is not quantized runs in FP16 (as ModelOpt), not FP32
+# On a GPU, the calibrated activations of one ONNX Runtime run stay on the device and are binned there: a run
+# may hold this fraction of the device's free memory of them (the host budget, 64 MiB, applies without a GPU).
+# A quarter leaves room for ONNX Runtime's own activations, the binning's temporaries and the next run.
+CALIB_DEVICE_MEMORY_FRACTION = 0.25
 
 # --- accuracy gate --------------------------------------------------------------------------------------------------
 MAX_ACCURACY_DROP = 0.5  # top-1 percentage points, with labels

@@ -8,24 +8,33 @@ elements that cancel in a large output (box coordinates in pixels) are judged ag
 output's magnitude. On top of that, each whole output (per run) must keep a cosine
 similarity of at least ``min_cosine`` to the reference: a wrong operator moves errors to the
 scale of the values themselves, far past both.
+
+Where the checks run (``checking_devices``): eager PyTorch on CUDA and ONNX Runtime on its CUDA
+provider when a CUDA device, torch's CUDA and onnxruntime-gpu are all present, else both on the
+CPU. TF32 is off on both sides (torch's matmul and cuDNN flags, the provider's ``use_tf32``), so
+the FP32 check compares FP32 kernels with FP32 kernels and the CPU's tolerance holds unchanged;
+with TF32 a ViT-B/16's outputs move by about 1e-3 of their scale, past the default ``atol``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from compiler.backends.runners import Runner
+from compiler.backends.runners import OrtRunner, Runner, TorchRunner
 from compiler.core.errors import VerificationError
+from compiler.core.onnx_io import checking_providers
 from compiler.core.settings import DEFAULT_ATOL, DEFAULT_MIN_COSINE, DEFAULT_RTOL, Tolerance
 from compiler.core.specs import ModelSpec
 
 __all__ = ["Comparison", "Tolerance", "compare_outputs", "verify_runners", "DEFAULT_ATOL", "DEFAULT_RTOL",
-           "DEFAULT_MIN_COSINE", "FeedSource"]
+           "DEFAULT_MIN_COSINE", "FeedSource", "CheckingDevices", "checking_devices", "EagerReference", "fp32_math",
+           "ExportChecks"]
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +146,160 @@ def verify_runners(candidate: Runner, reference: Runner, spec: ModelSpec, batche
                 f"{cmp.max_abs:.3g}, {cmp.max_rel:.3g} of the output's scale, cosine {cmp.cosine:.6f}); raise --atol "
                 "or --rtol if that is expected, or report the model")
     return results
+
+
+# ONNX Runtime's CUDA provider for the FP32 checks: no TF32 (on by default in the provider; off, its Conv sets cuDNN's
+# FMA math before searching algorithms, and its MatMul/Gemm use FP32 cuBLAS math)
+_CHECK_CUDA_OPTIONS = {"use_tf32": "0"}
+
+
+@dataclass(frozen=True)
+class CheckingDevices:
+    """Where the export checks run: eager PyTorch's device and ONNX Runtime's providers (TF32 off on both)."""
+
+    torch_device: str  # "cuda" or "cpu"
+    ort_providers: tuple[Any, ...]  # for OrtRunner: names, or (name, options) pairs
+
+    @property
+    def ort_provider(self) -> str:
+        first = self.ort_providers[0]
+        return str(first[0] if isinstance(first, tuple) else first)
+
+    def ort_runner(self, model: Any) -> OrtRunner:
+        return OrtRunner(model, list(self.ort_providers))
+
+
+def checking_devices(providers: list[str] | None = None) -> CheckingDevices:
+    """The GPU when ONNX Runtime's CUDA provider and torch's CUDA are both usable (``checking_providers``, or
+    ``providers`` if given), else the CPU for both sides."""
+    providers = providers if providers is not None else checking_providers()
+    if providers[0] == "CUDAExecutionProvider":
+        return CheckingDevices("cuda", (("CUDAExecutionProvider", dict(_CHECK_CUDA_OPTIONS)), "CPUExecutionProvider"))
+    return CheckingDevices("cpu", ("CPUExecutionProvider",))
+
+
+@contextlib.contextmanager
+def fp32_math() -> Iterator[None]:
+    """TF32 off for torch's CUDA matmuls and convolutions inside the block (cuDNN allows it by default)."""
+    import torch
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (cudnn.allow_tf32, matmul.allow_tf32)
+    cudnn.allow_tf32 = matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = saved
+
+
+class EagerReference:
+    """Eager PyTorch as the export checks' reference, on ``device`` with TF32 off.
+
+    A module that cannot run on CUDA (a graph with a CPU device baked in, too little memory) falls back
+    to the CPU with a warning; ``device`` says where it ran last. ``close`` moves the module back to the
+    CPU (``.to`` moves it in place, and later steps save its weights) and frees torch's cached GPU memory.
+    """
+
+    name = "torch"
+
+    def __init__(self, module: Any, input_names: list[str], output_names: list[str], device: str = "cpu") -> None:
+        self.module = module
+        self.input_names = input_names
+        self.output_names = output_names
+        self.device = device
+        self._runner = self._on(device)
+
+    def move_to(self, device: str) -> None:
+        self.device = device
+        self._runner = self._on(device)
+
+    def _on(self, device: str) -> TorchRunner:
+        if device != "cpu":
+            try:
+                return TorchRunner(self.module, self.input_names, self.output_names, device=device)
+            except RuntimeError as err:
+                self._fall_back(err)
+        return TorchRunner(self.module, self.input_names, self.output_names, device="cpu")
+
+    def _fall_back(self, err: Exception) -> None:
+        log.warning("eager PyTorch cannot run the model on %s (%s); the export checks run it on the CPU",
+                    self.device, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        self.device = "cpu"
+
+    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with fp32_math():
+            if self.device == "cpu":
+                return self._runner.infer(feed)
+            try:
+                return self._runner.infer(feed)
+            except RuntimeError as err:  # device mismatch inside the graph, out of memory
+                self._fall_back(err)
+                self._runner = self._on("cpu")
+                return self._runner.infer(feed)
+
+    def close(self) -> None:
+        if hasattr(self.module, "to"):
+            self.module.to("cpu")
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+class ExportChecks:
+    """The export and pass checks of one export: on the GPU where there is one (``checking_devices``), and
+    judged on the CPU when a GPU check fails.
+
+    The tolerance was set on FP32 CPU kernels; a GPU library that still takes a reduced-precision path
+    (TF32 somewhere despite the flags) must not fail a correct export, so a failed GPU check runs again on
+    the CPU, whose verdict stands (with a warning naming the GPU's error), and the remaining checks stay
+    there. ``module`` is the eager model (None for an ONNX input, whose reference is then the original ONNX).
+    """
+
+    def __init__(self, module: Any, input_names: list[str], output_names: list[str],
+                 devices: CheckingDevices | None = None) -> None:
+        self.devices = devices or checking_devices()
+        self.eager = EagerReference(module, input_names, output_names, self.devices.torch_device) \
+            if module is not None else None
+        self.provider = self.devices.ort_provider  # the provider of the last check's candidate session
+
+    @property
+    def reference_name(self) -> str:
+        return self.eager.name if self.eager is not None else "onnxruntime[original ONNX]"
+
+    def run(self, candidate: Any, original: Any, spec: ModelSpec, batches: list[int], tol: Tolerance | None,
+            what: str, feeds: FeedSource | None = None) -> list[Comparison]:
+        """``verify_runners`` of ``candidate`` (an ONNX path or proto) against the eager model, or against
+        ``original`` (ONNX) where there is none."""
+        try:
+            return self._run(candidate, original, spec, batches, tol, what, feeds)
+        except VerificationError as err:
+            if self.devices.torch_device == "cpu" and self.devices.ort_provider == "CPUExecutionProvider":
+                raise
+            log.warning("%s failed on the GPU (%s); checking again on the CPU, whose verdict stands", what,
+                        str(err).split(": ", 1)[-1])
+            self.devices = checking_devices(["CPUExecutionProvider"])
+            if self.eager is not None:
+                self.eager.move_to("cpu")
+            return self._run(candidate, original, spec, batches, tol, what, feeds)
+
+    def _run(self, candidate: Any, original: Any, spec: ModelSpec, batches: list[int], tol: Tolerance | None,
+             what: str, feeds: FeedSource | None) -> list[Comparison]:
+        runner = self.devices.ort_runner(candidate)
+        self.provider = runner.session.get_providers()[0]
+        reference: Runner
+        if self.eager is not None:
+            reference = self.eager
+        else:
+            reference = self.devices.ort_runner(original)
+            reference.name = self.reference_name
+        return verify_runners(runner, reference, spec, batches, tol, what, feeds=feeds)
+
+    def record(self) -> dict[str, Any]:
+        """Where the checks ran, for the manifest's ``verification.devices``."""
+        return {"onnxruntime": self.provider, "torch": self.eager.device if self.eager is not None else None,
+                "tf32": False}
+
+    def close(self) -> None:
+        if self.eager is not None:
+            self.eager.close()

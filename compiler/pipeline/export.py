@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from compiler.backends.runners import OrtRunner, Runner, TorchRunner
 from compiler.core.errors import InputError
 from compiler.core.files import Transaction, directory_transaction, sha256_file
 from compiler.core.manifest import MANIFEST, now, onnx_entry, refuse_other_model, tool_versions, write_manifest
@@ -26,7 +25,7 @@ from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.frontend.export import ExportResult, onnx_from_torch
 from compiler.frontend.loading import LoadedModel, load_model, snapshot_into, specs_from_exported_program
 from compiler.frontend.passes import run_passes
-from compiler.frontend.verify import FeedSource, verify_runners
+from compiler.frontend.verify import ExportChecks, FeedSource
 
 __all__ = ["export_directory", "ModelToExport", "model_to_export", "export_step", "exported_into",
            "source_fingerprint", "resolve_spec"]
@@ -112,31 +111,29 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         result: ExportResult = onnx_from_torch(loaded, spec, settings.max_batch, settings.opset,
                                                list(settings.output_names) or None, work, feeds)
     raw = result.model
-    reference: Runner | None = _reference_runner(loaded, spec, raw)
+    # on the GPU where there is one (TF32 off on both sides), judged on the CPU if a GPU check fails
+    checks = ExportChecks(loaded.module, spec.input_names, [o.name for o in raw.graph.output])
     tol = settings.tolerance
     verification: dict[str, Any] = {"rtol": tol.rtol, "atol": tol.atol, "min_cosine": tol.min_cosine,
                                     "batches": settings.verify_batches,
                                     "inputs": feeds_from if feeds is not None else "example values of the spec"}
-    if reference is not None:
+    if checks.eager is not None:
         with stage_timer("export check"):
-            verification["export"] = [c.to_dict() for c in verify_runners(
-                OrtRunner(raw, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, tol,
-                "export check (ONNX Runtime vs eager PyTorch)", feeds=feeds)]
+            verification["export"] = [c.to_dict() for c in checks.run(
+                raw, None, spec, settings.verify_batches, tol, "export check (ONNX Runtime vs eager PyTorch)",
+                feeds=feeds)]
     start = time.perf_counter()
     with stage_timer("graph passes"):
         folded, passes = run_passes(raw)
     passes_seconds = time.perf_counter() - start
     onnx_path = stage / FP32_ONNX
     save_onnx(folded, onnx_path)
-    if reference is None:
-        original = OrtRunner(raw, ["CPUExecutionProvider"])
-        original.name = "onnxruntime[original ONNX]"
-        reference = original
     with stage_timer("pass check"):
-        verification["passes"] = [c.to_dict() for c in verify_runners(
-            OrtRunner(onnx_path, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, tol,
-            "pass check (folded ONNX vs reference)", feeds=feeds)]
-    verification["reference"] = reference.name
+        verification["passes"] = [c.to_dict() for c in checks.run(
+            onnx_path, raw, spec, settings.verify_batches, tol, "pass check (folded ONNX vs reference)", feeds=feeds)]
+    verification["reference"] = checks.reference_name
+    verification["devices"] = checks.record()  # where the checks ran, as calibration records its provider
+    checks.close()
     shutil.rmtree(work)
     source: dict[str, Any] = {"path": settings.source.describe(), "format": loaded.format, "sha256": fingerprint}
     if settings.source.factory:
@@ -161,11 +158,6 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         "tools": tool_versions(),
     }
 
-
-def _reference_runner(loaded: LoadedModel, spec: ModelSpec, model: Any) -> TorchRunner | None:
-    if loaded.module is None:
-        return None
-    return TorchRunner(loaded.module, spec.input_names, [o.name for o in model.graph.output])
 
 
 def check_against_model(loaded: LoadedModel, spec: ModelSpec, buckets: tuple[int, ...]) -> None:
