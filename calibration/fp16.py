@@ -35,10 +35,9 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
-from onnx.external_data_helper import uses_external_data
 
 from compiler.core.errors import InputError
-from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, weightless_copy
+from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, tensor_array, weightless_copy
 
 __all__ = ["FP32_OPS", "FP16_MAX", "FP16_MIN_NORMAL", "Fp16Policy", "Fp16Report", "fp16_model_from",
            "fp16_rounding_emulation", "int8_fp16_model_from", "node_precisions"]
@@ -175,7 +174,7 @@ def int8_fp16_model_from(qdq_model: onnx.ModelProto, policy: Fp16Policy | None =
     tiny = set()
     for node in qdq_model.graph.node:
         if node.op_type in _QDQ_OPS and len(node.input) > 1 and node.input[1] in constants:
-            scale = numpy_helper.to_array(constants[node.input[1]])
+            scale = tensor_array(constants[node.input[1]])
             if scale.size and float(np.min(np.abs(scale))) < FP16_MIN_NORMAL:
                 tiny.add(node.name)
     if tiny:
@@ -561,10 +560,7 @@ class _Rewriter:
                     copy.name = name
                     yield copy
                     continue
-                if uses_external_data(t):
-                    raise ValueError(f"initializer {t.name!r} has its data outside the model; load the model "
-                                     "with its weights (compiler.core.onnx_io.load_onnx) before converting it")
-                converted, clipped = _to_fp16(numpy_helper.to_array(t), name)
+                converted, clipped = _to_fp16(tensor_array(t), name)  # raises for weights never loaded
                 if clipped:
                     plan.report.clipped_initializers.append(t.name)
                 yield converted
@@ -615,7 +611,7 @@ def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
     g = copy_fields(graph, out.graph, skip={"initializer", "node", "value_info", "input", "output"})
     for t in graph.initializer:
         if t.data_type == FLOAT16:
-            g.initializer.append(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+            g.initializer.append(numpy_helper.from_array(tensor_array(t).astype(np.float32), t.name))
         else:
             g.initializer.append(t)
     for field_name in ("input", "output"):
