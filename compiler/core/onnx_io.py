@@ -151,8 +151,10 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike[str]) -> list[Path
                     out.write(payload)
                     length = len(payload)
                     del payload
-                stored = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string,
+                stored = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
                                           data_location=onnx.TensorProto.EXTERNAL)
+                if t.HasField("doc_string"):
+                    stored.doc_string = t.doc_string
                 for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(length))):
                     stored.external_data.add(key=key, value=value)
                 graph.initializer.append(stored)
