@@ -464,8 +464,10 @@ def _quantize_weight(weight: np.ndarray, axis: int | None) -> tuple[np.ndarray, 
         shape[axis] = -1
         broadcast = scale.reshape(shape)
     # np.rint rounds half to even, as QuantizeLinear does; +-127 keeps the range symmetric.
-    q = np.clip(np.rint(w / broadcast), -_INT8_MAX, _INT8_MAX).astype(np.int8)
-    return q, scale
+    q = w / broadcast
+    np.rint(q, out=q)  # in place: a large weight's temporaries add up
+    np.clip(q, -_INT8_MAX, _INT8_MAX, out=q)
+    return q.astype(np.int8), scale
 
 
 class _Names:
