@@ -112,6 +112,9 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         result: ExportResult = onnx_from_torch(loaded, spec, settings.max_batch, settings.opset,
                                                list(settings.output_names) or None, work, feeds)
     raw = result.model
+    exported = {"exporter": result.exporter, "opset": result.opset, "seconds": round(result.seconds, 3),
+                "fallback_reason": result.fallback_reason}
+    del result  # ``raw`` is the one reference to the exported proto: dropped once the passes no longer need it
     reference: Runner | None = _reference_runner(loaded, spec, raw)
     tol = settings.tolerance
     verification: dict[str, Any] = {"rtol": tol.rtol, "atol": tol.atol, "min_cosine": tol.min_cosine,
@@ -122,14 +125,21 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
             verification["export"] = [c.to_dict() for c in verify_runners(
                 OrtRunner(raw, ["CPUExecutionProvider"]), reference, spec, settings.verify_batches, tol,
                 "export check (ONNX Runtime vs eager PyTorch)", feeds=feeds)]
+    if reference is None:  # the original ONNX checks the passes: from its file (ONNX Runtime reads the weights)
+        original_path = loaded.onnx_path if loaded.is_onnx and loaded.onnx_path else work / "original.onnx"
+        if not loaded.is_onnx or not loaded.onnx_path:
+            save_onnx(raw, original_path)
     start = time.perf_counter()
     with stage_timer("graph passes"):
         folded, passes = run_passes(raw)
+    del raw  # from here on the model lives in files: each copy held in memory was the weights once more
     passes_seconds = time.perf_counter() - start
     onnx_path = stage / FP32_ONNX
     save_onnx(folded, onnx_path)
+    output_names = [o.name for o in folded.graph.output]
+    del folded
     if reference is None:
-        original = OrtRunner(raw, ["CPUExecutionProvider"])
+        original = OrtRunner(str(original_path), ["CPUExecutionProvider"])
         original.name = "onnxruntime[original ONNX]"
         reference = original
     with stage_timer("pass check"):
@@ -150,10 +160,9 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         "source": source,
         "inputs": [str(i) for i in spec.inputs],
         "dims": {name: str(r) for name, r in spec.dims.items()},
-        "output_names": [o.name for o in folded.graph.output],
+        "output_names": output_names,
         "buckets": list(settings.buckets),
-        "export": {"exporter": result.exporter, "opset": result.opset, "seconds": round(result.seconds, 3),
-                   "fallback_reason": result.fallback_reason, "passes_seconds": round(passes_seconds, 3)},
+        "export": {**exported, "passes_seconds": round(passes_seconds, 3)},
         "passes": [asdict(p) for p in passes],
         "verification": verification,
         "onnx": {"fp32": onnx_entry(stage, onnx_path)},
