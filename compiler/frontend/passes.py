@@ -7,6 +7,7 @@ The passes work on any ONNX input (dynamo or TorchScript exporter, other tools, 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -78,6 +79,10 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, A
     before = len(graph.nodes)
     graph.fold_constants(error_ok=True, flatten_subgraphs=False).cleanup()
     folded = _export(graph, model)
+    # the graph is a reference cycle (nodes <-> tensors) whose constants hold ``model``'s weights: collected now,
+    # not whenever the collector next runs (an idle process waiting on its calibration worker held them all along)
+    del graph
+    gc.collect()
     return folded, {"nodes_folded": before - len(folded.graph.node)}
 
 
