@@ -301,9 +301,29 @@ def _outer_names(g: onnx.GraphProto) -> set[str]:
 
 
 def _export(graph: Any, like: onnx.ModelProto) -> onnx.ModelProto:
-    import onnx_graphsurgeon as gs
+    """``graph`` as a model like ``like`` (IR version, opsets, producer), its weights copied once.
 
+    onnx-graphsurgeon's exporter copies each weight it did not touch twice (``make_graph`` into the graph,
+    ``make_model`` the graph into the model): with the input model that held three copies at once. Here those
+    weights are left out of the export (a tensor with their type and shape stands in) and copied into the
+    exported model one at a time: the same model, with one copy less.
+    """
+    import onnx_graphsurgeon as gs
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    untouched: dict[str, onnx.TensorProto] = {}
+    for tensor in graph.tensors().values():
+        values = getattr(tensor, "_values", None)  # gs keeps an unloaded initializer as LazyValues(proto)
+        if isinstance(tensor, gs.Constant) and isinstance(values, LazyValues) and values.tensor.ByteSize() > 1024:
+            untouched[tensor.name] = values.tensor
+            tensor._values = LazyValues(onnx.TensorProto(name=tensor.name, data_type=values.tensor.data_type,
+                                                         dims=values.tensor.dims))
     out = gs.export_onnx(graph)
+    for init in out.graph.initializer:
+        if init.name in untouched:
+            name = init.name  # gs's name for the tensor, which it exports under
+            init.CopyFrom(untouched[name])
+            init.name = name
     out.ir_version = min(like.ir_version or MAX_IR_VERSION, MAX_IR_VERSION)
     del out.opset_import[:]
     out.opset_import.extend(like.opset_import)
