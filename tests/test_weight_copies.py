@@ -184,3 +184,22 @@ def test_weights_that_were_never_loaded_are_refused_by_name(tmp_path: Path) -> N
         tensor_array(graph_only.graph.initializer[0])
     with pytest.raises(ValueError, match="'w0' is external data that was not loaded"):
         qdq_model_from(graph_only, dict.fromkeys(tensors_to_calibrate(graph_only), 1.0))
+
+
+def test_the_emulation_computes_int8_weights_as_onnx_runtime_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ONNX Runtime's constant folding of the weights' DequantizeLinear -> Cast(FP16) -> Cast(FP32) held every
+    # weight three times while the session was built; the emulation now computes them, with the same values
+    from calibration import fp16
+
+    model = candidate(mlp(64, 4, seed=5))
+    emulated = fp16.fp16_rounding_emulation(model)
+    constants = {t.name for t in emulated.graph.initializer}
+    assert not [n.name for n in emulated.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in constants]
+    assert not any(t.data_type == TensorProto.INT8 and len(t.dims) == 2 for t in emulated.graph.initializer)
+    monkeypatch.setattr(fp16, "_dequantized_weights", lambda graph, types: {})
+    by_onnx_runtime = fp16.fp16_rounding_emulation(model)
+    weights = {t.name for t in by_onnx_runtime.graph.initializer}
+    assert sum(n.op_type == "DequantizeLinear" and n.input[0] in weights for n in by_onnx_runtime.graph.node) == 3
+    x = {"x": np.random.default_rng(4).standard_normal((8, 64)).astype(np.float32) * 3}
+    np.testing.assert_array_equal(ort_session(emulated, exact_qdq=True).run(None, x)[0],
+                                  ort_session(by_onnx_runtime, exact_qdq=True).run(None, x)[0])
