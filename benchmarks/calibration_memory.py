@@ -66,20 +66,27 @@ def model_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.glob("model.onnx*"))
 
 
-def peak_rss(cmd: list[str]) -> tuple[int, float, int, str]:
-    """(peak RSS of the process tree in bytes, seconds, exit code, output tail)."""
+def peak_rss(cmd: list[str], parts: dict[str, int] | None = None) -> tuple[int, float, int, str]:
+    """(peak RSS of the process tree in bytes, seconds, exit code, output tail).
+
+    ``parts``, when given, receives the peak of the command's own process (``"command"``) and of its
+    workers together (``"workers"``): where the tree's peak comes from.
+    """
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     top = psutil.Process(proc.pid)
-    peak = 0
+    peak = own = workers = 0
     while proc.poll() is None:
         try:
-            tree = [top, *top.children(recursive=True)]
-            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+            mine = top.memory_info().rss
+            theirs = sum(p.memory_info().rss for p in top.children(recursive=True) if p.is_running())
+            peak, own, workers = max(peak, mine + theirs), max(own, mine), max(workers, theirs)
         except psutil.Error:
             pass
         time.sleep(0.02)
     output = proc.stdout.read() if proc.stdout else ""
+    if parts is not None:
+        parts.update(command=own, workers=workers)
     return peak, time.perf_counter() - start, proc.returncode, output[-2000:]
 
 
@@ -93,7 +100,8 @@ def run_case(work: Path, case: str) -> dict[str, Any]:
     size = model_bytes(source)
     cmd = trtc("calibrate", str(directory), f"--{precision}", "--calib-data", "random", "--calib-samples", samples,
                "--max-fallback", "0", "-q")
-    peak, seconds, code, output = peak_rss(cmd)
+    parts: dict[str, int] = {}
+    peak, seconds, code, output = peak_rss(cmd, parts)
     target = 1.5 * GIB if model == "resnet50" and precision == "int8" else 2 * size + 1.5 * GIB
     accuracy = {}
     report = directory / "report" / "accuracy.json"
@@ -101,6 +109,7 @@ def run_case(work: Path, case: str) -> dict[str, Any]:
         accuracy = (json.loads(report.read_text()).get(precision) or {}).get("accuracy") or {}
     return {"case": case, "model": model, "precision": precision, "samples": int(samples),
             "model_gib": round(size / GIB, 3), "peak_rss_gib": round(peak / GIB, 3),
+            "peak_parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
             "target_gib": round(target / GIB, 3),
             "within_target": code == 0 and peak <= target, "seconds": round(seconds, 1), "exit_code": code,
             "gate": {k: accuracy.get(k) for k in ("passed", "cosine_mean", "worst_output", "provider",

@@ -33,7 +33,7 @@ from calibration.fp16 import fp16_rounding_emulation
 from calibration.statistics import DEFAULT_MEMORY_BUDGET
 from compiler.backends.runners import OrtRunner
 from compiler.core import defaults
-from compiler.core.onnx_io import MAX_IR_VERSION, checking_providers, copy_fields, load_onnx
+from compiler.core.onnx_io import checking_providers, load_onnx, load_onnx_by_reference, save_onnx
 from compiler.core.worker import mark_step
 
 __all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors",
@@ -238,13 +238,13 @@ class Evaluator:
         emulate = self.providers[0] == "CPUExecutionProvider" \
             and _holds_fp16(proto if proto is not None else load_onnx(model, load_weights=False))
         if emulate:
-            proto = fp16_rounding_emulation(proto if proto is not None else load_onnx(model))
+            proto = fp16_rounding_emulation(proto if proto is not None else load_onnx_by_reference(model))
         if proto is None:
             return OrtRunner(model, self.providers, exact_qdq=True, memory_arena=False), False
         if self._scratch is None:
             self._scratch = tempfile.TemporaryDirectory(prefix="trtc-gate-")
         path = Path(self._scratch.name) / "candidate.onnx"
-        files = _saved_for_session(proto, path)
+        files = save_onnx(proto, path)
         del proto  # the emulation: ONNX Runtime reads the file
         try:
             return OrtRunner(str(path), self.providers, exact_qdq=True, memory_arena=False), emulate
@@ -300,39 +300,6 @@ class Evaluator:
             result.drop_points = 100 * ((self.fp32_top1 or 0) - result.top1)
             result.passed = result.drop_points <= self.settings.max_accuracy_drop
         return result
-
-
-def _saved_for_session(model: onnx.ModelProto, path: Path) -> list[Path]:
-    """Write ``model`` as ``path`` plus ``path.data`` for ONNX Runtime to read, leaving ``model`` untouched.
-
-    Own code rather than ``onnx.save_model(save_as_external_data=True)``: that clears the weights out of
-    the proto and ``save_onnx`` reloads them, and protobuf's arena keeps the cleared bytes, so the proto
-    would grow by its weights each time. Here one weight at a time is copied out (the graph file holds
-    references); initializers of subgraphs stay inline.
-    """
-    from onnx import numpy_helper
-
-    skeleton = copy_fields(model, onnx.ModelProto(), skip={"graph"})
-    skeleton.ir_version = min(skeleton.ir_version, MAX_IR_VERSION)
-    graph = copy_fields(model.graph, skeleton.graph, skip={"initializer"})
-    data = path.with_name(path.name + ".data")
-    offset = 0
-    with data.open("wb") as file:
-        for t in model.graph.initializer:
-            if t.data_location == onnx.TensorProto.EXTERNAL or t.ByteSize() < 1024:
-                graph.initializer.append(t)
-                continue
-            payload = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
-            file.write(payload)
-            ref = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
-                                   data_location=onnx.TensorProto.EXTERNAL)
-            for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(len(payload)))):
-                ref.external_data.add(key=key, value=value)
-            graph.initializer.append(ref)
-            offset += len(payload)
-            del payload
-    path.write_bytes(skeleton.SerializeToString())
-    return [path, data]
 
 
 def _leading(batch: dict[str, np.ndarray]) -> int:
@@ -555,7 +522,7 @@ def layer_errors(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers:
     """
     shadow, pairs = _with_fp32_twins(candidate, reference, layers)
     with tempfile.TemporaryDirectory(prefix="trtc-ranking-") as scratch:
-        _saved_for_session(shadow, Path(scratch) / "model.onnx")
+        save_onnx(shadow, Path(scratch) / "model.onnx")
         del shadow  # ONNX Runtime reads the file
         runner = OrtRunner(str(Path(scratch) / "model.onnx"), ["CPUExecutionProvider"], exact_qdq=True,
                            memory_arena=False)

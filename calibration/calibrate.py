@@ -43,7 +43,7 @@ from compiler.core.manifest import (
     verified_onnx,
     write_manifest,
 )
-from compiler.core.onnx_io import checking_providers, load_onnx, save_onnx, weightless_copy
+from compiler.core.onnx_io import checking_providers, load_onnx_by_reference, save_onnx, weightless_copy
 from compiler.core.progress import progress, stage_timer
 from compiler.core.specs import ModelSpec
 from compiler.core.worker import in_worker, isolated, mark
@@ -148,7 +148,7 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
 def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: CalibrationSettings,
                      ) -> CalibrationOutcome:
     start = time.perf_counter()
-    model = load_onnx(fp32_path)
+    model = load_onnx_by_reference(fp32_path)  # weights stay in their file: passes read what they need
     data = _open_data(settings.data, settings, spec) if (settings.data or settings.loader) else None
     eval_data = _open_data(settings.eval_data, settings, spec, for_eval=True) if settings.eval_data else data
     model_sha = sha256_file(fp32_path)

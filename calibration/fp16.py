@@ -35,10 +35,9 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
-from onnx.external_data_helper import uses_external_data
 
 from compiler.core.errors import InputError
-from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, weightless_copy
+from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, tensor_array, weightless_copy
 
 __all__ = ["FP32_OPS", "FP16_MAX", "FP16_MIN_NORMAL", "Fp16Policy", "Fp16Report", "fp16_model_from",
            "fp16_rounding_emulation", "int8_fp16_model_from", "node_precisions"]
@@ -175,7 +174,7 @@ def int8_fp16_model_from(qdq_model: onnx.ModelProto, policy: Fp16Policy | None =
     tiny = set()
     for node in qdq_model.graph.node:
         if node.op_type in _QDQ_OPS and len(node.input) > 1 and node.input[1] in constants:
-            scale = numpy_helper.to_array(constants[node.input[1]])
+            scale = tensor_array(constants[node.input[1]])
             if scale.size and float(np.min(np.abs(scale))) < FP16_MIN_NORMAL:
                 tiny.add(node.name)
     if tiny:
@@ -561,10 +560,7 @@ class _Rewriter:
                     copy.name = name
                     yield copy
                     continue
-                if uses_external_data(t):
-                    raise ValueError(f"initializer {t.name!r} has its data outside the model; load the model "
-                                     "with its weights (compiler.core.onnx_io.load_onnx) before converting it")
-                converted, clipped = _to_fp16(numpy_helper.to_array(t), name)
+                converted, clipped = _to_fp16(tensor_array(t), name)  # raises for weights never loaded
                 if clipped:
                     plan.report.clipped_initializers.append(t.name)
                 yield converted
@@ -603,8 +599,9 @@ def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
     after the node that produces it, and FP16 weights become FP32 with the same values. Inside a node the
     arithmetic is FP32, as TensorRT accumulates FP16 convolutions, GEMMs and reductions in FP32; values
     round to nearest even, overflow to +-inf and underflow to subnormals and 0 as FP16 storage does. Graph
-    inputs and outputs typed FLOAT16 become FLOAT. ``model`` is not modified. Will not emulate FP16 inside
-    control-flow subgraphs (``fp16_model_from`` leaves them FP32).
+    inputs and outputs typed FLOAT16 become FLOAT. A DequantizeLinear of a constant (an INT8 weight) is
+    computed here, the weight stored in FP32 with its FP16 rounding. ``model`` is not modified. Will not emulate
+    FP16 inside control-flow subgraphs (``fp16_model_from`` leaves them FP32).
     """
     typed = onnx.shape_inference.infer_shapes(weightless_copy(model))
     types = {vi.name: vi.type.tensor_type.elem_type
@@ -613,9 +610,16 @@ def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
     out = copy_fields(model, onnx.ModelProto(), skip={"graph"})
     graph = model.graph
     g = copy_fields(graph, out.graph, skip={"initializer", "node", "value_info", "input", "output"})
+    weights = _dequantized_weights(graph, types)
+    folded = [n for n in graph.node if n.output and n.output[0] in weights]
+    read = {name for n in graph.node if not (n.output and n.output[0] in weights) for name in n.input}
+    read |= _subgraph_reads(graph) | {o.name for o in graph.output} | {i.name for i in graph.input}
+    only_folded = {name for n in folded for name in n.input} - read
     for t in graph.initializer:
+        if t.name in only_folded:
+            continue  # read only by the weights' DequantizeLinear, whose result replaces it
         if t.data_type == FLOAT16:
-            g.initializer.append(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+            g.initializer.append(numpy_helper.from_array(tensor_array(t).astype(np.float32), t.name))
         else:
             g.initializer.append(t)
     for field_name in ("input", "output"):
@@ -624,8 +628,12 @@ def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
             new.CopyFrom(vi)
             if new.type.tensor_type.elem_type == FLOAT16:
                 new.type.tensor_type.elem_type = FLOAT
+    for name, node in weights.items():
+        _write_dequantized(graph, node, types[name], g)
     taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
     for node in graph.node:
+        if node.output and node.output[0] in weights:
+            continue
         new = g.node.add()
         new.CopyFrom(node)
         _fp32_attributes(new)
@@ -646,6 +654,57 @@ def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
             g.node.add().CopyFrom(helper.make_node("Cast", [wide], [half], to=FLOAT16, name=f"{half}_round"))
             g.node.add().CopyFrom(helper.make_node("Cast", [half], [name], to=FLOAT, name=f"{half}_up"))
     return out
+
+
+def _dequantized_weights(graph: onnx.GraphProto, types: dict[str, int]) -> dict[str, onnx.NodeProto]:
+    """Each DequantizeLinear of constants (an INT8 weight) that :func:`_write_dequantized` can compute, by output."""
+    constants = {t.name for t in graph.initializer}
+    return {node.output[0]: node for node in graph.node
+            if node.op_type == "DequantizeLinear" and _is_onnx(node) and len(node.output) == 1
+            and all(name in constants for name in node.input if name)
+            and types.get(node.output[0]) in (FLOAT, FLOAT16)
+            and not any(a.name == "block_size" for a in node.attribute)}
+
+
+def _write_dequantized(graph: onnx.GraphProto, node: onnx.NodeProto, dtype: int, target: onnx.GraphProto) -> None:
+    """Append the output of ``node`` (a DequantizeLinear of constants) to ``target`` as an FP32 initializer.
+
+    Computed as ONNX Runtime does (one float32 product (x - zero) * scale, as its kernel; round to nearest
+    even to FP16 where ``dtype`` is FP16, as its Cast), so the emulation reads the weights TensorRT computes
+    with. Done here rather than by ONNX Runtime's constant folding, which held every weight in FP32, then in
+    FP16, then in FP32 again while it built the session (a 2.25 GiB model's INT8 candidate peaked at 5.6 GiB).
+    """
+    constants = {t.name: t for t in graph.initializer if t.name in node.input}
+    q = tensor_array(constants[node.input[0]])
+    scale = tensor_array(constants[node.input[1]]).astype(np.float32)
+    zero = tensor_array(constants[node.input[2]]) if len(node.input) > 2 and node.input[2] else np.zeros_like(scale)
+    if scale.size > 1 or scale.ndim:  # per axis
+        axis = next((int(a.i) for a in node.attribute if a.name == "axis"), 1) % q.ndim
+        shape = [1] * q.ndim
+        shape[axis] = -1
+        scale, zero = scale.reshape(shape), zero.reshape(shape)
+    values = q.astype(np.int32)
+    values -= zero.astype(np.int32)
+    weight = values.astype(np.float32)
+    del values
+    weight *= scale
+    if dtype == FLOAT16:
+        weight = weight.astype(np.float16).astype(np.float32)
+    t = target.initializer.add()
+    t.name, t.data_type = node.output[0], FLOAT
+    t.dims.extend(weight.shape)
+    t.raw_data = weight.astype("<f4", copy=False).tobytes()
+
+
+def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names read inside the control-flow subgraphs of ``graph``'s nodes."""
+    read: set[str] = set()
+    for node in graph.node:
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                read.update(name for n in sub.node for name in n.input)
+                read |= _subgraph_reads(sub)
+    return read
 
 
 def _fp32_attributes(node: onnx.NodeProto) -> None:

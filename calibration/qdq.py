@@ -45,7 +45,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler.core.onnx_io import MAX_IR_VERSION
+from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, tensor_array
 
 __all__ = ["PLACEMENT", "OpRule", "QDQ_OPS", "RESIDUAL_ADD", "WEIGHT_CHANNEL_AXIS", "QdqPolicy", "QdqReport",
            "tensors_to_calibrate", "quantizable_nodes", "qdq_model_from"]
@@ -464,8 +464,10 @@ def _quantize_weight(weight: np.ndarray, axis: int | None) -> tuple[np.ndarray, 
         shape[axis] = -1
         broadcast = scale.reshape(shape)
     # np.rint rounds half to even, as QuantizeLinear does; +-127 keeps the range symmetric.
-    q = np.clip(np.rint(w / broadcast), -_INT8_MAX, _INT8_MAX).astype(np.int8)
-    return q, scale
+    q = w / broadcast
+    np.rint(q, out=q)  # in place: a large weight's temporaries add up
+    np.clip(q, -_INT8_MAX, _INT8_MAX, out=q)
+    return q.astype(np.int8), scale
 
 
 class _Names:
@@ -503,8 +505,10 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
 
     ``amax`` maps activation tensor names to the calibrated absolute maximum (same units as the
     tensor); every tensor :func:`tensors_to_calibrate` lists must be there, except residual
-    shortcuts, whose add is then left unquantized. Weights must be loaded (not external data).
-    The input model is not modified. Raises ValueError for missing or non-finite amax values.
+    shortcuts, whose add is then left unquantized. Weights must be loaded, or left in their file by
+    ``compiler.core.onnx_io.load_onnx_by_reference`` (then only the INT8 weights are held in memory, and the
+    FP32 ones that stay are references). The input model is not modified. Raises ValueError for missing or
+    non-finite amax values.
     """
     policy = policy or QdqPolicy()
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
@@ -513,12 +517,14 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
     plan = _plan(model.graph, policy, amax)
     amax_values = _check_amax(plan, amax)
 
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    # built field by field rather than as a copy of ``model``: a copy would hold every FP32 weight once more,
+    # although the INT8 ones replace most of them (and protobuf keeps removed messages' bytes until the end)
+    out = copy_fields(model, onnx.ModelProto(), skip={"graph"})
     out.ir_version = min(out.ir_version, MAX_IR_VERSION)
-    graph = out.graph
-    names = _Names(graph)
-    constants = _constants(graph)
+    source = model.graph
+    graph = copy_fields(source, out.graph, skip={"node", "initializer"})
+    names = _Names(source)
+    constants = _constants(source)
     new_inits: list[onnx.TensorProto] = []
 
     def scale_and_zero(base: str, scale: np.ndarray) -> tuple[str, str]:
@@ -546,11 +552,8 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
         for q in planned:
             if not q.is_weight or (q.tensor, q.axis) in weight_dq:
                 continue
-            init = constants[q.tensor]
-            if init.data_location == TensorProto.EXTERNAL:
-                raise ValueError(f"weight {q.tensor} is external data that was not loaded; load the model "
-                                 "with its weights (compiler.core.onnx_io.load_onnx) first")
-            q_weight, scale = _quantize_weight(numpy_helper.to_array(init), q.axis)
+            # read from its file when the model was loaded by reference; raises for weights never loaded
+            q_weight, scale = _quantize_weight(tensor_array(constants[q.tensor]), q.axis)
             int8_name = names.fresh(f"{q.tensor}_quantized")
             new_inits.append(numpy_helper.from_array(q_weight, int8_name))
             scale_name, zero_name = scale_and_zero(q.tensor, scale)
@@ -562,10 +565,10 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
             weight_dq[(q.tensor, q.axis)] = (dq_out, dq)
 
     nodes: list[onnx.NodeProto] = []
-    for i in graph.input:
+    for i in source.input:
         nodes += pair_nodes.get(i.name, [])
     emitted: set[tuple[str, int | None]] = set()
-    for original, name in zip(graph.node, _node_names(graph)):
+    for original, name in zip(source.node, _node_names(source)):
         node = onnx.NodeProto()
         node.CopyFrom(original)
         for q in plan.inputs.get(name, ()):
@@ -580,15 +583,13 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
         nodes.append(node)
         for t in node.output:
             nodes += pair_nodes.get(t, [])
-    del graph.node[:]
     graph.node.extend(nodes)
 
-    # FP32 weights now read by nobody are dropped: the INT8 copy replaces them.
+    # FP32 weights now read by nobody are left out: the INT8 copy replaces them.
     read = _subgraph_inputs(graph) | {o.name for o in graph.output}
     replaced = {tensor for tensor, _ in weight_dq}
-    kept = [t for t in graph.initializer if t.name in read or t.name not in replaced]
-    del graph.initializer[:]
-    graph.initializer.extend(kept + new_inits)
+    graph.initializer.extend(t for t in source.initializer if t.name in read or t.name not in replaced)
+    graph.initializer.extend(new_inits)
 
     report = QdqReport(quantized_nodes=list(plan.inputs), skipped_nodes=dict(plan.skipped),
                        qdq_pairs=len(plan.activations), quantized_weights=len(weight_dq))

@@ -10,15 +10,19 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
+from onnx import numpy_helper
 
 from compiler.core.errors import InputError
 
-__all__ = ["load_onnx", "save_onnx", "onnx_files", "ort_session", "usable_providers", "checking_providers",
+__all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "onnx_files", "ort_session",
+           "usable_providers", "checking_providers",
            "copy_fields", "weightless_copy",
            "MAX_IR_VERSION"]
 
@@ -48,25 +52,140 @@ def load_onnx(path: str | os.PathLike[str], load_weights: bool = True) -> onnx.M
     return model
 
 
-def save_onnx(model: onnx.ModelProto, path: str | os.PathLike[str]) -> list[Path]:
-    """Save ``model`` as ``path`` plus ``path.data`` (weights over 1 KiB); returns the files written.
+def load_onnx_by_reference(path: str | os.PathLike[str]) -> onnx.ModelProto:
+    """``path``'s graph, its external weights left in their file: each refers to it by absolute path.
 
-    Does not write atomically by itself: callers save into a staging directory and commit it.
+    Costs no memory for the weights, whatever the model's size. Passes read a weight when they need it
+    (:func:`tensor_array`) and :func:`save_onnx` copies the bytes of those still referenced into the file it
+    writes, so a model built from this one (Q/DQ, FP16) holds only its new weights. The absolute locations
+    are for this process only: ``save_onnx`` never writes them, and ONNX Runtime never sees such a proto.
+    """
+    path = Path(path)
+    model = load_onnx(path, load_weights=False)
+    files = {f.name: f.resolve() for f in onnx_files(path)[1:]}  # checked to stay beside the graph
+    for t in _external_tensors(model.graph):
+        entry = next(e for e in t.external_data if e.key == "location")
+        entry.value = str(files[entry.value])
+    return model
+
+
+def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
+    """The values of ``tensor``, read from its file when :func:`load_onnx_by_reference` left it there.
+
+    Raises ValueError for external data that was not loaded (a relative location with no folder to read it
+    from): load the model with :func:`load_onnx` or :func:`load_onnx_by_reference`.
+    """
+    ref = _reference(tensor)
+    if ref is None:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            raise ValueError(f"tensor {tensor.name!r} is external data that was not loaded; load the model with "
+                             "compiler.core.onnx_io.load_onnx (or load_onnx_by_reference) first")
+        return numpy_helper.to_array(tensor)
+    file, offset, length = ref
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    with open(file, "rb") as f:
+        f.seek(offset)
+        data = np.fromfile(f, dtype=np.uint8, count=length)
+    if data.size != length:
+        raise ValueError(f"tensor {tensor.name!r}: {file} ends before its {length} bytes at offset {offset}")
+    shaped = data.view(dtype.newbyteorder("<")).reshape(tuple(tensor.dims))
+    return shaped.astype(dtype, copy=False)
+
+
+def _external_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Initializers of ``graph`` whose data lives in a file (subgraphs keep theirs inline)."""
+    for t in graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            yield t
+
+
+def _reference(tensor: onnx.TensorProto) -> tuple[Path, int, int] | None:
+    """(file, offset, length) of a tensor left in its file by :func:`load_onnx_by_reference`, else None."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    info = {e.key: e.value for e in tensor.external_data}
+    location = info.get("location", "")
+    if not os.path.isabs(location):
+        return None
+    length = int(info["length"]) if "length" in info else Path(location).stat().st_size - int(info.get("offset", 0))
+    return Path(location), int(info.get("offset", 0)), length
+
+
+_COPY_CHUNK = 64 << 20  # bytes copied at a time from a referenced weight file
+
+
+def save_onnx(model: onnx.ModelProto, path: str | os.PathLike[str]) -> list[Path]:
+    """Save ``model`` as ``path`` plus ``path.data`` (weights of 1 KiB or more); returns the files written.
+
+    The one way trtc writes a model, for its outputs and for ONNX Runtime sessions: the weights are
+    written one at a time and the graph file holds references, so nothing here holds a second copy of the
+    weights, ``model`` is left as it was (no IR version change either), and models over 2 GiB work.
+    Weights that :func:`load_onnx_by_reference` left in their file are copied across in chunks; external
+    data that was never loaded (a relative location) stays a reference, as written. Own code rather than
+    ``onnx.save_model(save_as_external_data=True)``: that moves the weights out of the proto, and loading
+    them back grows protobuf's arena by their size each time (it keeps the cleared bytes).
+    Initializers of subgraphs stay inline. Does not write atomically by itself: callers save into a
+    staging directory and commit it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data_name = path.name + ".data"
-    data_path = path.parent / data_name
-    if data_path.exists():
-        data_path.unlink()  # onnx appends to an existing data file
-    if model.ir_version > MAX_IR_VERSION:
-        model.ir_version = MAX_IR_VERSION
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data_name, size_threshold=1024)
-    # save_model leaves the in-memory tensors pointing at external data; reload them so the
-    # caller's model stays usable.
-    onnx.load_external_data_for_model(model, str(path.parent))
+    data_path = path.parent / (path.name + ".data")
+    partial = path.parent / (data_path.name + ".partial")  # the old data file may be what references point at
+    skeleton = copy_fields(model, onnx.ModelProto(), skip={"graph"})
+    skeleton.ir_version = min(skeleton.ir_version, MAX_IR_VERSION)
+    graph = copy_fields(model.graph, skeleton.graph, skip={"initializer"})
+    offset = 0
+    kept: set[str] = set()  # files that references never loaded still point at
+    try:
+        with partial.open("wb") as out:
+            for t in model.graph.initializer:
+                ref = _reference(t)
+                if ref is None and (t.data_location == onnx.TensorProto.EXTERNAL or t.ByteSize() < 1024):
+                    graph.initializer.append(t)
+                    kept.update(e.value for e in t.external_data if e.key == "location")
+                    continue
+                if ref is not None:
+                    length = _copy_bytes(ref, out)
+                else:
+                    payload = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+                    out.write(payload)
+                    length = len(payload)
+                    del payload
+                stored = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
+                                          data_location=onnx.TensorProto.EXTERNAL)
+                if t.HasField("doc_string"):
+                    stored.doc_string = t.doc_string
+                for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(length))):
+                    stored.external_data.add(key=key, value=value)
+                graph.initializer.append(stored)
+                offset += length
+        if data_path.name in kept and offset:
+            raise ValueError(f"{path}: the model's unloaded weights live in {data_path.name}, which saving it there "
+                             "would overwrite; load it with load_onnx_by_reference, or save it elsewhere")
+        if offset:
+            os.replace(partial, data_path)
+        elif data_path.name not in kept and data_path.exists():
+            data_path.unlink()
+        path.write_bytes(skeleton.SerializeToString())
+    finally:
+        if partial.exists():
+            partial.unlink()
     return [p for p in (path, data_path) if p.exists()]
+
+
+def _copy_bytes(ref: tuple[Path, int, int], out: Any) -> int:
+    """Append ``ref``'s bytes (file, offset, length) to ``out`` a chunk at a time; returns the length."""
+    file, offset, length = ref
+    with open(file, "rb") as source:
+        source.seek(offset)
+        left = length
+        while left:
+            chunk = source.read(min(left, _COPY_CHUNK))
+            if not chunk:
+                raise ValueError(f"{file} ends before the {length} bytes at offset {offset} it should hold")
+            out.write(chunk)
+            left -= len(chunk)
+    return length
 
 
 def onnx_files(path: str | os.PathLike[str]) -> list[Path]:

@@ -111,6 +111,9 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         result: ExportResult = onnx_from_torch(loaded, spec, settings.max_batch, settings.opset,
                                                list(settings.output_names) or None, work, feeds)
     raw = result.model
+    exported = {"exporter": result.exporter, "opset": result.opset, "seconds": round(result.seconds, 3),
+                "fallback_reason": result.fallback_reason}
+    del result  # ``raw`` is the one reference to the exported proto: dropped once the passes no longer need it
     # on the GPU where there is one (TF32 off on both sides), judged on the CPU if a GPU check fails
     checks = ExportChecks(loaded.module, spec.input_names, [o.name for o in raw.graph.output])
     tol = settings.tolerance
@@ -122,15 +125,24 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
             verification["export"] = [c.to_dict() for c in checks.run(
                 raw, None, spec, settings.verify_batches, tol, "export check (ONNX Runtime vs eager PyTorch)",
                 feeds=feeds)]
+    original: Path | None = None
+    if checks.eager is None:  # the original ONNX checks the passes: from its file (ONNX Runtime reads the weights)
+        original = loaded.onnx_path if loaded.is_onnx and loaded.onnx_path else work / "original.onnx"
+        if not loaded.is_onnx or not loaded.onnx_path:
+            save_onnx(raw, original)
     start = time.perf_counter()
     with stage_timer("graph passes"):
         folded, passes = run_passes(raw)
+    del raw  # from here on the model lives in files: each copy held in memory was the weights once more
     passes_seconds = time.perf_counter() - start
     onnx_path = stage / FP32_ONNX
     save_onnx(folded, onnx_path)
+    output_names = [o.name for o in folded.graph.output]
+    del folded
     with stage_timer("pass check"):
         verification["passes"] = [c.to_dict() for c in checks.run(
-            onnx_path, raw, spec, settings.verify_batches, tol, "pass check (folded ONNX vs reference)", feeds=feeds)]
+            onnx_path, original, spec, settings.verify_batches, tol, "pass check (folded ONNX vs reference)",
+            feeds=feeds)]
     verification["reference"] = checks.reference_name
     verification["devices"] = checks.record()  # where the checks ran, as calibration records its provider
     checks.close()
@@ -147,10 +159,9 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         "source": source,
         "inputs": [str(i) for i in spec.inputs],
         "dims": {name: str(r) for name, r in spec.dims.items()},
-        "output_names": [o.name for o in folded.graph.output],
+        "output_names": output_names,
         "buckets": list(settings.buckets),
-        "export": {"exporter": result.exporter, "opset": result.opset, "seconds": round(result.seconds, 3),
-                   "fallback_reason": result.fallback_reason, "passes_seconds": round(passes_seconds, 3)},
+        "export": {**exported, "passes_seconds": round(passes_seconds, 3)},
         "passes": [asdict(p) for p in passes],
         "verification": verification,
         "onnx": {"fp32": onnx_entry(stage, onnx_path)},
