@@ -795,11 +795,11 @@ def settings_to_dict(settings: BuildSettings) -> dict[str, Any]:
     return out
 
 
-def recorded_tf32(build: dict[str, Any] | None) -> bool:
+def recorded_tf32(build: Any) -> bool:
     """Whether FP32 math may use TF32 for a build: its ``tf32``; a build section without one (a trtc that did not
-    record it) built with TF32 off; no build section at all: the default. One rule for ``trtc rebuild`` and for
-    the serving and bench backends."""
-    if build is None:
+    record it) built with TF32 off; no build section (or not a mapping: the manifest's checks name that): the
+    default. One rule for ``trtc rebuild`` and for the serving and bench backends."""
+    if not isinstance(build, dict):
         return defaults.TF32
     return bool(build.get("tf32", False))
 
