@@ -339,6 +339,15 @@ def test_map_runs_the_plain_loop_where_it_cannot_overlap(dirs: dict[str, Path], 
         got = list(engines.map(batches, postprocess=lambda o: o.argmax(axis=1)))
         assert [g.tolist() for g in got] == [w.argmax(axis=1).tolist() for w in want]
         assert started == ["trtc-map-submit"]  # no second pipeline thread: the plain loop ran
+    with load(dirs["mlp"], backend="onnxruntime", device="cpu", contexts=1) as engines:
+        engines._contexts[0].on_gpu = True  # type: ignore[misc]
+        assert [r.tolist() for r in engines.map(batches)] == [w.tolist() for w in want]
+        assert started == ["trtc-map-submit"]  # a GPU with one buffer set: the plain loop
+    with load(dirs["mlp"], backend="onnxruntime", device="cpu", contexts=2) as engines:
+        for context in engines._contexts:
+            context.on_gpu = True  # type: ignore[misc]
+        assert [r.tolist() for r in engines.map(batches)] == [w.tolist() for w in want]
+        assert started == ["trtc-map-submit"] * 2  # two: the pipeline
 
 
 def test_a_context_runs_in_stages_as_bench_times_it(dirs: dict[str, Path]) -> None:

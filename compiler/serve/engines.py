@@ -415,7 +415,8 @@ class Engines:
         up the copies and compute of the next batches. Everything is synchronized before the last
         result is yielded; leaving the loop early stops the work. Where the host cannot be free while
         a batch computes (eager torch without CUDA graphs launches every kernel under the GIL; a
-        one-core CPU) it runs the plain loop instead, which is then at least as fast.
+        one-core CPU), and on a GPU with one context (one buffer set), it runs the plain loop
+        instead, which is then at least as fast.
         """
         if depth < 1:
             raise InputError(f"depth={depth}: map needs at least one buffer set")
@@ -509,7 +510,11 @@ class Engines:
         context = self._contexts[0]
         if not context.overlaps:
             return False
-        return context.on_gpu or (os.cpu_count() or 1) > 1
+        if context.on_gpu:
+            # one buffer set: a batch's copy waits for the last one's compute, so only post-processing could
+            # overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, docs/benchmarks.md)
+            return self._max_contexts > 1
+        return (os.cpu_count() or 1) > 1
 
 
 _MAPPING_TYPES: dict[type, bool] = {}  # the types of feeds seen, and whether each is a dict of inputs
