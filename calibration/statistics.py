@@ -134,12 +134,7 @@ class AbsHistogram:
         if flat.size == 0:
             return
         # max and -min rather than max(|x|): no |x| copy of the batch; exact, and NaN propagates through both
-        high, low = float(np.max(flat)), float(np.min(flat))
-        if not (math.isfinite(high) and math.isfinite(low)):
-            raise ValueError("AbsHistogram.update got NaN or Inf values; drop or report them before counting")
-        batch_max = max(high, -low)
-        if batch_max > self.upper:
-            self._grow_to(batch_max)
+        batch_max = self._grow_for(float(np.max(flat)), float(np.min(flat)))
         if self.upper > 0.0:
             scale = self.num_bins / self.upper
             # in float64 as before, but a cache-sized chunk at a time: a whole batch converted at once took
@@ -169,11 +164,7 @@ class AbsHistogram:
         if flat.numel() == 0:
             return
         low, high = (float(v) for v in torch.stack(torch.aminmax(flat)).tolist())
-        if not (math.isfinite(high) and math.isfinite(low)):
-            raise ValueError("AbsHistogram.update got NaN or Inf values; drop or report them before counting")
-        batch_max = max(high, -low)
-        if batch_max > self.upper:
-            self._grow_to(batch_max)
+        batch_max = self._grow_for(high, low)
         if self.upper > 0.0:
             scale = self.num_bins / self.upper
             counts = torch.zeros(self.num_bins, dtype=torch.int64, device=flat.device)
@@ -187,6 +178,15 @@ class AbsHistogram:
             self.counts[0] += flat.numel()
         self.amax = max(self.amax, batch_max)
         self.count += flat.numel()
+
+    def _grow_for(self, high: float, low: float) -> float:
+        """A batch's max |x| from its max and min (NaN and Inf refused), with the range grown to hold it."""
+        if not (math.isfinite(high) and math.isfinite(low)):
+            raise ValueError("AbsHistogram.update got NaN or Inf values; drop or report them before counting")
+        batch_max = max(high, -low)
+        if batch_max > self.upper:
+            self._grow_to(batch_max)
+        return batch_max
 
     def _grow_to(self, new_max: float) -> None:
         if self.upper == 0.0:

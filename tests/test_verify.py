@@ -172,35 +172,35 @@ def test_fp32_math_turns_tf32_off_and_restores_it() -> None:
         cudnn.allow_tf32, matmul.allow_tf32 = saved
 
 
-class _CpuOnly:
-    """A module that fails on any device but the CPU, as a graph with the CPU baked in fails on CUDA. Being moved to
-    "meta" (the stand-in for CUDA on this machine) is only recorded, so that its weights survive."""
+def _placed_module(*, fails_off_cpu: bool = False, off: float = 1.01, off_on_cpu: float = 1.0) -> Any:
+    """x * 2 that records where it was moved. Off the CPU it fails (``fails_off_cpu``: as a graph with the CPU
+    baked in fails on CUDA; then a move to "meta", the stand-in for CUDA here, is only recorded so that its
+    weights survive) or is ``off`` times off (a device kernel that misses the FP32 tolerance); on the CPU it is
+    ``off_on_cpu`` times off."""
+    import torch
 
-    def __new__(cls) -> Any:
-        import torch
+    class Placed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.full((100,), 2.0))
+            self.placed = "cpu"
 
-        class CpuOnly(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.scale = torch.nn.Parameter(torch.full((100,), 2.0))
-                self.placed = "cpu"
+        def to(self, device: Any, *args: Any, **kwargs: Any) -> Any:
+            self.placed = str(device)
+            return self if fails_off_cpu and self.placed == "meta" else super().to(device, *args, **kwargs)
 
-            def to(self, device: Any, *args: Any, **kwargs: Any) -> Any:
-                self.placed = str(device)
-                return self if self.placed == "meta" else super().to(device, *args, **kwargs)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if fails_off_cpu and self.placed != "cpu":
+                raise RuntimeError(f"Expected all tensors to be on the same device, but found {x.device} and cpu")
+            return x * self.scale * (off if self.placed != "cpu" else off_on_cpu)
 
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                if self.placed != "cpu":
-                    raise RuntimeError(f"Expected all tensors to be on the same device, but found {x.device} and cpu")
-                return x * self.scale
-
-        return CpuOnly()
+    return Placed()
 
 
 def test_eager_reference_falls_back_to_the_cpu_and_ends_there(caplog: pytest.LogCaptureFixture) -> None:
     from compiler.frontend.verify import EagerReference
 
-    module = _CpuOnly()
+    module = _placed_module(fails_off_cpu=True)
     eager = EagerReference(module, ["x"], ["y"], device="meta")
     assert module.placed == "meta"
     feed = SPEC.example_feed(2)
@@ -213,28 +213,6 @@ def test_eager_reference_falls_back_to_the_cpu_and_ends_there(caplog: pytest.Log
     assert module.placed == "cpu"
 
 
-class _OffOnTheDevice:
-    """x * 2, but 1% off when placed anywhere but "cpu": a device kernel that misses the FP32 tolerance."""
-
-    def __new__(cls, off: float = 1.01, off_on_cpu: float = 1.0) -> Any:
-        import torch
-
-        class OffOnTheDevice(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.scale = torch.nn.Parameter(torch.full((100,), 2.0))
-                self.placed = "cpu"
-
-            def to(self, device: Any, *args: Any, **kwargs: Any) -> Any:
-                self.placed = str(device)
-                return super().to(device, *args, **kwargs)
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                return x * self.scale * (off if self.placed != "cpu" else off_on_cpu)
-
-        return OffOnTheDevice()
-
-
 def _times_two() -> onnx.ModelProto:
     return make_model([onnx.helper.make_node("Mul", ["x", "scale"], ["y"])], [tensor("x", ["B", 4, 100])],
                       [tensor("y", ["B", 4, 100])], {"scale": np.full(100, 2.0, np.float32)})
@@ -244,7 +222,7 @@ def test_a_failed_gpu_check_is_judged_on_the_cpu(caplog: pytest.LogCaptureFixtur
     from compiler.frontend.verify import CheckingDevices, ExportChecks
 
     gpu = CheckingDevices("cpu:0", ("CPUExecutionProvider",))  # "cpu:0" stands in for CUDA on this machine
-    checks = ExportChecks(_OffOnTheDevice(), ["x"], ["y"], devices=gpu)
+    checks = ExportChecks(_placed_module(), ["x"], ["y"], devices=gpu)
     with caplog.at_level(logging.WARNING):
         results = checks.run(_times_two(), None, SPEC, [1, 3], None, "export check")
     assert "export check failed on the GPU" in caplog.text and "checking again on the CPU" in caplog.text
@@ -253,7 +231,7 @@ def test_a_failed_gpu_check_is_judged_on_the_cpu(caplog: pytest.LogCaptureFixtur
     checks.run(_times_two(), None, SPEC, [2], None, "pass check")  # later checks stay on the CPU
     checks.close()
 
-    wrong = ExportChecks(_OffOnTheDevice(off_on_cpu=1.01), ["x"], ["y"], devices=gpu)  # a real error fails
+    wrong = ExportChecks(_placed_module(off_on_cpu=1.01), ["x"], ["y"], devices=gpu)  # a real error fails
     with pytest.raises(VerificationError, match=r"export check: onnxruntime.* differs from torch"):
         wrong.run(_times_two(), None, SPEC, [1], None, "export check")
     # without an eager model the original ONNX is the reference
