@@ -154,11 +154,21 @@ class CountingEngines:
         self._count(len(next(iter(x.values())) if isinstance(x, dict) else x), start)
         return out
 
-    def run_parts(self, calls: Any) -> Any:
+    @property
+    def queues_on_gpu(self) -> bool:
+        return bool(self._engines.queues_on_gpu)
+
+    def start_parts(self, calls: Any) -> Any:
         start = time.perf_counter()
-        out = self._engines.run_parts(calls)
-        self._count(sum(c.rows for c in calls), start)
-        return out
+        finish = self._engines.start_parts(calls)
+        rows = sum(c.rows for c in calls)
+
+        def done() -> Any:
+            out = finish()
+            self._count(rows, start)
+            return out
+
+        return done
 
     def _count(self, rows: int, start: float) -> None:
         with self._lock:
@@ -184,9 +194,12 @@ class InstantEngines:
         rows = len(next(iter(x.values())) if isinstance(x, dict) else x)
         return {name: out[:rows] for name, out in self._outputs.items()}
 
-    def run_parts(self, calls: Any) -> Any:
+    queues_on_gpu = False
+
+    def start_parts(self, calls: Any) -> Any:
         rows = sum(c.rows for c in calls)
-        return {name: out[:rows] for name, out in self._outputs.items()}
+        outputs = {name: out[:rows] for name, out in self._outputs.items()}
+        return lambda: outputs
 
 
 def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests: int, max_wait_ms: float,

@@ -41,10 +41,14 @@ class Recording:
     def check(self, x: Any) -> Any:
         return self.engines.check(x)
 
-    def run_parts(self, calls: Any) -> Any:
+    @property
+    def queues_on_gpu(self) -> bool:
+        return self.engines.queues_on_gpu
+
+    def start_parts(self, calls: Any) -> Any:
         x = {name: np.concatenate([c.arrays[name] for c in calls]) for name in self.input_names}
         self._record(x)
-        return self.engines.run_parts(calls)
+        return self.engines.start_parts(calls)
 
     def __call__(self, x: Any) -> Any:
         x = dict(x)
@@ -318,5 +322,37 @@ def test_workers_are_woken_per_batch_not_per_request(engines: Engines, monkeypat
         results = [f.result(timeout=10) for f in futures]
     assert [len(b) for b in recording.batches] == [16, 16, 8]  # full batches go at once, without the 2 s window
     assert 1 <= wakeups.count(id(batcher._cond)) <= 6  # was one per request: 40
+    for i, out in enumerate(results):
+        np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
+
+
+def test_on_a_gpu_the_next_batch_starts_before_the_last_is_answered(engines: Engines) -> None:
+    """Where the engines queue on a GPU, a worker starts the next ready batch before it hands out the last one's
+    answers (the callers' work then overlaps the GPU); every request still gets its own rows, in full batches."""
+    events: list[str] = []
+    gate = threading.Event()
+
+    class OnGpu(Recording):
+        queues_on_gpu = True  # type: ignore[assignment]  # CPU engines, as a GPU's would be driven
+
+        def start_parts(self, calls: Any) -> Any:
+            events.append(f"start {len(self.batches)}")
+            return super().start_parts(calls)
+
+    on_gpu = OnGpu(engines, gate)
+    with DynamicBatcher(on_gpu, max_batch=4, max_wait_ms=1000, workers=1) as batcher:  # type: ignore[arg-type]
+        futures = []
+        for i in range(12):
+            future = batcher.submit_async(rows(i))
+            future.add_done_callback(lambda _, i=i: events.append(f"answer {i // 4}"))
+            futures.append(future)
+            if i == 3:
+                assert on_gpu.entered.wait(5)  # the first batch is at the engines; the rest queue behind it
+        gate.set()
+        results = [f.result(timeout=10) for f in futures]
+    assert [len(b) for b in on_gpu.batches] == [4, 4, 4]
+    starts = [e for e in events if e.startswith("start")]
+    assert starts == ["start 0", "start 1", "start 2"]
+    assert events.index("start 1") < events.index("answer 0") and events.index("start 2") < events.index("answer 1")
     for i, out in enumerate(results):
         np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)

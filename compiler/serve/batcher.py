@@ -36,7 +36,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,7 +69,10 @@ class _Engines(Protocol):
 
     def check(self, x: Any) -> CheckedFeed: ...
 
-    def run_parts(self, calls: Sequence[CheckedFeed]) -> dict[str, np.ndarray]: ...
+    @property
+    def queues_on_gpu(self) -> bool: ...
+
+    def start_parts(self, calls: Sequence[CheckedFeed]) -> Callable[[], dict[str, np.ndarray]]: ...
 
     def __call__(self, x: Any) -> Any: ...
 
@@ -100,17 +103,16 @@ class _Request:
 
 
 class _Answers:
-    """The answers of one batch: thread futures are set at once, asyncio futures in one call per event loop."""
+    """The answers of one batch, handed out together by ``send``: thread futures are set there, asyncio futures
+    in one call per event loop."""
 
     def __init__(self) -> None:
+        self._threads: list[tuple[_Request, Any, BaseException | None]] = []
         self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
 
     def set(self, request: _Request, value: Any = None, error: BaseException | None = None) -> None:
         if request.loop is None:
-            if error is None:
-                request.future.set_result(value)
-            else:
-                request.future.set_exception(error)
+            self._threads.append((request, value, error))
         else:
             self._by_loop.setdefault(request.loop, []).append((request.future, value, error))
 
@@ -120,6 +122,12 @@ class _Answers:
             self.set(request, error=error)
 
     def send(self) -> None:
+        for request, value, error in self._threads:
+            if error is None:
+                request.future.set_result(value)
+            else:
+                request.future.set_exception(error)
+        self._threads.clear()
         for loop, items in self._by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these
                 loop.call_soon_threadsafe(_settle, items)
@@ -266,14 +274,28 @@ class DynamicBatcher:
     # -- the workers' side --
 
     def _work(self) -> None:
+        """Form batches and run them. On a GPU a worker queues the next batch, when one is ready, before it
+        answers the last: the callers' work on those answers (an asyncio loop resubmitting 64 requests, or 64
+        threads waking) then overlaps the GPU instead of holding up the next batch's copy for the GIL."""
+        started: tuple[list[_Request], Callable[[], dict[str, np.ndarray]]] | None = None
+        overlap = self.engines.queues_on_gpu
         while True:
-            answers = _Answers()
-            batch = self._next_batch(answers)
-            answers.send()  # requests that timed out in the queue
-            if batch is None:
-                return
-            if batch:
-                self._run(batch)
+            if started is None:
+                answers = _Answers()
+                batch = self._next_batch(answers)
+                answers.send()  # requests that timed out in the queue
+                if batch is None:
+                    return
+                started = self._start(batch) if batch else None
+                continue
+            batch, finish = started
+            answers = self._finish(batch, finish)
+            started = None
+            if overlap:
+                follow = self._ready_batch(answers)
+                if follow:
+                    started = self._start(follow)
+            answers.send()
 
     def _next_batch(self, answers: _Answers) -> list[_Request] | None:
         """Wait for requests and take one batch of them; None when closed and empty."""
@@ -332,17 +354,31 @@ class DynamicBatcher:
             lane.extendleft(reversed(kept))
         return batch
 
-    def _run(self, batch: list[_Request]) -> None:
-        answers = _Answers()
+    def _start(self, batch: list[_Request]) -> tuple[list[_Request], Callable[[], dict[str, np.ndarray]]] | None:
+        """Queue the batch on the engines; None when that failed (its callers have been told why)."""
         try:
-            outputs = self._outputs(batch)
+            return batch, self._starter(batch)
         except BaseException as err:  # every caller of the batch learns why; the worker keeps serving
+            answers = _Answers()
             for request in batch:
                 answers.set(request, error=err)
             answers.send()
             if not isinstance(err, Exception):
                 raise
-            return
+            return None
+
+    def _finish(self, batch: list[_Request], finish: Callable[[], dict[str, Any]]) -> _Answers:
+        """Wait for a started batch and slice every caller's answer (or the error) into ``_Answers``, unsent."""
+        answers = _Answers()
+        try:
+            outputs = finish()
+        except BaseException as err:
+            for request in batch:
+                answers.set(request, error=err)
+            if not isinstance(err, Exception):
+                answers.send()
+                raise
+            return answers
         names = self.engines.output_names
         offset = 0
         for request in batch:
@@ -351,19 +387,35 @@ class DynamicBatcher:
             if request.call.kind != "numpy" and isinstance(outputs[names[0]], np.ndarray):
                 part = _as_kind(part, request.call)
             answers.set(request, part[names[0]] if request.single and len(names) == 1 else part)
-        answers.send()
+        return answers
 
-    def _outputs(self, batch: list[_Request]) -> dict[str, Any]:
-        """The batch's outputs, all rows in request order: host arrays, or CUDA tensors for requests on the GPU."""
+    def _ready_batch(self, answers: _Answers) -> list[_Request]:
+        """A batch that need not wait (a full one, or the oldest request's window is over), taken at once; else
+        none. Requests that timed out in the queue go into ``answers``."""
+        with self._cond:
+            high, normal = self._lanes
+            if self._closed or not (high or normal):
+                return []
+            first = high[0] if high else normal[0]
+            if self._queued < self.max_batch and time.monotonic() < first.submitted + self.max_wait:
+                return []
+            batch = self._take(answers)
+            self._queued = sum(r.rows for lane in self._lanes for r in lane)
+            if self._queued:
+                self._cond.notify()
+            return batch
+
+    def _starter(self, batch: list[_Request]) -> Callable[[], dict[str, Any]]:
+        """Start the batch: host requests through ``start_parts``; requests on a GPU joined on the device."""
         calls = [r.call for r in batch]
         if not any(call.on_device for call in calls):
-            return self.engines.run_parts(calls)
+            return self.engines.start_parts(calls)
         import torch
 
         feed = {name: calls[0].arrays[name] if name in self._unbatched else torch.cat([c.arrays[name] for c in calls])
                 for name in self.engines.input_names}
         outputs: dict[str, Any] = self.engines(feed)
-        return outputs
+        return lambda: outputs
 
 
 def _as_kind(outputs: dict[str, np.ndarray], call: CheckedFeed) -> dict[str, Any]:

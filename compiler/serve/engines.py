@@ -250,21 +250,41 @@ class Engines:
         so its requests are never packed into a batch array first. Feeds on a CUDA device, or more
         rows than the largest bucket, are joined and run as one ``engines(...)`` call.
         """
+        return self.start_parts(calls)()
+
+    def start_parts(self, calls: Sequence[CheckedFeed]) -> Callable[[], dict[str, np.ndarray]]:
+        """``run_parts`` in two steps: queue the batch on a context (copies and compute; on a GPU this returns
+        while they run) and return the function that waits for it, gives the context back and returns the
+        outputs. Call that function exactly once."""
         rows = sum(call.rows for call in calls)
         if rows > self._largest or any(call.on_device for call in calls):
             joined = {name: _concatenate([call.arrays[name] for call in calls]) for name in self.input_names}
-            outputs = self._run(self.check(joined))
-            return {name: a.cpu().numpy() if not isinstance(a, np.ndarray) else a for name, a in outputs.items()}
+            ran = self._run(self.check(joined))
+            outputs = {name: a.cpu().numpy() if not isinstance(a, np.ndarray) else a for name, a in ran.items()}
+            return lambda: outputs
         bucket = self._route[rows]
         context = self._acquire()
         try:
             context.upload_parts(bucket, calls)
             context.compute(bucket, calls[0])
             context.download(True)
-            context.wait()
-            return context.copy_outputs()
-        finally:
+        except BaseException:
             self._idle.put(context)
+            raise
+
+        def finish() -> dict[str, np.ndarray]:
+            try:
+                context.wait()
+                return context.copy_outputs()
+            finally:
+                self._idle.put(context)
+
+        return finish
+
+    @property
+    def queues_on_gpu(self) -> bool:
+        """Whether ``start_parts`` returns while the GPU works (the batcher then starts its next batch first)."""
+        return self._contexts[0].on_gpu
 
     def check(self, x: Any) -> CheckedFeed:
         """Check a feed (one array or a dict by input name) against the spec; raises ``FeedError``.
