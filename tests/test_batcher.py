@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -326,9 +327,10 @@ def test_workers_are_woken_per_batch_not_per_request(engines: Engines, monkeypat
         np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
 
 
-def test_on_a_gpu_the_next_batch_starts_before_the_last_is_answered(engines: Engines) -> None:
+def test_on_a_gpu_the_next_batch_starts_before_asyncio_callers_are_answered(engines: Engines) -> None:
     """Where the engines queue on a GPU, a worker starts the next ready batch before it hands out the last one's
-    answers (the callers' work then overlaps the GPU); every request still gets its own rows, in full batches."""
+    answers to asyncio callers (the event loop's work then overlaps the GPU), and answers thread callers
+    first; every request still gets its own rows, in full batches."""
     events: list[str] = []
     gate = threading.Event()
 
@@ -340,19 +342,39 @@ def test_on_a_gpu_the_next_batch_starts_before_the_last_is_answered(engines: Eng
             return super().start_parts(calls)
 
     on_gpu = OnGpu(engines, gate)
+
+    async def main() -> list[Any]:
+        with DynamicBatcher(on_gpu, max_batch=4, max_wait_ms=1000, workers=1) as batcher:  # type: ignore[arg-type]
+            tasks = []
+            for i in range(12):
+                task = asyncio.ensure_future(batcher.infer(rows(i)))
+                task.add_done_callback(lambda _, i=i: events.append(f"answer {i // 4}"))
+                tasks.append(task)
+                await asyncio.sleep(0)  # the request is queued
+                if i == 3:
+                    assert await asyncio.to_thread(on_gpu.entered.wait, 5)  # batch 0 at the engines, the rest behind
+            gate.set()
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(main())
+    assert [len(b) for b in on_gpu.batches] == [4, 4, 4]
+    assert [e for e in events if e.startswith("start")] == ["start 0", "start 1", "start 2"]
+    assert events.index("start 1") < events.index("answer 0") and events.index("start 2") < events.index("answer 1")
+    for i, out in enumerate(results):
+        np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
+
+    events.clear()
+    gate = threading.Event()
+    on_gpu = OnGpu(engines, gate)
     with DynamicBatcher(on_gpu, max_batch=4, max_wait_ms=1000, workers=1) as batcher:  # type: ignore[arg-type]
         futures = []
-        for i in range(12):
+        for i in range(8):
             future = batcher.submit_async(rows(i))
             future.add_done_callback(lambda _, i=i: events.append(f"answer {i // 4}"))
             futures.append(future)
             if i == 3:
-                assert on_gpu.entered.wait(5)  # the first batch is at the engines; the rest queue behind it
+                assert on_gpu.entered.wait(5)  # batch 0 at the engines, batch 1 ready behind it
         gate.set()
-        results = [f.result(timeout=10) for f in futures]
-    assert [len(b) for b in on_gpu.batches] == [4, 4, 4]
-    starts = [e for e in events if e.startswith("start")]
-    assert starts == ["start 0", "start 1", "start 2"]
-    assert events.index("start 1") < events.index("answer 0") and events.index("start 2") < events.index("answer 1")
-    for i, out in enumerate(results):
-        np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
+        for f in futures:
+            f.result(timeout=10)
+    assert events.index("answer 0") < events.index("start 1")  # thread callers are answered first

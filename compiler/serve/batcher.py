@@ -274,9 +274,12 @@ class DynamicBatcher:
     # -- the workers' side --
 
     def _work(self) -> None:
-        """Form batches and run them. On a GPU a worker queues the next batch, when one is ready, before it
-        answers the last: the callers' work on those answers (an asyncio loop resubmitting 64 requests, or 64
-        threads waking) then overlaps the GPU instead of holding up the next batch's copy for the GIL."""
+        """Form batches and run them. On a GPU, when a batch's callers are all asyncio requests, a worker queues
+        the next batch (when one is ready) before it answers them: the event loop's work on those answers then
+        overlaps the GPU instead of holding up the next batch's copy for the GIL (on an H200, a CNN with one
+        context: 9.6 k req/s at p99 15 ms against 7.0 k at 20.5 ms). Thread callers are answered first: 64
+        woken threads starved the worker of the GIL while it waited for the GPU (ONNX Runtime: 1.0 k req/s
+        against 2.7 k)."""
         started: tuple[list[_Request], Callable[[], dict[str, np.ndarray]]] | None = None
         overlap = self.engines.queues_on_gpu
         while True:
@@ -291,7 +294,7 @@ class DynamicBatcher:
             batch, finish = started
             answers = self._finish(batch, finish)
             started = None
-            if overlap:
+            if overlap and all(request.loop is not None for request in batch):
                 follow = self._ready_batch(answers)
                 if follow:
                     started = self._start(follow)
