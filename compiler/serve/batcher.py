@@ -33,7 +33,6 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -134,6 +133,12 @@ class _Answers:
         self._by_loop.clear()
 
 
+def _expire(future: Any, limit: float) -> None:
+    """On the event loop: fail an asyncio request still unanswered at its timeout (dropped if still queued)."""
+    if not future.done():
+        future.set_exception(RequestTimeout(f"no answer within {limit * 1000:.0f} ms: {_OVERLOADED}"))
+
+
 def _settle(items: list[tuple[Any, Any, BaseException | None]]) -> None:
     """On the event loop: set each asyncio future that is still waiting."""
     for future, value, error in items:
@@ -228,15 +233,13 @@ class DynamicBatcher:
         limit = self.timeout if timeout is None else timeout
         if limit is None:
             return await future
+        # one timer handle that fails the future (asyncio.timeout's context manager and task cancellation were
+        # a third of the event loop's time per request at 40 k req/s)
+        timer = loop.call_later(limit, _expire, future, limit)
         try:
-            if sys.version_info >= (3, 11):  # a timer handle only; wait_for adds a future and callbacks per request
-                async with asyncio.timeout(limit):
-                    return await future
-            return await asyncio.wait_for(future, limit)
-        except RequestTimeout:
-            raise
-        except asyncio.TimeoutError:
-            raise RequestTimeout(f"no answer within {limit * 1000:.0f} ms: {_OVERLOADED}") from None
+            return await future
+        finally:
+            timer.cancel()
 
     def _enqueue(self, x: Any, timeout: float | None, priority: bool, future: Any,
                  loop: asyncio.AbstractEventLoop | None) -> None:
