@@ -96,9 +96,33 @@ class _Request:
 
     def start(self) -> bool:
         """Claim the request for a batch; False when its caller gave up (cancelled the future)."""
-        if self.loop is None:
-            return bool(self.future.set_running_or_notify_cancel())
-        return not self.future.done()  # read across threads: ``_settle`` checks again on the loop
+        if self.loop is not None:
+            return not self.future.done()  # read across threads: ``_settle`` checks again on the loop
+        if type(self.future) is _Waiter:
+            return not self.future.cancelled
+        return bool(self.future.set_running_or_notify_cancel())
+
+
+class _Waiter:
+    """What a blocking ``submit`` waits on: a lock released once the answer is in. A Future costs a condition
+    variable, two lock round trips and a fresh lock per wait: the GIL-held work of every request, times 64
+    threads a batch."""
+
+    __slots__ = ("_lock", "cancelled", "error", "value")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.cancelled = False  # set by the caller that stopped waiting; the worker then drops the request
+
+    def set(self, value: Any, error: BaseException | None) -> None:
+        self.value, self.error = value, error
+        self._lock.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._lock.acquire(timeout=-1 if timeout is None else timeout)
 
 
 class _Answers:
@@ -122,7 +146,9 @@ class _Answers:
 
     def send(self) -> None:
         for request, value, error in self._threads:
-            if error is None:
+            if type(request.future) is _Waiter:
+                request.future.set(value, error)
+            elif error is None:
                 request.future.set_result(value)
             else:
                 request.future.set_exception(error)
@@ -211,15 +237,15 @@ class DynamicBatcher:
         Raises ``RequestTimeout`` when the answer does not come in time (the request is then
         dropped if it has not started), ``FeedError`` for a request that does not fit the model.
         """
-        future = self.submit_async(x, timeout=timeout, priority=priority)
+        waiter = _Waiter()
+        self._enqueue(x, timeout, priority, waiter, None)
         limit = self.timeout if timeout is None else timeout
-        try:
-            return future.result(timeout=limit)
-        except RequestTimeout:
-            raise
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}") from None
+        if not waiter.wait(limit):
+            waiter.cancelled = True
+            raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}")
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.value
 
     async def infer(self, x: Any, *, timeout: float | None = None, priority: bool = False) -> Any:
         """``submit`` for asyncio: ``await batcher.infer(x)`` in a coroutine; the event loop is never blocked.
