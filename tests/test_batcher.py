@@ -378,3 +378,20 @@ def test_on_a_gpu_the_next_batch_starts_before_asyncio_callers_are_answered(engi
         for f in futures:
             f.result(timeout=10)
     assert events.index("answer 0") < events.index("start 1")  # thread callers are answered first
+
+
+def test_the_ceiling_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/batcher_ceiling.py: both client modes answer every request; one JSON with the medians."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "ceiling.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "batcher_ceiling.py"), "--requests", "300",
+                           "--repeats", "1", "--threads", "8", "--coroutines", "16", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["kind"] == "trtc-batcher-ceiling" and set(report["median"]) == {"threads", "asyncio"}
+    assert all(len(runs) == 1 and runs[0] > 0 for runs in report["requests_per_s"].values())
