@@ -87,7 +87,7 @@ class _Request:
     deadline: float  # time.monotonic() after which it fails
     timeout: float
     submitted: float
-    future: Any  # a concurrent.futures.Future, or an asyncio.Future of ``loop``
+    future: Any  # a _Waiter (submit), a concurrent.futures.Future (submit_async) or an asyncio.Future of ``loop``
     loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -126,8 +126,8 @@ class _Waiter:
 
 
 class _Answers:
-    """The answers of one batch, handed out together by ``send``: thread futures are set there, asyncio futures
-    in one call per event loop."""
+    """The answers of one batch, handed out together by ``send``: waiters and thread futures are set there,
+    asyncio futures in one call per event loop."""
 
     def __init__(self) -> None:
         self._threads: list[tuple[_Request, Any, BaseException | None]] = []
