@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving_gpu import InstantEngines  # noqa: E402
+from benchmarks.serving_gpu import InstantEngines, in_threads  # noqa: E402
 
 BATCH = 64
 
@@ -64,13 +64,7 @@ def with_threads(engines: Any, clients: int, requests: int) -> float:
             batcher.submit(x, timeout=30.0)
 
     with DynamicBatcher(engines, max_wait_ms=5, max_batch=BATCH) as batcher:
-        threads = [threading.Thread(target=client) for _ in range(clients)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return requests / (time.perf_counter() - start)
+        return requests / in_threads(lambda _: client(), clients)
 
 
 def with_asyncio(engines: Any, clients: int, requests: int) -> float:

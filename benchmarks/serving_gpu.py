@@ -264,11 +264,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     if mode == "asyncio":
         asyncio.run(async_clients())
     else:
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_threads(client, clients)
     seconds = time.perf_counter() - begin
     batcher.close()
     misrouted = 0
@@ -290,6 +286,17 @@ def _first_values(out: Any, names: list[str]) -> np.ndarray:
     alive): cheap, as it runs in the clients' loop."""
     first = out[names[0]] if isinstance(out, dict) else out
     return np.asarray(first).reshape(-1)[:256].astype(np.float32)
+
+
+def in_threads(target: Any, count: int) -> float:
+    """``target(i)`` in ``count`` threads at once, i = 0 .. count - 1: seconds until the last one returns."""
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(count)]
+    begin = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - begin
 
 
 def parts_throughput(engines: Any, feed: dict[str, np.ndarray], rows: int, seconds: float) -> dict[str, float]:
@@ -322,13 +329,7 @@ def parallel_throughput(engines: Any, feed: Any, rows: int, threads: int, second
             with lock:
                 calls.append(time.perf_counter() - start)
 
-    workers = [threading.Thread(target=caller) for _ in range(threads)]
-    begin = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    elapsed = time.perf_counter() - begin
+    elapsed = in_threads(lambda _: caller(), threads)
     return {"threads": threads, "rows_per_s": rows * len(calls) / elapsed,
             "batch_ms_mean": 1e3 * statistics.fmean(calls) if calls else 0.0}
 
