@@ -229,22 +229,28 @@ def test_feed_checks_across_inputs(dirs: dict[str, Path]) -> None:
 
 # --- concurrency and pipelining -----------------------------------------------------------------------------------
 
+def call_from_threads(engines: Any, inputs: list[np.ndarray], got: list[Any], count: int, timeout: float) -> None:
+    """``got[i] = engines(inputs[i])`` from ``count`` threads at once, each taking every count-th input."""
+
+    def work(start: int) -> None:
+        for i in range(start, len(inputs), count):
+            got[i] = engines(inputs[i])
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "a call did not return: the context pool deadlocked"
+
+
 def test_threads_share_engines_through_the_context_pool(mlp_engines: runtime.Engines) -> None:
     rng = np.random.default_rng(4)
     inputs = [rng.standard_normal((int(rng.integers(1, 20)), 64)).astype(np.float32) for _ in range(64)]
     want = [mlp_engines(x) for x in inputs]
     got: list[Any] = [None] * len(inputs)
 
-    def work(start: int) -> None:
-        for i in range(start, len(inputs), 8):
-            got[i] = mlp_engines(inputs[i])
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads)
+    call_from_threads(mlp_engines, inputs, got, 8, timeout=30)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     assert len(mlp_engines._contexts) <= 2
@@ -560,16 +566,7 @@ def test_onnxruntime_cuda_contexts_have_sessions_of_their_own_on_their_streams(t
         inputs = [rng.standard_normal((int(rng.integers(1, 17)), 64)).astype(np.float32) for _ in range(40)]
         want = [eager("mlp", {"x": x}) for x in inputs]
         got: list[Any] = [None] * len(inputs)
-
-        def work(start: int) -> None:
-            for i in range(start, len(inputs), 4):
-                got[i] = engines(inputs[i])
-
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        call_from_threads(engines, inputs, got, 4, timeout=60)
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
 

@@ -170,15 +170,15 @@ class _HostContext:
 
     def upload_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
         first = calls[0]
-        rows = 0
+        rows = sum(call.rows for call in calls)
         for name, view, batched in self.input_views(bucket, first):
             if not batched:
                 view[...] = first.arrays[name]
                 continue
-            rows = 0
+            offset = 0
             for call in calls:
-                view[rows:rows + call.rows] = call.arrays[name]
-                rows += call.rows
+                view[offset:offset + call.rows] = call.arrays[name]
+                offset += call.rows
         self._rows = rows
 
     def compute(self, bucket: int, call: CheckedFeed) -> None:

@@ -242,25 +242,27 @@ class Engines:
             return outputs[self._sole_output]
         return outputs
 
-    def run_parts(self, calls: Sequence[CheckedFeed]) -> dict[str, np.ndarray]:
-        """Run checked host feeds (``check``) with equal non-batch shapes as one batch: every output as one host
-        array, the parts' rows one after the other.
+    def run_parts(self, calls: Sequence[CheckedFeed]) -> dict[str, Any]:
+        """Run checked feeds (``check``) with equal non-batch shapes as one batch: every output as one array,
+        the parts' rows one after the other (host arrays; CUDA tensors for feeds on the GPU backend's device).
 
         What the batcher runs: each part's rows go straight into one context's (pinned) input buffers,
         so its requests are never packed into a batch array first. Feeds on a CUDA device, or more
-        rows than the largest bucket, are joined and run as one ``engines(...)`` call.
+        rows than the largest bucket, are joined (inputs without a batch dimension taken from the
+        first part) and run as one ``engines(...)`` call.
         """
         return self.start_parts(calls)()
 
-    def start_parts(self, calls: Sequence[CheckedFeed]) -> Callable[[], dict[str, np.ndarray]]:
+    def start_parts(self, calls: Sequence[CheckedFeed]) -> Callable[[], dict[str, Any]]:
         """``run_parts`` in two steps: queue the batch on a context (copies and compute; on a GPU this returns
         while they run) and return the function that waits for it, gives the context back and returns the
         outputs. Call that function exactly once."""
         rows = sum(call.rows for call in calls)
         if rows > self._largest or any(call.on_device for call in calls):
-            joined = {name: _concatenate([call.arrays[name] for call in calls]) for name in self.input_names}
-            ran = self._run(self.check(joined))
-            outputs = {name: a.cpu().numpy() if not isinstance(a, np.ndarray) else a for name, a in ran.items()}
+            first = calls[0].arrays
+            joined = {c.name: _concatenate([call.arrays[c.name] for call in calls]) if c.batched else first[c.name]
+                      for c in self._checks}
+            outputs = self._run(self.check(joined))
             return lambda: outputs
         bucket = self._route[rows]
         context = self._acquire()
