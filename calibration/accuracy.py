@@ -252,17 +252,15 @@ class Evaluator:
             for file in files:
                 file.unlink()
 
-    def evaluate(self, model: onnx.ModelProto | str, limit: int | None = None) -> AccuracyResult:
+    def evaluate(self, model: onnx.ModelProto | str) -> AccuracyResult:
         """Run ``model`` (Q/DQ executed exactly, as TensorRT would; FP16 rounded as FP16 hardware) against FP32."""
         provider = self.providers[0]
         runner, emulated = self._runner(model)
         cosines: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
         max_abs = dict.fromkeys(self.output_names, 0.0)
         predictions: list[np.ndarray] = []
-        seen, sliceable = 0, _dynamic_batch(runner.session)
+        sliceable = _dynamic_batch(runner.session)
         for index, (batch, ref) in enumerate(zip(self.batches, self.reference)):
-            if limit is not None and seen >= limit:
-                break
             for start, stop, outs in _sliced_runs(runner.infer, batch, self.budget_bytes, f"batch {index}",
                                                       sliceable):
                 if self.labels is not None:
@@ -274,7 +272,6 @@ class Evaluator:
                     cosines[name].append(sums.cosines())
                     max_abs[name] = max(max_abs[name], float(sums.max_abs.max(initial=0.0)))
                 del outs
-            seen += len(next(iter(batch.values())))
         runner.close()
         per_output: dict[str, dict[str, float | None]] = {}
         for name, parts in cosines.items():
@@ -295,7 +292,7 @@ class Evaluator:
         cos_ok = worst_abs == 0.0 if np.isnan(mean) else mean >= self.settings.min_cosine
         result = AccuracyResult("cosine", cos_ok, None, None, None, mean, low, worst_abs, worst, per_output,
                                 list(self.warnings), provider, emulated)
-        if self.labels is not None and limit is None:
+        if self.labels is not None:
             result.metric, result.fp32_top1, result.top1 = "top1", self.fp32_top1, self._top1(predictions)
             result.drop_points = 100 * ((self.fp32_top1 or 0) - result.top1)
             result.passed = result.drop_points <= self.settings.max_accuracy_drop

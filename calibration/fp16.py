@@ -195,8 +195,10 @@ def node_precisions(model: onnx.ModelProto, int8_nodes: Iterable[str], report: F
     skip = _QDQ_OPS | {"Constant", "Shape", "Size", "Cast"}
     names = [node.name or f"{node.op_type}_{i}" for i, node in enumerate(model.graph.node)
              if node.op_type not in skip]
-    int8 = [n for n in int8_nodes if n in set(names)]
-    high = [n for n in names if n not in set(int8)]
+    known = set(names)
+    int8 = [n for n in int8_nodes if n in known]
+    quantized = set(int8)
+    high = [n for n in names if n not in quantized]
     if report is None:
         fp16, fp32 = [], dict.fromkeys(high, "FP32 remainder (--fp32-rest)")
     else:

@@ -21,11 +21,11 @@ from typing import Any
 from compiler.backends.trt_build import environment, parse_compute_capability
 from compiler.core.errors import InputError
 from compiler.core.files import sha256_file
-from compiler.core.manifest import MANIFEST, inside, read_manifest, verified_onnx
+from compiler.core.manifest import MANIFEST, inside, read_manifest
 from compiler.core.settings import hardware_compat_level
 
 __all__ = ["Staleness", "NEVER_BUILT", "tensorrt_can_run", "gpu_can_run", "environment_reasons", "engine_entries",
-           "recorded_onnx", "verify_recorded_onnx", "stale_in", "stale_engines"]
+           "recorded_onnx", "stale_in", "stale_engines"]
 
 NEVER_BUILT = "engines never built (TensorRT was not available at build time)"
 
@@ -142,11 +142,6 @@ def recorded_onnx(manifest: dict[str, Any], precision: str, directory: Path) -> 
         raise InputError(f"{directory} has no {precision} ONNX (it has: {have}); run `trtc build` with "
                          f"--precision {precision}, or rebuild another precision")
     return entry
-
-
-def verify_recorded_onnx(directory: Path, entry: dict[str, Any]) -> None:
-    """Refuse to build from an ONNX outside the directory or whose files no longer match the recorded digest."""
-    verified_onnx(directory, entry)
 
 
 def stale_in(directory: Path, manifest: dict[str, Any], here: dict[str, Any]) -> list[Staleness]:

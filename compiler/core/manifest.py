@@ -93,8 +93,6 @@ def verified_onnx(directory: Path, entry: Any, precision: str = "") -> Path:
     Every file is checked inside ``directory`` and read only after the digest over all of them
     matches; the graph's external data references are checked to be among those files.
     """
-    from compiler.core.onnx_io import onnx_files
-
     what = f"{precision} ONNX".strip()
     if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
         raise InputError(f"{directory / MANIFEST}: the {what} entry lacks file or sha256; rebuild the directory "

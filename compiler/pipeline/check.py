@@ -31,7 +31,6 @@ from compiler.backends.trt_compat import (
     stale_engines,
     stale_in,
     tensorrt_can_run,
-    verify_recorded_onnx,
 )
 from compiler.core.errors import InputError
 from compiler.core.files import directory_transaction, sha256_file
@@ -41,6 +40,7 @@ from compiler.core.manifest import (
     now,
     read_manifest,
     spec_from_manifest,
+    verified_onnx,
     write_manifest,
 )
 from compiler.core.settings import BuildSettings, hardware_compat_level
@@ -146,7 +146,7 @@ def rebuild_directory(directory: Path, if_stale: bool, settings_override: BuildS
         if settings.engine == "none":
             settings = replace(settings, engine="tensorrt")
         onnx = recorded_onnx(manifest, settings.precision, directory)
-        verify_recorded_onnx(directory, onnx)
+        verified_onnx(directory, onnx)  # refuse an ONNX outside the directory or changed since it was recorded
         spec = spec_from_manifest(manifest)
         stage = transaction.stage
         entries = build_engine_files(directory, stage, onnx["file"], spec, settings, build_step, env=here)
