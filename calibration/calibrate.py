@@ -283,8 +283,12 @@ def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, 
         combined, fp16_report = int8_fp16_model_from(qdq, fp16_policy, max_abs)
         return combined, qdq_report, fp16_report
 
+    reports: dict[frozenset[str], tuple[QdqReport, Fp16Report | None]] = {}  # of every candidate the gate built
+
     def build(excluded: frozenset[str]) -> onnx.ModelProto:
-        return reduced(excluded)[0]
+        candidate, q, f = reduced(excluded)
+        reports[excluded] = (q, f)
+        return candidate
 
     qmodel, qreport, freport = reduced(frozenset())
     details: dict[str, Any] = {
@@ -309,8 +313,8 @@ def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, 
         outcome = gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel, reference=model,
                                      kept_as=_kept_as(settings))
     details["gate_seconds"] = round(time.perf_counter() - gate_start, 2)
-    if outcome.kept:
-        _, qreport, freport = reduced(frozenset(outcome.kept))
+    if outcome.kept:  # the gate's last candidate: its reports, not a second build of it
+        qreport, freport = reports[frozenset(outcome.kept)]
         details["node_precisions"] = node_precisions(model, qreport.quantized_nodes, freport)
     _log_precisions(details["node_precisions"])
     return outcome, details
