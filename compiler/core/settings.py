@@ -9,23 +9,16 @@ from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.specs import ModelSpec
 
-__all__ = ["ModelSource", "ExportSettings", "BuildSettings", "Tolerance", "DEFAULT_BUCKETS", "DEFAULT_ATOL",
-           "DEFAULT_RTOL", "DEFAULT_MIN_COSINE", "PRECISIONS", "HARDWARE_COMPAT_LEVELS", "hardware_compat_level"]
-
-# the names other modules import; the values (and why they are what they are) live in compiler.core.defaults
-DEFAULT_BUCKETS = defaults.BUCKETS
-DEFAULT_ATOL = defaults.ATOL
-DEFAULT_RTOL = defaults.RTOL
-DEFAULT_MIN_COSINE = defaults.EXPORT_MIN_COSINE
-
+__all__ = ["ModelSource", "ExportSettings", "BuildSettings", "Tolerance", "PRECISIONS", "HARDWARE_COMPAT_LEVELS",
+           "hardware_compat_level"]
 
 @dataclass(frozen=True)
 class Tolerance:
     """How far a candidate may be from its reference (see the module docstring for the rule)."""
 
-    atol: float = DEFAULT_ATOL
-    rtol: float = DEFAULT_RTOL
-    min_cosine: float = DEFAULT_MIN_COSINE
+    atol: float = defaults.ATOL
+    rtol: float = defaults.RTOL
+    min_cosine: float = defaults.EXPORT_MIN_COSINE
 
     def __post_init__(self) -> None:
         if self.atol < 0 or self.rtol < 0 or (self.atol == 0 and self.rtol == 0):
@@ -59,10 +52,10 @@ class ExportSettings:
     source: ModelSource
     out: Path
     spec: ModelSpec | None = None  # None: read it from an ExportedProgram
-    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    buckets: tuple[int, ...] = defaults.BUCKETS
     opset: int | None = None
-    rtol: float = DEFAULT_RTOL  # verification: |got - ref| <= atol * max(1, scale) + rtol * |ref|, see verify.py
-    atol: float = DEFAULT_ATOL
+    rtol: float = defaults.RTOL  # verification: |got - ref| <= atol * max(1, scale) + rtol * |ref|, see verify.py
+    atol: float = defaults.ATOL
     output_names: tuple[str, ...] = ()
     force: bool = False
     extra_verify_batches: tuple[int, ...] = field(default=())
@@ -107,7 +100,7 @@ def hardware_compat_level(value: object) -> str:
 class BuildSettings:
     """How engines are built. The precision is already in the ONNX graph (strongly typed networks)."""
 
-    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    buckets: tuple[int, ...] = defaults.BUCKETS
     precision: str = defaults.PRECISION  # which ONNX of the directory the engines are built from
     multi_profile: bool = defaults.MULTI_PROFILE  # one engine, one optimization profile per bucket
     workspace_mib: int | None = None  # builder workspace limit; None = TensorRT's default (device memory)

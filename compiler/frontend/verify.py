@@ -29,11 +29,11 @@ import numpy as np
 from compiler.backends.runners import OrtRunner, Runner, TorchRunner
 from compiler.core.errors import VerificationError
 from compiler.core.onnx_io import checking_providers
-from compiler.core.settings import DEFAULT_ATOL, DEFAULT_MIN_COSINE, DEFAULT_RTOL, Tolerance
+from compiler.core.settings import Tolerance
 from compiler.core.specs import ModelSpec
 
-__all__ = ["Comparison", "Tolerance", "compare_outputs", "verify_runners", "DEFAULT_ATOL", "DEFAULT_RTOL",
-           "DEFAULT_MIN_COSINE", "FeedSource", "CheckingDevices", "checking_devices", "EagerReference", "fp32_math",
+__all__ = ["Comparison", "Tolerance", "compare_outputs", "verify_runners",
+           "FeedSource", "CheckingDevices", "checking_devices", "EagerReference", "fp32_math",
            "ExportChecks"]
 
 log = logging.getLogger(__name__)
