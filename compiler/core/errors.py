@@ -20,6 +20,10 @@ class InputError(TrtcError):
     """A bad model file, shape spec, profile, bucket list or data file."""
 
 
+class FeedError(InputError, ValueError):
+    """A feed that does not match the model: a missing or unknown input, a wrong dtype, rank or size."""
+
+
 class ExportError(TrtcError):
     """Neither exporter could turn the model into ONNX."""
 

@@ -56,7 +56,7 @@ from compiler.backends.onnxrt import _OrtCpuContext as _OrtCpuContext  # where t
 from compiler.backends.pytorch import _TorchBackend
 from compiler.backends.trt import EnginesNotRunnable, _tensorrt_backend
 from compiler.core import defaults
-from compiler.core.errors import InputError
+from compiler.core.errors import FeedError, InputError
 from compiler.core.specs import BATCH_DIM, DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
 
 __all__ = ["load", "engines_from_module", "onnx_for_precision", "tf32_policy", "tensorrt_available", "Engines",
@@ -65,10 +65,6 @@ __all__ = ["load", "engines_from_module", "onnx_for_precision", "tf32_policy", "
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
-
-
-class FeedError(InputError, ValueError):
-    """A feed that does not match the model: a missing or unknown input, a wrong dtype, rank or size."""
 
 
 # --- the feed ----------------------------------------------------------------------------------------------------
