@@ -1,0 +1,668 @@
+"""A dynamic batcher for requests from other processes, through shared memory: ``ProcessBatcher``.
+
+One Python process answers a few thousand requests a second from threads and 30-40 k from asyncio
+coroutines (its GIL; docs/benchmarks.md), while one GPU runs a small transformer at 50-95 k rows a
+second. A server with several worker processes (one per core, as web servers run) sends their
+requests to the one process that owns the GPU:
+
+    # the process that owns the GPU
+    batcher = ProcessBatcher(compiler.load("build/m"), max_wait_ms=5, workers=2)
+    handles = [batcher.client_handle(slots=8) for _ in range(16)]
+    spawn = multiprocessing.get_context("spawn")
+    workers = [spawn.Process(target=serve, args=(handle,)) for handle in handles]
+
+    # in each worker process (it imports numpy and this module, never torch or the backends)
+    def serve(handle):
+        client = handle.connect()
+        y = client.submit(x, timeout=0.5)       # from up to `slots` threads at once
+
+How a request travels: every request has a slot in one shared-memory file (room for ``slot_rows``
+rows of every input at the model's largest sizes, for the outputs, and a few numbers). The client
+checks its arrays, copies them into its slot and writes the slot's number (4 bytes) into a pipe.
+The batcher reads many numbers per read, copies the slots' rows straight into the pinned input
+buffers of a context (``Engines.start_parts``), runs the bucket, writes all answers of the batch
+into their slots with one numpy assignment per output, and wakes each client on its slot's
+semaphore. So the batcher spends a few microseconds of Python per request, and the clients' own
+work runs in their processes under their own GILs.
+
+Why not ``multiprocessing.Queue``: it pickles every array and wakes a feeder thread per message,
+tens of microseconds per request on the GPU process's one GIL.
+
+Handles are passed to processes started by ``multiprocessing`` (``spawn`` or ``fork``) after the
+batcher exists; the shared memory lives in ``/dev/shm`` until ``close``. Inputs must all have the
+batch dimension first and a numpy dtype (no bfloat16); models whose output sizes depend on the
+data can outgrow their slot (such a request fails with a message, the others of its batch do not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import mmap
+import multiprocessing
+import os
+import queue
+import select
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from compiler.core.errors import FeedError, InputError
+from compiler.core.specs import BATCH_DIM, ModelSpec
+from compiler.serve.batcher import BatcherClosed, RequestTimeout
+
+__all__ = ["ProcessBatcher", "ClientHandle", "BatcherClient", "RequestFailed"]
+
+log = logging.getLogger(__name__)
+
+_OK, _FAILED, _EXPIRED, _CLOSED = 1, 2, 3, 4  # a slot's status after its answer
+_ERROR_BYTES = 480  # room for the message of a failed request
+_ALIGN = 64
+_NAP = 0.0001  # seconds the collecting worker sleeps between looks at the pipe while a batch fills
+_OVERLOADED = "the server is overloaded; raise the timeout, or add contexts, workers or GPUs"
+
+
+class RequestFailed(RuntimeError):
+    """The request's batch failed in the serving process (its message says why)."""
+
+
+# --- the shared memory ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where every array of the shared-memory file lies: plain numbers, so it pickles with a handle."""
+
+    fields: tuple[_Field, ...]
+    size: int
+
+    @staticmethod
+    def of(arrays: Sequence[tuple[str, str, tuple[int, ...]]]) -> _Layout:
+        fields = []
+        offset = 0
+        for name, dtype, shape in arrays:
+            fields.append(_Field(name, dtype, shape, offset))
+            offset += -(-fields[-1].nbytes // _ALIGN) * _ALIGN
+        return _Layout(tuple(fields), max(offset, _ALIGN))
+
+    def views(self, buffer: Any) -> dict[str, np.ndarray]:
+        return {f.name: np.frombuffer(buffer, dtype=f.dtype, count=math.prod(f.shape), offset=f.offset)
+                .reshape(f.shape) for f in self.fields}
+
+
+@dataclass(frozen=True)
+class _Io:
+    """One input or output as the slots hold it: dims as the spec writes them (names for dynamic sizes)."""
+
+    name: str
+    dtype: str
+    dims: tuple[int | str, ...]  # without the batch dimension
+    largest: tuple[int, ...]  # the slot's room: the dims at their largest
+
+
+@dataclass(frozen=True)
+class _Model:
+    inputs: tuple[_Io, ...]
+    outputs: tuple[_Io, ...]
+    dim_names: tuple[str, ...]  # the dynamic non-batch dims, in the order a slot stores their values
+    ranges: tuple[tuple[int, int], ...]  # (min, max) of each
+    slot_rows: int
+
+
+def _regions(model: _Model, slots: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    regions = [(f"in:{io.name}", io.dtype, (slots, model.slot_rows, *io.largest)) for io in model.inputs]
+    regions += [(f"out:{io.name}", io.dtype, (slots, model.slot_rows, *io.largest)) for io in model.outputs]
+    ranks = max([len(io.largest) for io in model.outputs] + [1])
+    regions += [("rows", "int64", (slots,)), ("dims", "int64", (slots, max(1, len(model.dim_names)))),
+                ("asked", "int64", (slots,)), ("answered", "int64", (slots,)), ("status", "int64", (slots,)),
+                ("out_shapes", "int64", (slots, len(model.outputs), ranks)),
+                ("submitted", "float64", (slots,)), ("deadline", "float64", (slots,)),
+                ("error", "uint8", (slots, _ERROR_BYTES)), ("closed", "int64", (1,))]
+    return regions
+
+
+def _region(area: np.ndarray, slot: int, rows: int, shape: Sequence[int]) -> tuple[Any, ...]:
+    """The index of one request's rows at ``shape`` (its non-batch sizes) in a slot area."""
+    return (slot, slice(0, rows), *(slice(0, n) for n in shape))
+
+
+# --- the client's side -----------------------------------------------------------------------------------------------
+
+@dataclass
+class ClientHandle:
+    """What a client process needs to reach a ``ProcessBatcher``: pass it to a process started by ``multiprocessing``
+    (as an argument), then call ``connect()`` there. Its slots are its own: one handle per process."""
+
+    path: str
+    layout: _Layout
+    model: _Model
+    slots: tuple[int, ...]
+    semaphores: tuple[Any, ...]  # one per slot, the batcher releases it when the slot's answer is in
+    writer: Any  # the write end of the batcher's pipe (a multiprocessing Connection)
+    timeout: float | None
+
+    def connect(self) -> BatcherClient:
+        """Attach to the batcher's shared memory (in the client process)."""
+        return BatcherClient(self)
+
+
+class BatcherClient:
+    """Sends requests to a ``ProcessBatcher`` from another process; thread-safe (one request per slot at a time).
+
+    ``submit(x)`` takes what ``engines(x)`` takes (numpy arrays or CPU tensors, batch first, at most
+    ``slot_rows`` rows) and returns what it returns (one array for a one-input, one-output model given
+    one array, else a dict by output name, as numpy arrays).
+    """
+
+    def __init__(self, handle: ClientHandle) -> None:
+        try:
+            fd = os.open(handle.path, os.O_RDWR)
+        except FileNotFoundError:
+            raise BatcherClosed(f"the batcher's shared memory {handle.path} is gone: the batcher was closed") from None
+        try:
+            self._map = mmap.mmap(fd, handle.layout.size)
+        finally:
+            os.close(fd)
+        self._handle = handle
+        self._model = handle.model
+        self._arrays = handle.layout.views(self._map)
+        self._inputs = [(io, self._arrays[f"in:{io.name}"], np.dtype(io.dtype)) for io in self._model.inputs]
+        self._outputs = [(io, self._arrays[f"out:{io.name}"]) for io in self._model.outputs]
+        self._dim_index = {name: i for i, name in enumerate(self._model.dim_names)}
+        self._fd = handle.writer.fileno()
+        self._sem = dict(zip(handle.slots, handle.semaphores, strict=True))
+        self._number = {slot: int(self._arrays["answered"][slot]) for slot in handle.slots}
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in handle.slots:
+            self._free.put(slot)
+        self._abandoned: set[int] = set()  # slots of requests whose caller gave up; free again once answered
+        self._lock = threading.Lock()
+
+    @property
+    def input_names(self) -> list[str]:
+        return [io.name for io in self._model.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [io.name for io in self._model.outputs]
+
+    def submit(self, x: Any, *, timeout: float | None = None) -> Any:
+        """Run one request through the batcher and return its outputs; blocks at most ``timeout`` seconds (default:
+        the batcher's). Raises ``FeedError`` at once for a request that does not fit the model,
+        ``RequestTimeout``, ``BatcherClosed``, or ``RequestFailed`` when its batch failed."""
+        limit = self._handle.timeout if timeout is None else timeout
+        if limit is not None and limit <= 0:
+            raise InputError(f"timeout={limit} must be positive")
+        single = not isinstance(x, Mapping)
+        feed = {self._model.inputs[0].name: x} if single else x
+        arrays, rows, dims = self._checked(feed, single)
+        arrays_ = self._arrays
+        if arrays_["closed"][0]:
+            raise BatcherClosed("the batcher is closed; make a new one")
+        slot = self._take_slot(limit)
+        number = self._number[slot] + 1
+        for (_, area, _), array in zip(self._inputs, arrays, strict=True):
+            area[_region(area, slot, rows, array.shape[1:])] = array
+        arrays_["rows"][slot] = rows
+        if dims:
+            arrays_["dims"][slot, :len(dims)] = dims
+        now = time.monotonic()
+        arrays_["submitted"][slot] = now
+        arrays_["deadline"][slot] = now + limit if limit is not None else math.inf
+        arrays_["asked"][slot] = number
+        self._number[slot] = number
+        try:
+            os.write(self._fd, slot.to_bytes(4, "little"))
+        except (BrokenPipeError, OSError):
+            self._free.put(slot)
+            raise BatcherClosed("the batcher is closed (its pipe is gone); make a new one") from None
+        # the batcher answers every request by its deadline (expired ones without running them) or with its batch;
+        # the grace covers a batch that started just before the deadline
+        if not self._sem[slot].acquire(timeout=None if limit is None else limit + 1.0):
+            with self._lock:
+                self._abandoned.add(slot)
+            raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}")
+        try:
+            return self._answer(slot, number, rows, single)
+        finally:
+            self._free.put(slot)
+
+    def _checked(self, feed: Mapping[str, Any], single: bool) -> tuple[list[np.ndarray], int, list[int]]:
+        model = self._model
+        if single and len(model.inputs) != 1:
+            raise FeedError(f"the model takes inputs {self.input_names}: pass a dict {{name: array}}")
+        if len(feed) != len(model.inputs) or any(io.name not in feed for io in model.inputs):
+            missing = [io.name for io in model.inputs if io.name not in feed]
+            unknown = [n for n in feed if n not in self.input_names]
+            raise FeedError(f"the feed does not match the model's inputs {self.input_names}: missing {missing}, "
+                            f"unknown {unknown}")
+        arrays = []
+        rows = -1
+        dims = [0] * len(model.dim_names)
+        for io, _, dtype in self._inputs:
+            value = feed[io.name]
+            array = value if type(value) is np.ndarray else _as_array(value, io.name)
+            if array.dtype != dtype:
+                raise FeedError(f"input {io.name!r} has dtype {array.dtype}, the model takes {io.dtype}: pass "
+                                f"x.astype(np.{io.dtype})")
+            shape = array.shape
+            if len(shape) != len(io.dims) + 1:
+                raise FeedError(f"input {io.name!r} has shape {tuple(shape)}, the model takes "
+                                f"Bx{'x'.join(map(str, io.dims))} (rank {len(io.dims) + 1})")
+            if rows < 0:
+                rows = shape[0]
+            elif shape[0] != rows:
+                raise FeedError(f"input {io.name!r} has batch {shape[0]}, another input batch {rows}: every input "
+                                "needs the same batch size")
+            for axis, dim in enumerate(io.dims):
+                size = shape[axis + 1]
+                if isinstance(dim, int):
+                    if size != dim:
+                        raise FeedError(f"input {io.name!r} has shape {tuple(shape)}: dimension {axis + 1} must be "
+                                        f"{dim}")
+                    continue
+                index = self._dim_index[dim]
+                low, high = model.ranges[index]
+                if not low <= size <= high:
+                    raise FeedError(f"input {io.name!r}: {dim} = {size} is outside the range {low}..{high} the model "
+                                    "was built for")
+                if dims[index] and dims[index] != size:
+                    raise FeedError(f"input {io.name!r} has {dim} = {size}, another input {dim} = {dims[index]}")
+                dims[index] = size
+            arrays.append(array)
+        if rows == 0:
+            raise FeedError("the batch is empty (0 rows): pass at least one row")
+        if rows > model.slot_rows:
+            raise FeedError(f"the request has {rows} rows and a slot holds {model.slot_rows}: split it, or make the "
+                            f"batcher with slot_rows={rows}")
+        return arrays, rows, dims
+
+    def _take_slot(self, limit: float | None) -> int:
+        end = time.monotonic() + (limit if limit is not None else math.inf)
+        while True:
+            with contextlib.suppress(queue.Empty):
+                return self._free.get_nowait()
+            with self._lock:
+                for slot in list(self._abandoned):
+                    if self._sem[slot].acquire(False):  # answered after its caller gave up: free again
+                        self._abandoned.discard(slot)
+                        return slot
+            wait = min(0.01, end - time.monotonic())
+            if wait <= 0:
+                raise RequestTimeout(f"all {len(self._sem)} slots of this client are busy: connect with more slots "
+                                     "(client_handle(slots=...)), or send fewer requests at once")
+            with contextlib.suppress(queue.Empty):
+                return self._free.get(timeout=wait)
+
+    def _answer(self, slot: int, number: int, rows: int, single: bool) -> Any:
+        arrays = self._arrays
+        if int(arrays["answered"][slot]) != number:
+            raise RequestFailed(f"slot {slot} holds the answer to request {int(arrays['answered'][slot])}, not "
+                                f"{number}: two clients share a handle; give each process its own client_handle()")
+        status = int(arrays["status"][slot])
+        if status != _OK:
+            text = bytes(arrays["error"][slot]).rstrip(b"\0").decode("utf-8", "replace")
+            if status == _EXPIRED:
+                raise RequestTimeout(text)
+            if status == _CLOSED:
+                raise BatcherClosed(text)
+            raise RequestFailed(text)
+        shapes = arrays["out_shapes"][slot]
+        outputs = {}
+        for j, (io, area) in enumerate(self._outputs):
+            shape = tuple(int(n) for n in shapes[j, :len(io.largest)])
+            outputs[io.name] = np.array(area[_region(area, slot, rows, shape)])
+        if single and len(outputs) == 1:
+            return next(iter(outputs.values()))
+        return outputs
+
+    def close(self) -> None:
+        """Detach from the shared memory (the batcher keeps running)."""
+        self._arrays = {}
+        self._inputs, self._outputs = [], []
+        with contextlib.suppress(BufferError):  # a view still held by a caller keeps the mapping alive
+            self._map.close()
+
+    def __enter__(self) -> BatcherClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_array(value: Any, name: str) -> np.ndarray:
+    try:
+        return np.asarray(value)
+    except (TypeError, RuntimeError, ValueError):
+        raise FeedError(f"input {name!r} is a {type(value).__name__} that is not host memory; pass a numpy array "
+                        "or a CPU tensor") from None
+
+
+_Pending = tuple[int, int, tuple[int, ...], float, float]  # slot, rows, dims, deadline, submitted
+
+
+# --- the batcher's side ----------------------------------------------------------------------------------------------
+
+class ProcessBatcher:
+    """Packs requests from other processes into batches for ``engines``; see the module docstring.
+
+    ``capacity``: slots in all (each holds one request in flight); ``slot_rows``: rows a request may
+    have. ``max_batch``, ``max_wait_ms``, ``timeout`` and ``workers`` as for ``DynamicBatcher``.
+    The shared memory is ``capacity x slot_rows`` rows of every input and output at their largest
+    sizes; it is reserved at once, so a too-small ``/dev/shm`` fails here (not with a crash later).
+    """
+
+    def __init__(self, engines: Any, *, capacity: int = 256, slot_rows: int = 1, max_batch: int | None = None,
+                 max_wait_ms: float = 10.0, timeout: float | None = 10.0, workers: int = 1,
+                 shm_dir: str | None = None) -> None:
+        if capacity < 1 or slot_rows < 1:
+            raise InputError(f"capacity={capacity}, slot_rows={slot_rows}: both must be at least 1")
+        if max_batch is not None and max_batch < 1:
+            raise InputError(f"max_batch={max_batch}: a batch holds at least one row")
+        if max_wait_ms < 0:
+            raise InputError(f"max_wait_ms={max_wait_ms} must not be negative")
+        if timeout is not None and timeout <= 0:
+            raise InputError(f"timeout={timeout} must be positive (or None to wait forever)")
+        if workers < 1:
+            raise InputError(f"workers={workers}: the batcher needs at least one worker")
+        self.engines = engines
+        self.max_batch = max_batch or max(engines.buckets)
+        self.max_wait = max_wait_ms / 1000.0
+        self.timeout = timeout
+        self._model = _model_of(engines, slot_rows)
+        self._layout = _Layout.of(_regions(self._model, capacity))
+        self._path, self._map = _shared_file(self._layout.size, shm_dir)
+        self._arrays = self._layout.views(self._map)
+        self._in = [(io, self._arrays[f"in:{io.name}"]) for io in self._model.inputs]
+        self._out = [(io, self._arrays[f"out:{io.name}"]) for io in self._model.outputs]
+        spawn = multiprocessing.get_context("spawn")  # such semaphores also work in forked children; not vice versa
+        self._semaphores = [spawn.Semaphore(0) for _ in range(capacity)]
+        self._reader, self._writer = spawn.Pipe(duplex=False)
+        self._fd = self._reader.fileno()
+        os.set_blocking(self._fd, False)
+        self._capacity = capacity
+        self._handed = 0  # slots given to handles so far
+        self._pending: list[_Pending] = []  # requests read from the pipe and not yet in a batch, oldest first
+        self._pending_rows = 0
+        self._collect = threading.Lock()  # one worker reads the pipe and forms a batch at a time
+        self._closed = False
+        self._drain = True
+        self._threads = [threading.Thread(target=self._work, name=f"trtc-process-batcher-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def client_handle(self, slots: int = 8) -> ClientHandle:
+        """A handle with ``slots`` slots of its own (requests one client process may have in flight at once)."""
+        if self._closed:
+            raise BatcherClosed("the batcher is closed; make a new one")
+        if slots < 1 or self._handed + slots > self._capacity:
+            raise InputError(f"slots={slots}: {self._capacity - self._handed} of the batcher's {self._capacity} slots "
+                             "are left; make the batcher with a larger capacity")
+        mine = tuple(range(self._handed, self._handed + slots))
+        self._handed += slots
+        return ClientHandle(self._path, self._layout, self._model, mine,
+                            tuple(self._semaphores[s] for s in mine), self._writer, self.timeout)
+
+    def __enter__(self) -> ProcessBatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Stop: run the requests already sent (``drain``) or fail them with ``BatcherClosed``; later requests fail
+        at once. The shared memory is removed (clients attached keep their mapping until they close)."""
+        if self._closed:
+            return
+        self._arrays["closed"][0] = 1
+        self._closed = True
+        self._drain = drain
+        for thread in self._threads:
+            thread.join(timeout=timeout)
+            if thread.is_alive():
+                log.warning("process batcher worker %s did not stop within %.0f s", thread.name, timeout)
+        # requests that raced the closing flag
+        self._read()
+        self._reply([r[0] for r in self._pending], _CLOSED, "the batcher was closed before this request ran")
+        self._pending.clear()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+
+    # -- the workers --
+
+    def _work(self) -> None:
+        """Form batches and run them; on a GPU the next batch, when one is ready, is queued before the last batch is
+        answered, so that writing answers overlaps the GPU."""
+        overlap = bool(self.engines.queues_on_gpu)
+        started: tuple[list[_Pending], Callable[[], dict[str, Any]]] | None = None
+        while True:
+            if started is None:
+                with self._collect:
+                    batch = self._next_batch(block=True)
+                if batch is None:
+                    return
+                started = self._start(batch)
+                continue
+            batch, finish = started
+            started = None
+            try:
+                outputs: dict[str, Any] | None = finish()
+                error = None
+            except Exception as err:  # every caller of the batch learns why; the worker keeps serving
+                outputs, error = None, err
+            if overlap and self._collect.acquire(blocking=False):  # another worker collecting: it runs the next
+                try:
+                    follow = self._next_batch(block=False)
+                finally:
+                    self._collect.release()
+                if follow:
+                    started = self._start(follow)
+            if outputs is None:
+                self._reply([r[0] for r in batch], _FAILED, f"the batch failed: {error}")
+            else:
+                self._answer(batch, outputs)
+
+    def _read(self, timeout: float = 0.0) -> None:
+        """Add the requests the clients have announced to ``_pending``, waiting up to ``timeout`` seconds for one."""
+        if timeout > 0 and not select.select([self._fd], [], [], timeout)[0]:
+            return
+        try:
+            data = os.read(self._fd, 1 << 16)
+        except BlockingIOError:
+            return
+        new = np.frombuffer(data, dtype="<i4")
+        arrays = self._arrays
+        rows = arrays["rows"][new].tolist()
+        keys = ([tuple(k) for k in arrays["dims"][new, :len(self._model.dim_names)].tolist()]
+                if self._model.dim_names else [()] * len(new))
+        self._pending.extend(zip(new.tolist(), rows, keys, arrays["deadline"][new].tolist(),
+                                 arrays["submitted"][new].tolist(), strict=True))
+        self._pending_rows += sum(rows)
+
+    def _next_batch(self, block: bool) -> list[_Pending] | None:
+        """The requests of the next batch (a full one, or the oldest request's window is over); an empty list when
+        ``block`` is False and none is ready; None when closed and done."""
+        while True:
+            self._read()
+            pending = self._pending
+            if not pending:
+                if self._closed:
+                    return None
+                if not block:
+                    return []
+                self._read(0.05)  # wakes up now and then to see the batcher closed
+                continue
+            if self._closed and not self._drain:
+                self._reply([p[0] for p in pending], _CLOSED, "the batcher was closed before this request ran")
+                pending.clear()
+                self._pending_rows = 0
+                return None
+            now = time.monotonic()
+            window_end = pending[0][4] + self.max_wait
+            if self._pending_rows >= self.max_batch or now >= window_end or self._closed:
+                batch = self._take(now)
+                if batch or not block:
+                    return batch
+                continue
+            if not block:
+                return []
+            # a nap instead of a wake-up per request: every announcement would wake the reader (a pipe has no
+            # "wake me at 64"), and 64 wake-ups cost more of this process's GIL than the batch's own work
+            time.sleep(min(window_end - now, _NAP))
+
+    def _take(self, now: float) -> list[_Pending]:
+        """Pop the requests of one batch (the oldest request's dims, up to ``max_batch`` rows), answering the expired
+        ones on the way."""
+        batch: list[_Pending] = []
+        kept: list[_Pending] = []
+        expired: list[int] = []
+        key = None
+        rows = 0
+        for request in self._pending:
+            if request[3] < now:
+                expired.append(request[0])
+                continue
+            if key is None:
+                key = request[2]
+            if request[2] == key and (rows + request[1] <= self.max_batch or not batch) and rows < self.max_batch:
+                batch.append(request)
+                rows += request[1]
+            else:
+                kept.append(request)
+        self._pending = kept
+        self._pending_rows = sum(r[1] for r in kept)
+        self._reply(expired, _EXPIRED, f"the request waited in the queue over its timeout: {_OVERLOADED}")
+        return batch
+
+    def _start(self, batch: list[_Pending]) -> tuple[list[_Pending], Callable[[], dict[str, Any]]] | None:
+        """Queue the batch on the engines: each request's rows as a view of its slot (no copy until the pinned
+        buffers). None when that failed (its callers have been told why)."""
+        from compiler.backends.contexts import CheckedFeed
+
+        names = self._model.dim_names
+        calls = []
+        for slot, rows, key, _, _ in batch:
+            if names:
+                sizes = dict(zip(names, key, strict=True))
+                feed = {io.name: area[_region(area, slot, rows, _sizes(io, sizes))] for io, area in self._in}
+                calls.append(CheckedFeed("numpy", feed, rows, sizes, key))
+            else:
+                calls.append(CheckedFeed("numpy", {io.name: area[slot, :rows] for io, area in self._in}, rows, {}, ()))
+        try:
+            return batch, self.engines.start_parts(calls)
+        except Exception as err:
+            self._reply([r[0] for r in batch], _FAILED, f"the batch failed: {err}")
+            return None
+
+    def _answer(self, batch: list[_Pending], outputs: Mapping[str, Any]) -> None:
+        """Every request's rows of every output into its slot, then its status and a wake-up."""
+        arrays = self._arrays
+        slots = np.fromiter((r[0] for r in batch), np.int64, len(batch))
+        rows = np.fromiter((r[1] for r in batch), np.int64, len(batch))
+        failed: dict[int, str] = {}
+        for j, (io, area) in enumerate(self._out):
+            out = np.asarray(outputs[io.name])
+            shape = out.shape[1:]
+            if len(shape) != len(io.largest) or any(n > room for n, room in zip(shape, io.largest, strict=True)):
+                text = (f"output {io.name!r} has shape {out.shape}; a slot holds {io.largest} per row (sized by a run "
+                        "at the largest input sizes): this model's output sizes depend on its data")
+                failed.update(dict.fromkeys(slots.tolist(), text))
+                continue
+            if (rows == 1).all():
+                index: tuple[Any, ...] = (slots, 0, *(slice(0, n) for n in shape))
+                area[index] = out
+            else:
+                offset = 0
+                for slot, n in zip(slots.tolist(), rows.tolist(), strict=True):
+                    area[_region(area, slot, n, shape)] = out[offset:offset + n]
+                    offset += n
+            arrays["out_shapes"][slots, j, :len(shape)] = shape
+        if failed:
+            self._reply(list(failed), _FAILED, next(iter(failed.values())))
+            return
+        arrays["status"][slots] = _OK
+        arrays["answered"][slots] = arrays["asked"][slots]
+        semaphores = self._semaphores
+        for slot in slots.tolist():
+            semaphores[slot].release()
+
+    def _reply(self, slots: Sequence[int], status: int, text: str) -> None:
+        """Answer requests without outputs: an error or expiry, with its message."""
+        if not slots:
+            return
+        arrays = self._arrays
+        message = np.frombuffer(text.encode("utf-8")[:_ERROR_BYTES - 1].ljust(_ERROR_BYTES, b"\0"), np.uint8)
+        for slot in slots:
+            arrays["error"][slot] = message
+            arrays["status"][slot] = status
+            arrays["answered"][slot] = arrays["asked"][slot]
+            self._semaphores[slot].release()
+
+
+def _sizes(io: _Io, values: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(d if isinstance(d, int) else values[d] for d in io.dims)
+
+
+def _model_of(engines: Any, slot_rows: int) -> _Model:
+    """The slots' layout from the engines' spec, the outputs' sizes from one run at the largest input sizes."""
+    from compiler.backends.contexts import _NUMPY_DTYPES
+
+    spec: ModelSpec = engines.spec
+    inputs = []
+    largest_values = {name: r.max for name, r in spec.dims.items()}
+    for i in spec.inputs:
+        if not i.dims or i.dims[0] != BATCH_DIM:
+            raise InputError(f"input {i} has no batch dimension first; the process batcher serves models whose "
+                             "inputs are all batched (use DynamicBatcher in one process for this one)")
+        if _NUMPY_DTYPES.get(i.dtype) is None:
+            raise InputError(f"input {i} is {i.dtype}, which numpy cannot hold in shared memory; export the model "
+                             "with float32 or float16 inputs")
+        dims = tuple(i.dims[1:])
+        inputs.append(_Io(i.name, i.dtype, dims, tuple(d if isinstance(d, int) else largest_values[d] for d in dims)))
+    probe = engines(spec.example_feed(1, values={**spec.opt_values(1), **largest_values}))
+    if not isinstance(probe, dict):
+        probe = {engines.output_names[0]: probe}
+    outputs = tuple(_Io(name, str(np.asarray(probe[name]).dtype), tuple(np.asarray(probe[name]).shape[1:]),
+                        tuple(np.asarray(probe[name]).shape[1:])) for name in engines.output_names)
+    names = tuple(spec.dims)
+    return _Model(tuple(inputs), outputs, names, tuple((spec.dims[n].min, spec.dims[n].max) for n in names),
+                  slot_rows)
+
+
+def _shared_file(size: int, directory: str | None) -> tuple[str, mmap.mmap]:
+    """A file of ``size`` bytes in shared memory (``/dev/shm``), its pages reserved now: writing into a tmpfs
+    beyond its limit is a SIGBUS, not an error."""
+    directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    fd, path = tempfile.mkstemp(prefix=f"trtc-batcher-{os.getpid()}-", dir=directory)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as err:
+            free = os.statvfs(directory)
+            raise InputError(f"{directory} has {free.f_bavail * free.f_frsize / 2**20:.0f} MiB free and the batcher's "
+                             f"slots need {size / 2**20:.0f} MiB ({err.strerror}): lower capacity or slot_rows, or "
+                             "give the container more shared memory (docker run --shm-size)") from None
+        return path, mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,224 @@
+"""The process batcher on ONNX Runtime (CPU): requests from other processes through shared memory, one answer each."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from compiler.core.errors import FeedError, InputError
+from compiler.serve.batcher import BatcherClosed, RequestTimeout
+from compiler.serve.engines import Engines, load
+from compiler.serve.processes import ClientHandle, ProcessBatcher, RequestFailed
+from tests.test_batcher import Recording, join_all
+from tests.test_runtime import build_directory
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    directory = build_directory(tmp_path_factory.mktemp("process-batcher") / "mlp", "mlp")
+    with load(directory, backend="onnxruntime", device="cpu") as engines:
+        yield engines
+
+
+@pytest.fixture(scope="module")
+def transformer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    directory = build_directory(tmp_path_factory.mktemp("process-batcher") / "tr", "transformer_encoder")
+    with load(directory, backend="onnxruntime", device="cpu") as engines:
+        yield engines
+
+
+def rows(i: int, n: int = 1) -> np.ndarray:
+    return np.full((n, 64), float(i), np.float32)
+
+
+def _client_process(handle: ClientHandle, requests: list[Any], results: Any) -> None:
+    """In a spawned process: every request from its own thread, the answers sent back by index."""
+    client = handle.connect()
+    answers: dict[int, Any] = {}
+
+    def one(i: int) -> None:
+        answers[i] = client.submit(requests[i], timeout=20)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    client.close()
+    results.put(answers)
+
+
+def test_requests_from_two_processes_each_get_their_own_rows(engines: Engines) -> None:
+    recording = Recording(engines)
+    rng = np.random.default_rng(0)
+    requests = [[rng.standard_normal((1, 64)).astype(np.float32) for _ in range(4)] for _ in range(2)]
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    with ProcessBatcher(recording, capacity=8, max_wait_ms=20) as batcher:
+        path = batcher._path
+        workers = [spawn.Process(target=_client_process, args=(batcher.client_handle(4), requests[p], results))
+                   for p in range(2)]
+        for worker in workers:
+            worker.start()
+        answers = [results.get(timeout=60) for _ in workers]
+        for worker in workers:
+            worker.join(timeout=30)
+    assert not os.path.exists(path), "close left the shared memory behind"
+    assert [sorted(a) for a in answers] == [[0, 1, 2, 3]] * 2
+    for p in range(2):  # each process's answers, matched to its requests by value
+        process_answers = next(a for a in answers if np.allclose(a[0], engines(requests[p][0]), atol=1e-5))
+        for i in range(4):
+            np.testing.assert_allclose(process_answers[i], engines(requests[p][i]), rtol=1e-5, atol=1e-6)
+    assert sum(len(b) for b in recording.batches) == 1 + 8  # the batcher's probe of the output sizes, then 8 rows
+    assert len(recording.batches) < 1 + 8, "no request was packed with another"
+
+
+def test_threads_of_one_client_many_rows_and_dicts(engines: Engines) -> None:
+    requests = [rows(i, 1 + i % 3) for i in range(30)]
+    answers: dict[int, Any] = {}
+    with ProcessBatcher(engines, capacity=8, slot_rows=3, max_wait_ms=5) as batcher:
+        client = batcher.client_handle(6).connect()
+
+        def one(first: int) -> None:
+            for i in range(first, 30, 6):
+                answers[i] = client.submit(requests[i])
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        join_all(threads, timeout=30)
+        named = client.submit({"x": rows(7, 2)})
+        client.close()
+    for i, x in enumerate(requests):
+        np.testing.assert_allclose(answers[i], engines(x), rtol=1e-5, atol=1e-6)
+    assert list(named) == ["out"]
+    np.testing.assert_allclose(named["out"], engines(rows(7, 2)), rtol=1e-5, atol=1e-6)
+
+
+def test_requests_of_other_sequence_lengths_run_in_their_own_batches(transformer: Engines) -> None:
+    recording = Recording(transformer)
+    feeds = [{"input_ids": np.full((1, n), i, np.int64), "attention_mask": np.ones((1, n), np.int64)}
+             for i, n in enumerate((4, 4, 9, 4, 9))]
+    answers: dict[int, Any] = {}
+    with ProcessBatcher(recording, capacity=5, max_wait_ms=100) as batcher:
+        client = batcher.client_handle(5).connect()
+        threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, client.submit(feeds[i])))
+                   for i in range(5)]
+        for t in threads:
+            t.start()
+        join_all(threads, timeout=30)
+    for i, feed in enumerate(feeds):
+        assert answers[i]["out"].shape == (1, feed["input_ids"].shape[1], 64)
+        np.testing.assert_allclose(answers[i]["out"], transformer(feed)["out"], rtol=1e-5, atol=1e-5)
+    assert sorted(tuple(b[:, 0]) for b in recording.batches[1:]) == [(0, 1, 3), (2, 4)]
+
+
+def test_bad_requests_fail_in_the_client_with_one_line(engines: Engines, transformer: Engines) -> None:
+    with ProcessBatcher(engines, capacity=2) as batcher:
+        client = batcher.client_handle(2).connect()
+        with pytest.raises(FeedError, match="dtype float64, the model takes float32"):
+            client.submit(np.zeros((1, 64)))
+        with pytest.raises(FeedError, match="dimension 1 must be 64"):
+            client.submit(np.zeros((1, 63), np.float32))
+        with pytest.raises(FeedError, match="2 rows and a slot holds 1: split it, or make the batcher with slot_rows"):
+            client.submit(rows(0, 2))
+        with pytest.raises(FeedError, match=r"missing \['x'\], unknown \['y'\]"):
+            client.submit({"y": rows(0)})
+        np.testing.assert_allclose(client.submit(rows(3)), engines(rows(3)), rtol=1e-5, atol=1e-6)
+    with ProcessBatcher(transformer, capacity=1) as batcher:
+        client = batcher.client_handle(1).connect()
+        with pytest.raises(FeedError, match=r"S = 40 is outside the range 1\.\.32"):
+            client.submit({"input_ids": np.zeros((1, 40), np.int64), "attention_mask": np.ones((1, 40), np.int64)})
+    with pytest.raises(InputError, match="slots=3: 2 of the batcher's 2 slots are left"):
+        ProcessBatcher(engines, capacity=2).client_handle(3)
+
+
+class Slow(Recording):
+    """Batches wait at a gate; the first batch optionally fails."""
+
+    def __init__(self, engines: Engines, hold: threading.Event, fail: bool = False) -> None:
+        super().__init__(engines)
+        self.hold, self.fail = hold, fail
+
+    def start_parts(self, calls: Any) -> Any:
+        self.entered.set()
+        assert self.hold.wait(timeout=10)
+        if self.fail:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return self.engines.start_parts(calls)
+
+
+def test_a_late_answer_times_out_and_its_slot_serves_again(engines: Engines) -> None:
+    gate = threading.Event()
+    slow = Slow(engines, gate)
+    with ProcessBatcher(slow, capacity=1, max_wait_ms=0) as batcher:
+        client = batcher.client_handle(1).connect()
+        start = time.monotonic()
+        with pytest.raises(RequestTimeout, match="no answer within 100 ms"):
+            client.submit(rows(1), timeout=0.1)
+        assert time.monotonic() - start < 5
+        gate.set()  # the batch runs; its answer lands in the abandoned slot, which is then taken again
+        np.testing.assert_allclose(client.submit(rows(2), timeout=10), engines(rows(2)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_batch_fails_its_requests_with_the_reason(engines: Engines) -> None:
+    gate = threading.Event()
+    gate.set()
+    with ProcessBatcher(Slow(engines, gate), capacity=2, max_wait_ms=0) as batcher:
+        batcher.engines.fail = True
+        client = batcher.client_handle(2).connect()
+        with pytest.raises(RequestFailed, match="the batch failed: CUDA out of memory"):
+            client.submit(rows(1), timeout=10)
+        batcher.engines.fail = False
+        np.testing.assert_allclose(client.submit(rows(2), timeout=10), engines(rows(2)), rtol=1e-5, atol=1e-6)
+
+
+def test_closed_batcher_refuses_requests_and_removes_its_memory(engines: Engines, tmp_path: Path) -> None:
+    batcher = ProcessBatcher(engines, capacity=2, shm_dir=str(tmp_path))
+    handle = batcher.client_handle(1)
+    client = handle.connect()
+    assert [p.name for p in tmp_path.iterdir()] == [Path(batcher._path).name]
+    batcher.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(BatcherClosed, match="the batcher is closed"):
+        client.submit(rows(0))
+    with pytest.raises(BatcherClosed, match="was closed"):
+        handle.connect()
+    with pytest.raises(BatcherClosed):
+        batcher.client_handle(1)
+
+
+def test_close_without_draining_fails_queued_requests(engines: Engines) -> None:
+    gate = threading.Event()
+    slow = Slow(engines, gate)
+    batcher = ProcessBatcher(slow, capacity=2, max_wait_ms=0, max_batch=1)
+    client = batcher.client_handle(2).connect()
+    results: dict[str, Any] = {}
+
+    def send(name: str, i: int) -> None:
+        try:
+            results[name] = client.submit(rows(i), timeout=20)
+        except Exception as err:
+            results[name] = err
+
+    running = threading.Thread(target=send, args=("running", 0))
+    running.start()
+    assert slow.entered.wait(timeout=10)
+    queued = threading.Thread(target=send, args=("queued", 1))
+    queued.start()
+    time.sleep(0.2)
+    closer = threading.Thread(target=batcher.close, kwargs={"drain": False})
+    closer.start()
+    time.sleep(0.05)
+    gate.set()
+    join_all([closer, running, queued], timeout=20)
+    np.testing.assert_allclose(results["running"], engines(rows(0)), rtol=1e-5, atol=1e-6)
+    assert isinstance(results["queued"], BatcherClosed)
