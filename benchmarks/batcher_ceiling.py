@@ -3,11 +3,13 @@
 ``DynamicBatcher`` over an ``engines`` that answers every batch at once from stored outputs
 (``serving_gpu.InstantEngines``), so what is timed is the batcher's Python work per request and its
 hand-offs: closed-loop clients of single-row requests, each sending its next when answered, in
-both modes: ``--threads`` client threads blocking in ``submit``, and ``--coroutines`` coroutines of
-one asyncio event loop awaiting ``infer``. Batches of up to 64 rows, ``max_wait_ms`` 5. Each mode
-runs ``--repeats`` times; the table shows the median (a shared machine is noisy). A model whose
-largest bucket runs faster than this ceiling cannot be served at its bound through the batcher on
-this host. On a GPU machine ``serving_gpu.py`` measures the same ceiling beside the real backends.
+three modes: ``--threads`` client threads blocking in ``submit``, ``--coroutines`` coroutines of
+one asyncio event loop awaiting ``infer``, and as many client threads spread over ``--processes``
+other processes sending to a ``ProcessBatcher`` (``compiler.serve.processes``). Batches of up to
+64 rows, ``max_wait_ms`` 5. Each mode runs ``--repeats`` times; the table shows the median (a
+shared machine is noisy). A model whose largest bucket runs faster than this ceiling cannot be
+served at its bound through the batcher on this host. On a GPU machine ``serving_gpu.py``
+measures the same ceiling beside the real backends.
 
     python benchmarks/batcher_ceiling.py --out benchmarks/results/batcher_ceiling.json
 """
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import process_clients  # noqa: E402
 from benchmarks.serving_gpu import InstantEngines, in_threads  # noqa: E402
 
 BATCH = 64
@@ -88,11 +91,22 @@ def with_asyncio(engines: Any, clients: int, requests: int) -> float:
         return requests / (time.perf_counter() - start)
 
 
+def with_processes(engines: Any, clients: int, requests: int, processes: int) -> float:
+    from compiler.serve.processes import ProcessBatcher
+
+    x = np.zeros((1, 1, 8, 8), np.float32)
+    with ProcessBatcher(engines, capacity=clients, max_wait_ms=5, max_batch=BATCH) as batcher:
+        ran = process_clients.run(batcher, [x] * clients, requests, processes)
+    return requests / ran["seconds"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="The JSON to write.")
     parser.add_argument("--threads", type=int, default=64, help="Client threads (default 64).")
     parser.add_argument("--coroutines", type=int, default=128, help="Client coroutines (default 128).")
+    parser.add_argument("--processes", type=int, help="Client processes for the ProcessBatcher row (default: the "
+                        "cores less 4, at least 2); its clients are --coroutines threads in all.")
     parser.add_argument("--requests", type=int, default=20000, help="Requests per run (default 20000).")
     parser.add_argument("--repeats", type=int, default=3, help="Runs per mode (default 3).")
     args = parser.parse_args()
@@ -103,12 +117,14 @@ def main() -> None:
     from rich.table import Table
 
     engines = instant_engines()
-    runs: dict[str, list[float]] = {"threads": [], "asyncio": []}
+    processes = args.processes or process_clients.default_processes(args.coroutines)
+    runs: dict[str, list[float]] = {"threads": [], "asyncio": [], "processes": []}
     for _ in range(args.repeats):
         runs["threads"].append(with_threads(engines, args.threads, args.requests))
         runs["asyncio"].append(with_asyncio(engines, args.coroutines, args.requests))
+        runs["processes"].append(with_processes(engines, args.coroutines, args.requests, processes))
     table = Table("clients", "count", "median req/s", "runs", title="the batcher's own ceiling (instant answers)")
-    for mode, count in (("threads", args.threads), ("asyncio", args.coroutines)):
+    for mode, count in (("threads", args.threads), ("asyncio", args.coroutines), ("processes", args.coroutines)):
         table.add_row(mode, str(count), f"{statistics.median(runs[mode]):,.0f}",
                       ", ".join(f"{r:,.0f}" for r in runs[mode]))
     Console(width=None if sys.stdout.isatty() else 120).print(table)
@@ -116,6 +132,7 @@ def main() -> None:
               "machine": {"platform": platform.platform(), "python": platform.python_version(),
                           "cpus": os.cpu_count()},
               "settings": {"threads": args.threads, "coroutines": args.coroutines, "requests": args.requests,
+                           "client_processes": processes,
                            "max_batch": BATCH, "max_wait_ms": 5},
               "requests_per_s": runs, "median": {m: statistics.median(r) for m, r in runs.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

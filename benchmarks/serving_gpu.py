@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import process_clients  # noqa: E402
 from benchmarks.runtime_map_gpu import wall  # noqa: E402  (median wall time of a callable)
 
 
@@ -148,6 +149,11 @@ class CountingEngines:
     def check(self, x: Any) -> Any:
         return self._engines.check(x)
 
+    def reset(self) -> None:
+        with self._lock:
+            self.rows = self.batches = 0
+            self.seconds = 0.0
+
     def __call__(self, x: Any) -> Any:
         start = time.perf_counter()
         out = self._engines(x)
@@ -203,10 +209,13 @@ class InstantEngines:
 
 
 def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests: int, max_wait_ms: float,
-                mode: str = "threads", check_rows: bool = True) -> dict[str, Any]:
+                mode: str = "threads", check_rows: bool = True, client_processes: int | None = None,
+                ) -> dict[str, Any]:
     """``clients`` callers of single-row requests, each sending its next when answered, until ``requests``
-    are answered. ``mode``: "threads" (a thread per client blocking in ``submit``) or "asyncio" (one
-    event loop, a coroutine per client awaiting ``infer``, as an asyncio server's handlers would)."""
+    are answered. ``mode``: "threads" (a thread per client blocking in ``submit``), "asyncio" (one
+    event loop, a coroutine per client awaiting ``infer``, as an asyncio server's handlers would) or
+    "processes" (a ``ProcessBatcher`` and client threads in ``client_processes`` other processes, as a
+    server with several worker processes would)."""
     from compiler.serve.batcher import DynamicBatcher
 
     pool = feed_of(engines, model, clients, seed=7)
@@ -259,20 +268,35 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     async def async_clients() -> None:
         await asyncio.gather(*(async_client(i) for i in range(clients)))
 
-    batcher = DynamicBatcher(counting, max_wait_ms=max_wait_ms, workers=workers, timeout=30.0)  # type: ignore[arg-type]
-    begin = time.perf_counter()
-    if mode == "asyncio":
-        asyncio.run(async_clients())
+    processes = None
+    if mode == "processes":
+        from compiler.serve.processes import ProcessBatcher
+
+        with ProcessBatcher(counting, capacity=clients, max_wait_ms=max_wait_ms, workers=workers, timeout=30.0,
+                            ) as process_batcher:
+            counting.reset()  # the batcher's probe of the output sizes is no request
+            ran = process_clients.run(process_batcher, inputs_of, requests,
+                                      client_processes or process_clients.default_processes(clients))
+        seconds, latencies, answers, lost = ran["seconds"], ran["latencies"].tolist(), ran["answers"], ran["lost"]
+        processes = ran["processes"]
     else:
-        in_threads(client, clients)
-    seconds = time.perf_counter() - begin
-    batcher.close()
+        batcher = DynamicBatcher(counting, max_wait_ms=max_wait_ms, workers=workers,  # type: ignore[arg-type]
+                                 timeout=30.0)
+        begin = time.perf_counter()
+        if mode == "asyncio":
+            asyncio.run(async_clients())
+        else:
+            in_threads(client, clients)
+        seconds = time.perf_counter() - begin
+        batcher.close()
     misrouted = 0
     if check_rows:  # an answer is misrouted when another client's reference row is closer to it than its own
         refs = np.stack([_first_values(reference[names[0]][i:i + 1], names) for i in range(clients)])
-        misrouted = sum(int(np.argmin(np.abs(refs - got).max(axis=1)) != index) for index, got in answers)
+        misrouted = sum(int(np.argmin(np.abs(refs[:, :len(got)] - got).max(axis=1)) != index)
+                        for index, got in answers)
     ms = np.asarray(latencies) * 1e3
-    return {"mode": mode, "clients": clients, "requests": requests, "answered": len(latencies), "lost": lost,
+    return {"mode": mode, "clients": clients, "client_processes": processes, "requests": requests,
+            "answered": len(latencies), "lost": lost,
             "misrouted": misrouted, "duplicated_rows": max(0, counting.rows - requests), "seconds": seconds,
             "requests_per_s": len(latencies) / seconds if seconds else 0.0,
             "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
@@ -396,7 +420,9 @@ def map_run(engines: Any, model: Model, rows: int, count: int, contexts: int) ->
 _SHORT = {"map_vs_bound": "map", "map_not_slower_than_loop": "map<loop", "batcher_threads_throughput": "thr",
           "batcher_threads_p99": "thr-p99", "batcher_threads_nothing_lost": "thr-lost",
           "batcher_asyncio_throughput": "aio", "batcher_asyncio_p99": "aio-p99",
-          "batcher_asyncio_nothing_lost": "aio-lost"}  # the table's names for missed targets
+          "batcher_asyncio_nothing_lost": "aio-lost", "batcher_processes_throughput": "proc",
+          "batcher_processes_p99": "proc-p99", "batcher_processes_nothing_lost": "proc-lost"}  # missed targets
+MODES = ("threads", "asyncio", "processes")
 
 
 def _sync(context: Any) -> None:
@@ -417,6 +443,11 @@ def main() -> None:
     parser.add_argument("--async-clients", type=int,
                         help="Coroutines awaiting batcher.infer (default: the largest bucket x (contexts + 1), enough "
                              "to keep every context busy with the next batch forming; 8 with --smoke).")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="Batcher client modes: threads (DynamicBatcher.submit), asyncio (DynamicBatcher.infer), "
+                             "processes (ProcessBatcher with clients in other processes). Default: all three.")
+    parser.add_argument("--client-processes", type=int,
+                        help="Client processes in processes mode (default: the cores less 4, at least 2).")
     parser.add_argument("--requests", type=int, help="Batcher requests per run (default 4000 with threads, 20000 "
                         "with asyncio; 200 with --smoke).")
     parser.add_argument("--ort-ordered", action="store_true",
@@ -445,6 +476,9 @@ def main() -> None:
     from compiler.serve.engines import load, tensorrt_available
 
     smoke = args.smoke
+    wanted_modes = [m for m in args.modes.split(",") if m]
+    if not set(wanted_modes) <= set(MODES) or not wanted_modes:
+        sys.exit(f"--modes {args.modes}: choose from {','.join(MODES)}")
     cuda = torch.cuda.is_available()
     if not cuda and not smoke:
         sys.exit("serving_gpu needs a CUDA GPU (torch.cuda.is_available() is False); --smoke runs on the CPU")
@@ -478,21 +512,24 @@ def main() -> None:
                 parallel = parallel_throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest,
                                                contexts, seconds) if contexts > 1 else None
                 coroutines = args.async_clients or (8 if smoke else largest * (contexts + 1))
-                modes = {"threads": batcher_run(engines, model, contexts, clients, thread_requests, args.max_wait_ms),
-                         "asyncio": batcher_run(engines, model, contexts, coroutines, async_requests,
-                                                args.max_wait_ms, mode="asyncio")}
+                counts = {"threads": (clients, thread_requests), "asyncio": (coroutines, async_requests),
+                          "processes": (coroutines, async_requests)}
+                modes = {mode: batcher_run(engines, model, contexts, counts[mode][0], counts[mode][1],
+                                           args.max_wait_ms, mode=mode, client_processes=args.client_processes)
+                         for mode in wanted_modes}
                 mapped = map_run(engines, model, map_batch, map_batches, contexts)
                 if model.name not in ceilings:  # once per model: the batcher with answers that cost nothing
                     ready = engines(one)
                     ready = ready if isinstance(ready, dict) else {engines.output_names[0]: ready}
                     instant = InstantEngines(engines, {n: np.asarray(a) for n, a in ready.items()})
                     ceilings[model.name] = {}
-                    for mode, count, many in (("threads", thread_requests, clients),
-                                              ("asyncio", async_requests, coroutines)):
+                    for mode in wanted_modes:
+                        many, count = counts[mode]
                         run = batcher_run(instant, model, 1, many, count, args.max_wait_ms, mode=mode,
-                                          check_rows=False)
+                                          check_rows=False, client_processes=args.client_processes)
                         ceilings[model.name][mode] = {k: run[k] for k in ("clients", "requests_per_s", "p50_ms",
-                                                                          "p99_ms", "mean_batch_rows")}
+                                                                          "p99_ms", "mean_batch_rows",
+                                                                          "client_processes")}
                         console.print(f"{model.name}: the batcher's own ceiling here (instant answers, {many} {mode} "
                                       f"clients) {run['requests_per_s']:,.0f} req/s")
                 engines.close()
@@ -512,7 +549,8 @@ def main() -> None:
                              "parallel_calls": parallel, "run_parts": parts,
                              "ort_session_on_context_stream": on_own_stream if backend == "onnxruntime" else None,
                              "ort_runs_ordered": args.ort_ordered if backend == "onnxruntime" else None,
-                             "batcher": modes["threads"], "batcher_asyncio": modes["asyncio"],
+                             **{("batcher" if mode == "threads" else f"batcher_{mode}"): result
+                                for mode, result in modes.items()},
                              "map": mapped, "targets": targets})
                 console.print(f"{model.name} {backend}/{precision} contexts={contexts}: "
                               f"bound {bound['rows_per_s']:,.0f} rows/s ({bound['batch_ms_mean']:.2f} ms), "
@@ -525,17 +563,20 @@ def main() -> None:
                               + f"; map/bound {mapped['map_vs_bound']:.2f}, "
                                 f"map/loop {mapped['sequential_over_map']:.2f}"
                               )
-    table = Table("model", "backend", "ctx", "bound rows/s", "threads req/s", "p99 ms", "asyncio req/s", "p99 ms",
-                  "(p99 bound)", "lost", "map ms", "loop ms", "bound ms", "missed",
+    short = {"threads": "threads", "asyncio": "asyncio", "processes": "procs"}
+    table = Table("model", "backend", "ctx", "bound rows/s",
+                  *[h for mode in wanted_modes for h in (f"{short[mode]} req/s", "p99 ms")], "(p99 bound)", "lost",
+                  "map ms", "loop ms", "bound ms", "missed",
                   title=f"serving at its bound ({'smoke, ' if smoke else ''}max_wait {args.max_wait_ms:g} ms, "
                         f"{clients} client threads)")
     for r in runs:
-        b, a, m = r["batcher"], r["batcher_asyncio"], r["map"]
+        m = r["map"]
+        batched = [r["batcher" if mode == "threads" else f"batcher_{mode}"] for mode in wanted_modes]
         missed = [_SHORT.get(k, k) for k, ok in r["targets"].items() if not ok]
         table.add_row(r["model"], f"{r['backend']}/{r['precision']}", str(r["contexts"]),
-                      f"{r['bound']['rows_per_s']:,.0f}", f"{b['requests_per_s']:,.0f}", f"{b['p99_ms']:.1f}",
-                      f"{a['requests_per_s']:,.0f}", f"{a['p99_ms']:.1f}", f"{b['p99_bound_ms']:.1f}",
-                      str(b["lost"] + b["misrouted"] + a["lost"] + a["misrouted"]),
+                      f"{r['bound']['rows_per_s']:,.0f}",
+                      *[t for b in batched for t in (f"{b['requests_per_s']:,.0f}", f"{b['p99_ms']:.1f}")],
+                      f"{batched[0]['p99_bound_ms']:.1f}", str(sum(b["lost"] + b["misrouted"] for b in batched)),
                       f"{m['map_ms']:.2f}", f"{m['sequential_ms']:.2f}", f"{m['bound_ms']:.2f}",
                       ", ".join(missed) or "none")
     console.print(table)
@@ -547,6 +588,7 @@ def main() -> None:
     report = {"kind": "trtc-serving-bench", "smoke": smoke, "command": " ".join(sys.argv), "machine": machine,
               "settings": {"clients": clients, "async_clients": args.async_clients, "thread_requests": thread_requests,
                            "async_requests": async_requests, "ort_runs_ordered": args.ort_ordered,
+                           "modes": wanted_modes, "client_processes": args.client_processes,
                            "max_wait_ms": args.max_wait_ms,
                            "seconds": seconds, "map_batches": map_batches, "map_batch": map_batch,
                            "backends": wanted, "ort_cuda_options": ort_options,

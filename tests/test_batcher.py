@@ -222,7 +222,8 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     runs = {(r["precision"], r["contexts"]): r for r in report["runs"]}
     assert set(runs) == {("fp32", 1), ("fp32", 2), ("fp16", 1), ("fp16", 2)}
     for r in runs.values():
-        for batcher, mode in ((r["batcher"], "threads"), (r["batcher_asyncio"], "asyncio")):
+        for batcher, mode in ((r["batcher"], "threads"), (r["batcher_asyncio"], "asyncio"),
+                              (r["batcher_processes"], "processes")):
             assert batcher["mode"] == mode and batcher["answered"] == 120
             assert batcher["lost"] == batcher["misrouted"] == batcher["duplicated_rows"] == 0
             assert batcher["p99_ms"] >= batcher["p50_ms"] > 0 and r["targets"][f"batcher_{mode}_nothing_lost"]
@@ -231,10 +232,10 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert r["map"]["overlapped_bound_ms"] == max(stages)
         assert r["map"]["bound_ms"] == (max(stages) if r["contexts"] > 1 else max(stages[0] + stages[1], stages[2]))
         assert (r["parallel_calls"] is None) == (r["contexts"] == 1)
-        batcher_targets = {f"batcher_{mode}_{what}" for mode in ("threads", "asyncio")
+        batcher_targets = {f"batcher_{mode}_{what}" for mode in ("threads", "asyncio", "processes")
                            for what in ("throughput", "p99", "nothing_lost")}
         assert set(r["targets"]) == {"map_vs_bound", "map_not_slower_than_loop"} | batcher_targets
-    assert set(report["batcher_ceiling"]["cnn"]) == {"threads", "asyncio"}
+    assert set(report["batcher_ceiling"]["cnn"]) == {"threads", "asyncio", "processes"}
     assert "serving at its bound" in done.stdout
 
 
@@ -381,7 +382,7 @@ def test_on_a_gpu_the_next_batch_starts_before_asyncio_callers_are_answered(engi
 
 
 def test_the_ceiling_benchmark_runs(tmp_path: Path) -> None:
-    """benchmarks/batcher_ceiling.py: both client modes answer every request; one JSON with the medians."""
+    """benchmarks/batcher_ceiling.py: every client mode answers every request; one JSON with the medians."""
     import json
     import subprocess
     import sys
@@ -389,9 +390,10 @@ def test_the_ceiling_benchmark_runs(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "ceiling.json"
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "batcher_ceiling.py"), "--requests", "300",
-                           "--repeats", "1", "--threads", "8", "--coroutines", "16", "--out", str(out)],
+                           "--repeats", "1", "--threads", "8", "--coroutines", "16", "--processes", "2",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["kind"] == "trtc-batcher-ceiling" and set(report["median"]) == {"threads", "asyncio"}
+    assert report["kind"] == "trtc-batcher-ceiling" and set(report["median"]) == {"threads", "asyncio", "processes"}
     assert all(len(runs) == 1 and runs[0] > 0 for runs in report["requests_per_s"].values())
