@@ -249,17 +249,19 @@ class Engines:
         """
         return self.start_parts(calls)()
 
-    def start_parts(self, calls: Sequence[CheckedFeed]) -> Callable[[], dict[str, Any]]:
+    def start_parts(self, calls: Sequence[CheckedFeed]) -> Callable[..., Any]:
         """``run_parts`` in two steps: queue the batch on a context (copies and compute; on a GPU this returns
         while they run) and return the function that waits for it, gives the context back and returns the
-        outputs. Call that function exactly once."""
+        outputs. Call that function exactly once. ``finish(read)`` instead returns ``read(outputs)`` with the
+        outputs as views of the context's host buffers, valid only during that call: one copy fewer for a
+        caller that copies them on anyway (the process batcher into its shared memory)."""
         rows = sum(call.rows for call in calls)
         if rows > self._largest or any(call.on_device for call in calls):
             first = calls[0].arrays
             joined = {c.name: _concatenate([call.arrays[c.name] for call in calls]) if c.batched else first[c.name]
                       for c in self._checks}
             outputs = self._run(self.check(joined))
-            return lambda: outputs
+            return lambda read=None: outputs if read is None else read(outputs)
         bucket = self._route[rows]
         context = self._acquire()
         try:
@@ -270,10 +272,10 @@ class Engines:
             self._idle.put(context)
             raise
 
-        def finish() -> dict[str, np.ndarray]:
+        def finish(read: Callable[[dict[str, np.ndarray]], Any] | None = None) -> Any:
             try:
                 context.wait()
-                return context.copy_outputs()
+                return context.copy_outputs() if read is None else read(context.outputs())
             finally:
                 self._idle.put(context)
 
