@@ -119,6 +119,11 @@ def test_requests_of_other_sequence_lengths_run_in_their_own_batches(transformer
         assert answers[i]["out"].shape == (1, feed["input_ids"].shape[1], 64)
         np.testing.assert_allclose(answers[i]["out"], transformer(feed)["out"], rtol=1e-5, atol=1e-5)
     assert sorted(tuple(b[:, 0]) for b in recording.batches[1:]) == [(0, 1, 3), (2, 4)]
+    with ProcessBatcher(transformer, capacity=1, max_wait_ms=0) as batcher:  # one slot, its views kept per shape
+        client = batcher.client_handle(1).connect()
+        for i, feed in enumerate(feeds + feeds[::-1]):
+            np.testing.assert_allclose(client.submit(feed)["out"], transformer(feed)["out"], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"request {i}")
 
 
 def test_bad_requests_fail_in_the_client_with_one_line(engines: Engines, transformer: Engines) -> None:
