@@ -33,7 +33,7 @@ from calibration.fp16 import fp16_rounding_emulation
 from calibration.statistics import DEFAULT_MEMORY_BUDGET
 from compiler.backends.runners import OrtRunner
 from compiler.core import defaults
-from compiler.core.onnx_io import checking_providers, load_onnx, load_onnx_by_reference, save_onnx
+from compiler.core.onnx_io import TemporaryOnnxFile, checking_providers, load_onnx, load_onnx_by_reference
 from compiler.core.worker import mark_step
 
 __all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors",
@@ -182,7 +182,7 @@ class Evaluator:
         count = len(fp32_outputs[0]) if fp32_outputs else 0
         self.output_names = list(output_names or [f"output {i}" for i in range(count)])
         self.providers = list(providers or ["CPUExecutionProvider"])
-        self._scratch: tempfile.TemporaryDirectory[str] | None = None  # reference outputs, candidate models
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None  # reference outputs
         self.fp32_top1 = self._top1([_predictions(out[0], budget_bytes) for out in fp32_outputs]) \
             if labels is not None else None
         self.warnings = _reference_warnings(self.output_names, fp32_outputs, budget_bytes)
@@ -241,16 +241,9 @@ class Evaluator:
             proto = fp16_rounding_emulation(proto if proto is not None else load_onnx_by_reference(model))
         if proto is None:
             return OrtRunner(model, self.providers, exact_qdq=True, memory_arena=False), False
-        if self._scratch is None:
-            self._scratch = tempfile.TemporaryDirectory(prefix="trtc-gate-")
-        path = Path(self._scratch.name) / "candidate.onnx"
-        files = save_onnx(proto, path)
-        del proto  # the emulation: ONNX Runtime reads the file
-        try:
+        with TemporaryOnnxFile(proto, prefix="trtc-gate-") as path:
+            del proto  # the emulation: ONNX Runtime reads the file
             return OrtRunner(str(path), self.providers, exact_qdq=True, memory_arena=False), emulate
-        finally:
-            for file in files:
-                file.unlink()
 
     def evaluate(self, model: onnx.ModelProto | str) -> AccuracyResult:
         """Run ``model`` (Q/DQ executed exactly, as TensorRT would; FP16 rounded as FP16 hardware) against FP32."""
@@ -518,11 +511,9 @@ def layer_errors(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers:
     Batches run in slices whose outputs (two per layer) stay under ``budget_bytes``, one sample at least.
     """
     shadow, pairs = _with_fp32_twins(candidate, reference, layers)
-    with tempfile.TemporaryDirectory(prefix="trtc-ranking-") as scratch:
-        save_onnx(shadow, Path(scratch) / "model.onnx")
+    with TemporaryOnnxFile(shadow, prefix="trtc-ranking-") as path:
         del shadow  # ONNX Runtime reads the file
-        runner = OrtRunner(str(Path(scratch) / "model.onnx"), ["CPUExecutionProvider"], exact_qdq=True,
-                           memory_arena=False)
+        runner = OrtRunner(str(path), ["CPUExecutionProvider"], exact_qdq=True, memory_arena=False)
     wanted = [name for pair in pairs.values() for name in pair]
     num = dict.fromkeys(pairs, 0.0)
     den = dict.fromkeys(pairs, 0.0)

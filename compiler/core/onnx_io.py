@@ -22,6 +22,7 @@ from onnx import numpy_helper
 from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "onnx_files", "ort_session",
+           "TemporaryOnnxFile",
            "usable_providers", "checking_providers",
            "copy_fields", "weightless_copy",
            "MAX_IR_VERSION"]
@@ -315,12 +316,35 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
     providers = providers or ["CPUExecutionProvider"]
     if isinstance(model, onnx.ModelProto) and _weight_bytes(model) > _PROTO_LIMIT:
         # protobuf cannot serialize 2 GiB: ONNX Runtime reads it from files (removed once it has loaded them)
-        with tempfile.TemporaryDirectory(prefix="trtc-ort-") as scratch:
-            path = Path(scratch) / "model.onnx"
-            save_onnx(model, path)
+        with TemporaryOnnxFile(model) as path:
             return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(source, sess_options=opts, providers=providers)
+
+
+class TemporaryOnnxFile:
+    """``model`` saved (:func:`save_onnx`) into a temporary folder, removed on exit: ``with
+    TemporaryOnnxFile(model) as path: session = ...(path)``, for ONNX Runtime to read a proto from a file.
+
+    Reading the file costs no serialized copy of the weights beside the proto (and works over 2 GiB).
+    Keeps no reference to ``model``: a caller that drops its own inside the block frees the weights before
+    ONNX Runtime loads its copy. Once a session has loaded the model it no longer needs the files.
+    """
+
+    def __init__(self, model: onnx.ModelProto, prefix: str = "trtc-ort-") -> None:
+        self._scratch = tempfile.TemporaryDirectory(prefix=prefix)
+        self.path = Path(self._scratch.name) / "model.onnx"
+        try:
+            save_onnx(model, self.path)
+        except BaseException:
+            self._scratch.cleanup()
+            raise
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        self._scratch.cleanup()
 
 
 _PROTO_LIMIT = 2**31 - 2**24  # bytes of weights above which a proto is not serialized in one piece
