@@ -615,7 +615,7 @@ def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
     weights = _dequantized_weights(graph, types)
     folded = [n for n in graph.node if n.output and n.output[0] in weights]
     read = {name for n in graph.node if not (n.output and n.output[0] in weights) for name in n.input}
-    read |= _subgraph_reads(graph) | {o.name for o in graph.output} | {i.name for i in graph.input}
+    read |= _outer_scope_names(graph) | {o.name for o in graph.output} | {i.name for i in graph.input}
     only_folded = {name for n in folded for name in n.input} - read
     for t in graph.initializer:
         if t.name in only_folded:
@@ -696,17 +696,6 @@ def _write_dequantized(graph: onnx.GraphProto, node: onnx.NodeProto, dtype: int,
     t.name, t.data_type = node.output[0], FLOAT
     t.dims.extend(weight.shape)
     t.raw_data = weight.astype("<f4", copy=False).tobytes()
-
-
-def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
-    """Names read inside the control-flow subgraphs of ``graph``'s nodes."""
-    read: set[str] = set()
-    for node in graph.node:
-        for a in node.attribute:
-            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                read.update(name for n in sub.node for name in n.input)
-                read |= _subgraph_reads(sub)
-    return read
 
 
 def _fp32_attributes(node: onnx.NodeProto) -> None:
