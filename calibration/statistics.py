@@ -49,7 +49,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
-from compiler.core.onnx_io import load_onnx, ort_session, save_onnx, weightless_copy
+from compiler.core.onnx_io import load_onnx, ort_session, outer_scope_names, save_onnx, weightless_copy
 from compiler.core.worker import mark_step
 
 __all__ = ["AbsHistogram", "CalibrationStats", "AMAX_METHODS", "amax_from_histogram", "collect_histograms",
@@ -755,20 +755,9 @@ def _mask_bias_cone(graph: onnx.GraphProto, seeds: set[str]) -> frozenset[str]:
             continue
         skipped = _INDEX_INPUTS.get(node.op_type, frozenset())
         carried = [name for pos, name in enumerate(node.input) if pos not in skipped]
-        if any(name in cone for name in carried + _outer_scope_names(node)):
+        if any(name in cone for name in carried) or not cone.isdisjoint(outer_scope_names(node)):
             cone.update(out for out in node.output if out)
     return frozenset(cone)
-
-
-def _outer_scope_names(node: onnx.NodeProto) -> list[str]:
-    """Names the subgraphs of a control-flow node (If, Loop, Scan) read, their own inputs included."""
-    names: list[str] = []
-    subgraphs = [attr.g for attr in node.attribute if attr.HasField("g")]
-    subgraphs += [g for attr in node.attribute for g in attr.graphs]
-    for sub in subgraphs:
-        for inner in sub.node:
-            names += list(inner.input) + _outer_scope_names(inner)
-    return names
 
 
 def _session_for(probe: _Probe, providers: list[str] | None, scratch: Path, in_node_order: bool = False) -> Any:

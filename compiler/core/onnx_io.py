@@ -22,7 +22,7 @@ from onnx import numpy_helper
 from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "onnx_files", "ort_session",
-           "TemporaryOnnxFile",
+           "TemporaryOnnxFile", "outer_scope_names",
            "usable_providers", "checking_providers",
            "copy_fields", "weightless_copy",
            "MAX_IR_VERSION"]
@@ -357,6 +357,28 @@ def _weight_bytes(model: onnx.ModelProto) -> int:
         total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data)
                                                                                       + len(t.double_data))
     return total
+
+
+def outer_scope_names(node: onnx.NodeProto) -> set[str]:
+    """Names that the control-flow subgraphs of ``node`` (If, Loop, Scan; nested ones too) read from the scopes
+    around it; empty for a node without subgraphs. Names a subgraph defines itself are not among them."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            names |= _free_names(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for sub in attr.graphs:
+                names |= _free_names(sub)
+    return names
+
+
+def _free_names(graph: onnx.GraphProto) -> set[str]:
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    defined |= {o for node in graph.node for o in node.output}
+    used = {i for node in graph.node for i in node.input if i} | {o.name for o in graph.output}
+    for node in graph.node:
+        used |= outer_scope_names(node)
+    return used - defined
 
 
 SMALL_INITIALIZER = 1024  # elements: smaller initializers stay in a weightless copy (they may hold shapes)
