@@ -183,9 +183,9 @@ class Evaluator:
         self.output_names = list(output_names or [f"output {i}" for i in range(count)])
         self.providers = list(providers or ["CPUExecutionProvider"])
         self._scratch: tempfile.TemporaryDirectory[str] | None = None  # reference outputs
-        self.fp32_top1 = self._top1([_predictions(out[0], budget_bytes) for out in fp32_outputs]) \
-            if labels is not None else None
-        self.warnings = _reference_warnings(self.output_names, fp32_outputs, budget_bytes)
+        self.warnings, predictions = _read_reference(self.output_names, fp32_outputs, budget_bytes,
+                                                     predictions=labels is not None)
+        self.fp32_top1 = self._top1(predictions) if labels is not None else None
         for warning in self.warnings:
             log.warning("accuracy gate: %s", warning)
 
@@ -379,10 +379,6 @@ def _argmax(output: np.ndarray) -> np.ndarray:
     return output.reshape(len(output), -1).argmax(axis=1) if output.ndim else output.reshape(1)
 
 
-def _predictions(item: np.ndarray | Path, budget_bytes: int) -> np.ndarray:
-    return np.concatenate([_argmax(block) for block in _row_blocks(item, budget_bytes)])
-
-
 def _worst(per_output: dict[str, dict[str, float | None]]) -> str | None:
     """The output with the lowest mean cosine (NaN ones only when nothing else was comparable)."""
     if not per_output:
@@ -403,13 +399,16 @@ def _holds_fp16(model: onnx.ModelProto) -> bool:
                for n in graph.node)
 
 
-def _reference_warnings(names: list[str], outputs: list[list[np.ndarray | Path]],
-                        budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> list[str]:
-    """What makes a comparison with these FP32 outputs degenerate: all-zero samples, one value for all samples.
+def _read_reference(names: list[str], outputs: list[list[np.ndarray | Path]],
+                    budget_bytes: int = DEFAULT_MEMORY_BUDGET, predictions: bool = False,
+                    ) -> tuple[list[str], list[np.ndarray]]:
+    """One read of the FP32 reference outputs: what makes a comparison with them degenerate (all-zero samples,
+    one value for all samples), and with ``predictions`` each batch's top-1 classes from the first output.
 
     Reads the outputs in blocks of at most ``budget_bytes``; holds one sample (the first) besides.
     """
     warnings = []
+    classes: list[np.ndarray] = []
     for k, name in enumerate(names):
         total = zero = 0
         first: np.ndarray | None = None
@@ -417,15 +416,22 @@ def _reference_warnings(names: list[str], outputs: list[list[np.ndarray | Path]]
         for batch in outputs:
             if k >= len(batch):
                 continue
+            top1 = predictions and k == 0
+            blocks: list[np.ndarray] = []
             for block in _row_blocks(batch[k], budget_bytes):
-                if block.dtype.kind != "f":
-                    break
-                rows = block.reshape(len(block), -1)
-                total += len(rows)
-                zero += int((~rows.any(axis=1)).sum())
-                if first is None:
-                    first = rows[0].copy()
-                same = same and all(np.array_equal(row, first) for row in rows)
+                if top1:
+                    blocks.append(_argmax(block))
+                if block.dtype.kind == "f":
+                    rows = block.reshape(len(block), -1)
+                    total += len(rows)
+                    zero += int((~rows.any(axis=1)).sum())
+                    if first is None:
+                        first = rows[0].copy()
+                    same = same and all(np.array_equal(row, first) for row in rows)
+                elif not top1:
+                    break  # no cosine for an integer output: nothing more to read
+            if top1:
+                classes.append(np.concatenate(blocks))
         if not total:
             continue
         if zero:
@@ -434,7 +440,7 @@ def _reference_warnings(names: list[str], outputs: list[list[np.ndarray | Path]]
         if total > 1 and same and zero < total:
             warnings.append(f"FP32 output {name} is the same for every sample: the gate cannot tell a broken "
                             "model from a working one on it (check the data and the weights)")
-    return warnings
+    return warnings, classes
 
 
 @dataclass
