@@ -560,14 +560,19 @@ def _drop_unreadable_timing_cache(cache: Path) -> None:
     import tensorrt as trt
 
     config = trt.Builder(trt.Logger(trt.Logger.ERROR)).create_builder_config()
-    try:
-        readable = config.create_timing_cache(cache.read_bytes()) is not None
-    except (RuntimeError, TypeError, ValueError) as err:
-        log.debug("timing cache %s: %s", cache, err)
-        readable = False
-    if not readable:
+    if _read_timing_cache(config, cache) is None:
         log.warning("the timing cache seeded from the directory or --timing-cache is unreadable; starting a fresh one")
         cache.unlink()
+
+
+def _read_timing_cache(config: trt.IBuilderConfig, cache: Path) -> trt.ITimingCache | None:
+    """The timing cache in file ``cache`` as TensorRT reads it, or None when TensorRT cannot (why is logged at
+    debug level: the callers warn in their own words)."""
+    try:
+        return config.create_timing_cache(cache.read_bytes())
+    except (RuntimeError, TypeError, ValueError) as err:
+        log.debug("timing cache %s: %s", cache, err)
+        return None
 
 
 def merge_timing_cache(source: Path, target: Path, env: dict[str, Any]) -> bool:
@@ -592,11 +597,7 @@ def merge_timing_cache(source: Path, target: Path, env: dict[str, Any]) -> bool:
             log.warning("timing cache not merged: %s", problem)
             return False
         if target.is_file():
-            try:
-                previous = config.create_timing_cache(target.read_bytes())
-            except (RuntimeError, TypeError, ValueError) as err:
-                log.debug("timing cache %s: %s", target, err)
-                previous = None
+            previous = _read_timing_cache(config, target)
             if previous is None:
                 log.warning("%s is unreadable; replacing it with this build's timings", target)
             elif not cache.combine(previous, ignore_mismatch=False):
