@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from compiler.core import defaults
 from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.core.files import atomic_write_bytes, atomic_write_text, read_json, sha256_file, sha256_files
-from compiler.core.installed import tensorrt_version
+from compiler.core.installed import tensorrt_version, version_tuple
 from compiler.core.manifest import inside
 from compiler.core.onnx_io import onnx_files
 from compiler.core.settings import BuildSettings
@@ -84,13 +84,9 @@ BuildStep = Callable[[Any, list["Shapes"]], tuple[bytes, list[str]]]
 
 # --- which TensorRT -------------------------------------------------------------------------------------------
 
-def _major(version: str) -> int:
-    return int(version.split(".")[0])
-
-
 def tensorrt_version_problem(version: str) -> str | None:
     """Why trtc cannot use TensorRT ``version`` (one line naming the fix), or None: it needs 10.12 or later."""
-    numbers = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    numbers = version_tuple(version)[:2]
     if len(numbers) < 2 or numbers < MIN_TENSORRT:
         floor = ".".join(map(str, MIN_TENSORRT))
         return (f"TensorRT {version} is too old: trtc needs {floor} or later (strongly typed networks are complete "
@@ -110,8 +106,7 @@ def require_tensorrt(directory: Path | str | None = None) -> str:
     problem = tensorrt_version_problem(version)
     if problem:
         raise BuildError(problem)
-    major = _major(version)
-    if major > SUPPORTED_MAJORS[-1]:
+    if version_tuple(version)[0] > SUPPORTED_MAJORS[-1]:
         log.warning("TensorRT %s is newer than trtc knows (10.x, 11.x); building anyway", version)
     return version
 
@@ -127,7 +122,7 @@ def strongly_typed_flag() -> bool:
     while the enum still has it. Without TensorRT here (a loader built to be inspected) the answer is 10.x's.
     """
     version = tensorrt_version()
-    if version is None or _major(version) < 11:
+    if version is None or version_tuple(version) < (11,):
         return True
     import tensorrt as trt
 

@@ -21,6 +21,7 @@ from typing import Any
 from compiler.backends.trt_build import environment, parse_compute_capability
 from compiler.core.errors import InputError
 from compiler.core.files import sha256_file
+from compiler.core.installed import version_tuple
 from compiler.core.manifest import MANIFEST, inside, read_manifest
 from compiler.core.settings import hardware_compat_level
 
@@ -45,10 +46,6 @@ class Staleness:
 
 
 # --- compatibility rules -----------------------------------------------------------------------------------------
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split(".") if p.isdigit())
-
 
 def tensorrt_can_run(built: str, running: str, version_compatible: bool) -> bool:
     """Whether TensorRT ``running`` can load an engine that TensorRT ``built`` made."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,13 +239,13 @@ def usable_providers(prefer: list[str] | None = None) -> list[str]:
 
 def _tensorrt_ep_works(ort_version: str) -> bool:
     """Whether ONNX Runtime ``ort_version``'s TensorRT provider can use the TensorRT installed here."""
-    from compiler.core.installed import tensorrt_version  # a real TensorRT, not a stub package that imports
+    # tensorrt_version: a real TensorRT, not a stub package that imports
+    from compiler.core.installed import tensorrt_version, version_tuple
 
     trt = tensorrt_version()
     if trt is None:
         return False
-    ort_numbers = tuple(int(p) for p in re.findall(r"\d+", ort_version)[:2])
-    if int(trt.split(".")[0]) >= 11 and ort_numbers < (1, 27):
+    if version_tuple(trt) >= (11,) and version_tuple(ort_version)[:2] < (1, 27):
         log.warning("ONNX Runtime %s cannot drive TensorRT %s (its TensorRT provider needs ONNX Runtime 1.27+); "
                     "leaving the TensorRT provider out", ort_version, trt)
         return False
