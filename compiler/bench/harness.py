@@ -911,35 +911,38 @@ def _run_plan(plan: _Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, 
     show it."""
     results: list[BenchResult] = []
     skipped: list[Skipped] = []
-    runner: StagedRunner | None = None
-    free_before: int | None = None
     try:
-        for bucket in buckets:
-            opening = False
-            try:
-                if runner is None:
-                    free_before = _free_device_memory()
-                    opening = True
-                    runner = plan.open()
-                    opening = False
-                results.append(_measure(plan, runner, bucket, feeds[bucket], reference[bucket], settings,
-                                        free_before, context))
-            except _Unavailable as why:
-                skipped.append(Skipped(plan.backend, plan.precision, bucket, str(why)))
-            except (TrtcError, RuntimeError, OSError, ValueError, ImportError) as err:
-                reason = f"failed: {type(err).__name__}: {_first_line(err)}"
-                log.warning("%s/%s at bucket %d %s", plan.backend, plan.precision, bucket, reason)
-                log.debug("traceback", exc_info=True)
-                shared_open = opening
-                skipped.append(Skipped(plan.backend, plan.precision, None if shared_open else bucket, reason,
-                                       failed=True))
-                if shared_open:
-                    break  # the runner shared by all buckets does not open: each bucket would fail the same way
-    finally:
-        if runner is not None:
+        free_before = _free_device_memory()
+        try:
+            runner = plan.open()
+        except _FAILURES as err:  # the runner shared by all buckets: each bucket would fail the same way
+            return results, [Skipped(plan.backend, plan.precision, None, _failure(plan, buckets[0], err), failed=True)]
+        try:
+            for bucket in buckets:
+                try:
+                    results.append(_measure(plan, runner, bucket, feeds[bucket], reference[bucket], settings,
+                                            free_before, context))
+                except _Unavailable as why:
+                    skipped.append(Skipped(plan.backend, plan.precision, bucket, str(why)))
+                except _FAILURES as err:
+                    skipped.append(Skipped(plan.backend, plan.precision, bucket, _failure(plan, bucket, err),
+                                           failed=True))
+        finally:
             runner.close()
+    finally:
         _release_device_memory()
     return results, skipped
+
+
+_FAILURES = (TrtcError, RuntimeError, OSError, ValueError, ImportError)  # a backend that fails is a row, not a crash
+
+
+def _failure(plan: _Plan, bucket: int, err: BaseException) -> str:
+    """The report's reason for a failed backend, logged as a warning (the traceback at debug level)."""
+    reason = f"failed: {type(err).__name__}: {_first_line(err)}"
+    log.warning("%s/%s at bucket %d %s", plan.backend, plan.precision, bucket, reason)
+    log.debug("traceback", exc_info=True)
+    return reason
 
 
 def _first_line(err: BaseException) -> str:
