@@ -33,7 +33,7 @@ from calibration.fp16 import fp16_rounding_emulation
 from calibration.statistics import DEFAULT_MEMORY_BUDGET
 from compiler.backends.runners import OrtRunner
 from compiler.core import defaults
-from compiler.core.onnx_io import checking_providers, load_onnx, load_onnx_by_reference, save_onnx
+from compiler.core.onnx_io import TemporaryOnnxFile, checking_providers, load_onnx, load_onnx_by_reference
 from compiler.core.worker import mark_step
 
 __all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors",
@@ -182,10 +182,10 @@ class Evaluator:
         count = len(fp32_outputs[0]) if fp32_outputs else 0
         self.output_names = list(output_names or [f"output {i}" for i in range(count)])
         self.providers = list(providers or ["CPUExecutionProvider"])
-        self._scratch: tempfile.TemporaryDirectory[str] | None = None  # reference outputs, candidate models
-        self.fp32_top1 = self._top1([_predictions(out[0], budget_bytes) for out in fp32_outputs]) \
-            if labels is not None else None
-        self.warnings = _reference_warnings(self.output_names, fp32_outputs, budget_bytes)
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None  # reference outputs
+        self.warnings, predictions = _read_reference(self.output_names, fp32_outputs, budget_bytes,
+                                                     predictions=labels is not None)
+        self.fp32_top1 = self._top1(predictions) if labels is not None else None
         for warning in self.warnings:
             log.warning("accuracy gate: %s", warning)
 
@@ -241,16 +241,9 @@ class Evaluator:
             proto = fp16_rounding_emulation(proto if proto is not None else load_onnx_by_reference(model))
         if proto is None:
             return OrtRunner(model, self.providers, exact_qdq=True, memory_arena=False), False
-        if self._scratch is None:
-            self._scratch = tempfile.TemporaryDirectory(prefix="trtc-gate-")
-        path = Path(self._scratch.name) / "candidate.onnx"
-        files = save_onnx(proto, path)
-        del proto  # the emulation: ONNX Runtime reads the file
-        try:
+        with TemporaryOnnxFile(proto, prefix="trtc-gate-") as path:
+            del proto  # the emulation: ONNX Runtime reads the file
             return OrtRunner(str(path), self.providers, exact_qdq=True, memory_arena=False), emulate
-        finally:
-            for file in files:
-                file.unlink()
 
     def evaluate(self, model: onnx.ModelProto | str) -> AccuracyResult:
         """Run ``model`` (Q/DQ executed exactly, as TensorRT would; FP16 rounded as FP16 hardware) against FP32."""
@@ -386,10 +379,6 @@ def _argmax(output: np.ndarray) -> np.ndarray:
     return output.reshape(len(output), -1).argmax(axis=1) if output.ndim else output.reshape(1)
 
 
-def _predictions(item: np.ndarray | Path, budget_bytes: int) -> np.ndarray:
-    return np.concatenate([_argmax(block) for block in _row_blocks(item, budget_bytes)])
-
-
 def _worst(per_output: dict[str, dict[str, float | None]]) -> str | None:
     """The output with the lowest mean cosine (NaN ones only when nothing else was comparable)."""
     if not per_output:
@@ -410,13 +399,16 @@ def _holds_fp16(model: onnx.ModelProto) -> bool:
                for n in graph.node)
 
 
-def _reference_warnings(names: list[str], outputs: list[list[np.ndarray | Path]],
-                        budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> list[str]:
-    """What makes a comparison with these FP32 outputs degenerate: all-zero samples, one value for all samples.
+def _read_reference(names: list[str], outputs: list[list[np.ndarray | Path]],
+                    budget_bytes: int = DEFAULT_MEMORY_BUDGET, predictions: bool = False,
+                    ) -> tuple[list[str], list[np.ndarray]]:
+    """One read of the FP32 reference outputs: what makes a comparison with them degenerate (all-zero samples,
+    one value for all samples), and with ``predictions`` each batch's top-1 classes from the first output.
 
     Reads the outputs in blocks of at most ``budget_bytes``; holds one sample (the first) besides.
     """
     warnings = []
+    classes: list[np.ndarray] = []
     for k, name in enumerate(names):
         total = zero = 0
         first: np.ndarray | None = None
@@ -424,15 +416,22 @@ def _reference_warnings(names: list[str], outputs: list[list[np.ndarray | Path]]
         for batch in outputs:
             if k >= len(batch):
                 continue
+            top1 = predictions and k == 0
+            blocks: list[np.ndarray] = []
             for block in _row_blocks(batch[k], budget_bytes):
-                if block.dtype.kind != "f":
-                    break
-                rows = block.reshape(len(block), -1)
-                total += len(rows)
-                zero += int((~rows.any(axis=1)).sum())
-                if first is None:
-                    first = rows[0].copy()
-                same = same and all(np.array_equal(row, first) for row in rows)
+                if top1:
+                    blocks.append(_argmax(block))
+                if block.dtype.kind == "f":
+                    rows = block.reshape(len(block), -1)
+                    total += len(rows)
+                    zero += int((~rows.any(axis=1)).sum())
+                    if first is None:
+                        first = rows[0].copy()
+                    same = same and all(np.array_equal(row, first) for row in rows)
+                elif not top1:
+                    break  # no cosine for an integer output: nothing more to read
+            if top1:
+                classes.append(np.concatenate(blocks))
         if not total:
             continue
         if zero:
@@ -441,7 +440,7 @@ def _reference_warnings(names: list[str], outputs: list[list[np.ndarray | Path]]
         if total > 1 and same and zero < total:
             warnings.append(f"FP32 output {name} is the same for every sample: the gate cannot tell a broken "
                             "model from a working one on it (check the data and the weights)")
-    return warnings
+    return warnings, classes
 
 
 @dataclass
@@ -518,11 +517,9 @@ def layer_errors(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers:
     Batches run in slices whose outputs (two per layer) stay under ``budget_bytes``, one sample at least.
     """
     shadow, pairs = _with_fp32_twins(candidate, reference, layers)
-    with tempfile.TemporaryDirectory(prefix="trtc-ranking-") as scratch:
-        save_onnx(shadow, Path(scratch) / "model.onnx")
+    with TemporaryOnnxFile(shadow, prefix="trtc-ranking-") as path:
         del shadow  # ONNX Runtime reads the file
-        runner = OrtRunner(str(Path(scratch) / "model.onnx"), ["CPUExecutionProvider"], exact_qdq=True,
-                           memory_arena=False)
+        runner = OrtRunner(str(path), ["CPUExecutionProvider"], exact_qdq=True, memory_arena=False)
     wanted = [name for pair in pairs.values() for name in pair]
     num = dict.fromkeys(pairs, 0.0)
     den = dict.fromkeys(pairs, 0.0)

@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -393,8 +392,8 @@ def _fp16(model: onnx.ModelProto, fp32_path: Path, data: CalibrationData | None,
         names = _float_tensors(model)
         mark(f"FP16 range pass: max |x| of {len(names)} tensors of the FP32 model")
         with progress(f"FP16 range of {len(names)} tensors", data.samples) as advance:
-            max_abs = collect_max_abs(fp32_path, names, _counted(data.batches(), advance),
-                                      providers=checking_providers(), budget_bytes=settings.memory_budget)
+            max_abs = collect_max_abs(fp32_path, names, data.batches(), providers=checking_providers(),
+                                      progress=advance, budget_bytes=settings.memory_budget)
         log.info("measured max |x| of %d tensors on %d samples", len(max_abs), data.samples)
     else:
         log.warning("no calibration data: FP16 conversion uses the type rules only (no overflow check)")
@@ -421,13 +420,6 @@ def _fp16(model: onnx.ModelProto, fp32_path: Path, data: CalibrationData | None,
         outcome = gate_with_fallback(build, candidates, evaluator, "FP16", initial=fmodel, reference=model)
     details["gate_seconds"] = round(time.perf_counter() - gate_start, 2)
     return outcome, details
-
-
-def _counted(batches: Iterator[dict[str, Any]], advance: Callable[[int], None]) -> Iterator[dict[str, Any]]:
-    """Report each batch's size to ``advance`` as it is taken."""
-    for batch in batches:
-        yield batch
-        advance(len(next(iter(batch.values()))))
 
 
 _FP16_CANDIDATE_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Softmax", "LayerNormalization",

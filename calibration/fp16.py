@@ -37,7 +37,7 @@ import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from compiler.core.errors import InputError
-from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, tensor_array, weightless_copy
+from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, outer_scope_names, tensor_array, weightless_copy
 
 __all__ = ["FP32_OPS", "FP16_MAX", "FP16_MIN_NORMAL", "Fp16Policy", "Fp16Report", "fp16_model_from",
            "fp16_rounding_emulation", "int8_fp16_model_from", "node_precisions"]
@@ -243,7 +243,8 @@ class _Plan:
         self.input_names = [i.name for i in graph.input]
         self.output_names = [o.name for o in graph.output]
         self.initializers = {t.name: t for t in graph.initializer if t.name not in set(self.input_names)}
-        self.pinned = _outer_scope_names(graph)  # referenced from a subgraph: must stay FP32 under its name
+        # referenced from a subgraph: must stay FP32 under its name
+        self.pinned = {name for node in graph.node for name in outer_scope_names(node)}
         self.nodes = [self._info(i, n) for i, n in enumerate(graph.node)]
         # float Constant nodes are converted like initializers (unless named in --keep-fp32)
         self.constant_nodes = {info.node.output[0]: info.node for info in self.nodes
@@ -615,7 +616,8 @@ def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
     weights = _dequantized_weights(graph, types)
     folded = [n for n in graph.node if n.output and n.output[0] in weights]
     read = {name for n in graph.node if not (n.output and n.output[0] in weights) for name in n.input}
-    read |= _subgraph_reads(graph) | {o.name for o in graph.output} | {i.name for i in graph.input}
+    read |= {name for n in graph.node for name in outer_scope_names(n)}
+    read |= {o.name for o in graph.output} | {i.name for i in graph.input}
     only_folded = {name for n in folded for name in n.input} - read
     for t in graph.initializer:
         if t.name in only_folded:
@@ -698,17 +700,6 @@ def _write_dequantized(graph: onnx.GraphProto, node: onnx.NodeProto, dtype: int,
     t.raw_data = weight.astype("<f4", copy=False).tobytes()
 
 
-def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
-    """Names read inside the control-flow subgraphs of ``graph``'s nodes."""
-    read: set[str] = set()
-    for node in graph.node:
-        for a in node.attribute:
-            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                read.update(name for n in sub.node for name in n.input)
-                read |= _subgraph_reads(sub)
-    return read
-
-
 def _fp32_attributes(node: onnx.NodeProto) -> None:
     """Switch the attributes that make ``node`` produce FLOAT16 (dtype, Constant values) to FLOAT."""
     if node.op_type == "Cast":
@@ -785,28 +776,3 @@ def _check_types(model: onnx.ModelProto) -> None:
     except onnx.shape_inference.InferenceError as err:
         raise ValueError(f"fp16_model_from produced inconsistent types ({err}); keep the node it names in FP32 "
                          "with --keep-fp32 and report this") from err
-
-
-def _outer_scope_names(graph: onnx.GraphProto) -> set[str]:
-    """Names that control-flow subgraphs of ``graph``'s nodes read from the enclosing scope."""
-    names: set[str] = set()
-    for node in graph.node:
-        for sub in _subgraphs(node):
-            names |= _free_names(sub)
-    return names
-
-
-def _free_names(graph: onnx.GraphProto) -> set[str]:
-    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    defined |= {o for node in graph.node for o in node.output}
-    used = {i for node in graph.node for i in node.input if i} | {o.name for o in graph.output}
-    used |= _outer_scope_names(graph)
-    return used - defined
-
-
-def _subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
-    for attr in node.attribute:
-        if attr.type == AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == AttributeProto.GRAPHS:
-            yield from attr.graphs

@@ -253,16 +253,16 @@ def _small_dimension(node: onnx.NodeProto, weight: onnx.TensorProto) -> str:
     return ""
 
 
-def _head(node: onnx.NodeProto, consumers: Mapping[str, list[onnx.NodeProto]], graph_outputs: set[str]) -> bool:
+def _head(node: onnx.NodeProto, readers: Mapping[str, list[onnx.NodeProto]], graph_outputs: set[str]) -> bool:
     """True if ``node``'s output reaches a graph output through shape ops and bias adds only."""
     tensor, seen = node.output[0] if node.output else "", 0
     while tensor and seen < 8:
         if tensor in graph_outputs:
             return True
-        readers = consumers.get(tensor, [])
-        if len(readers) != 1 or readers[0].op_type not in _TO_OUTPUT_OPS or not readers[0].output:
+        after = readers.get(tensor, [])
+        if len(after) != 1 or after[0].op_type not in _TO_OUTPUT_OPS or not after[0].output:
             return False
-        tensor, seen = readers[0].output[0], seen + 1
+        tensor, seen = after[0].output[0], seen + 1
     return False
 
 
@@ -277,8 +277,8 @@ def _depths(graph: onnx.GraphProto) -> dict[str, int]:
 
 
 def _residual_shortcut(node: onnx.NodeProto, producers: Mapping[str, onnx.NodeProto], producer_names: Mapping[str, str],
-                       consumers: Mapping[str, int], depth: Mapping[str, int], constants: Mapping[str, Any],
-                       graph_outputs: set[str]) -> tuple[int, str] | None:
+                       readers: Mapping[str, list[onnx.NodeProto]], depth: Mapping[str, int],
+                       constants: Mapping[str, Any], graph_outputs: set[str]) -> tuple[int, str] | None:
     """(index of the shortcut input, name of the node the add fuses into), or None if not a residual add.
 
     The fused input must come straight from a RESIDUAL_ADD producer (a Conv) that feeds nothing
@@ -293,7 +293,7 @@ def _residual_shortcut(node: onnx.NodeProto, producers: Mapping[str, onnx.NodePr
     if a == b or a in constants or b in constants or not a or not b:
         return None
     mains = [i for i, t in enumerate((a, b))
-             if t in producers and producers[t].op_type in fusible and consumers.get(t, 0) == 1
+             if t in producers and producers[t].op_type in fusible and len(readers.get(t, ())) == 1
              and t not in graph_outputs]
     if not mains:
         return None
@@ -317,7 +317,7 @@ def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] |
             return f"op type {node.op_type} excluded by policy.exclude_op_types"
         return ""
 
-    readers: dict[str, list[onnx.NodeProto]] = {}
+    readers: dict[str, list[onnx.NodeProto]] = {}  # the nodes that read each tensor, each node once
     for node in graph.node:
         for t in dict.fromkeys(node.input):
             readers.setdefault(t, []).append(node)
@@ -341,13 +341,9 @@ def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] |
 
     producers = {out: node for node in graph.node for out in node.output}
     producer_names = {out: name for node, name in zip(graph.node, names) for out in node.output}
-    consumers: dict[str, int] = {}
-    for node in graph.node:
-        for t in set(node.input):
-            consumers[t] = consumers.get(t, 0) + 1
     depth = _depths(graph)
     for node, name in zip(graph.node, names):
-        found = _residual_shortcut(node, producers, producer_names, consumers, depth, constants, graph_outputs)
+        found = _residual_shortcut(node, producers, producer_names, readers, depth, constants, graph_outputs)
         if found is None:
             continue
         index, fused_into = found

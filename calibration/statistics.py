@@ -49,7 +49,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
-from compiler.core.onnx_io import load_onnx, ort_session, save_onnx, weightless_copy
+from compiler.core.onnx_io import load_onnx, ort_session, outer_scope_names, save_onnx, weightless_copy
 from compiler.core.worker import mark_step
 
 __all__ = ["AbsHistogram", "CalibrationStats", "AMAX_METHODS", "amax_from_histogram", "collect_histograms",
@@ -465,65 +465,32 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
 
 def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_names: list[str],
                     batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None = None, *,
-                    exclude_masked: bool = False, mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD,
+                    progress: Callable[[int], None] | None = None, exclude_masked: bool = False,
+                    mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD,
                     budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> dict[str, float]:
     """The max |x| of each tensor over all batches (0.0 for a tensor that held no value).
 
     Built for FP16 overflow detection, so by default every value counts, padding and mask biases
     included: a -1e9 bias overflows FP16 as surely as an activation does (a -inf bias gives inf). Pass
     ``exclude_masked=True`` for the same exclusions as ``collect_histograms``. Raises as it does.
-    Without exclusions the max |x| is reduced inside the graph (Abs and ReduceMax per tensor): only one
-    number per tensor leaves ONNX Runtime, which keeps reusing its buffers, so memory is that of plain
-    inference however many tensors are measured; ``budget_bytes`` then does not apply.
+    Without exclusions the max |x| is reduced inside the graph (Abs and ReduceMax per tensor), as
+    ``collect_histograms``' ``max_abs_names`` are: only one number per tensor leaves ONNX Runtime, which
+    keeps reusing its buffers, so memory is that of plain inference however many tensors are measured,
+    and each batch runs whole (``budget_bytes`` then does not apply). ``progress`` gets the number of
+    samples after each run.
     """
     names = list(dict.fromkeys(tensor_names))
     maxima = dict.fromkeys(names, 0.0)
-    if not exclude_masked:
-        return _max_abs_in_graph(model, names, batches, providers, mask_bias_threshold)
-    for observed in _observed_batches(model, names, batches, providers, exclude_masked, mask_bias_threshold,
-                                      budget_bytes):
+    exposed, reduced = (names, ()) if exclude_masked else ([], tuple(names))
+    for observed in _observed_batches(model, exposed, batches, providers, exclude_masked, mask_bias_threshold,
+                                      budget_bytes, reduced):
+        for name, value in observed.maxima.items():
+            maxima[name] = max(maxima[name], value)
         for name, values in observed.values.items():
             if values.size:  # max and -min: no |x| copy of the tensor
                 maxima[name] = max(maxima[name], float(values.max()), -float(values.min()))
-    return maxima
-
-
-def _max_abs_in_graph(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
-                      batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None,
-                      threshold: float) -> dict[str, float]:
-    probe = _probe_for(model, names, threshold)
-    graph = probe.model.graph
-    types = {o.name: o.type.tensor_type.elem_type for o in graph.output}
-    del graph.output[:]
-    reduced = _add_max_abs_reductions(graph, probe.fetched, types)
-    maxima = dict.fromkeys(names, 0.0)
-    seen = 0
-    with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
-        session = _session_for(probe, providers, Path(scratch), in_node_order=True) if reduced else None
-        del probe.model.graph.initializer[:]
-        for index, batch in enumerate(batches):
-            mark_step(f"batch {index}")
-            missing = [name for name in probe.inputs if name not in batch]
-            if missing:
-                raise CalibrationError(f"batch {index} has no array for model input(s) {', '.join(missing)}; every "
-                                       f"batch must map each input name ({', '.join(probe.inputs)}) to an array")
-            feed = {name: np.asarray(batch[name]) for name in probe.inputs}
-            values: dict[str, float] = {}
-            if session is not None:
-                try:
-                    arrays = session.run(list(reduced.values()), feed)
-                except _ort_errors() as err:
-                    raise CalibrationError(f"batch {index}: ONNX Runtime could not run it ({err}); check the batch's "
-                                           "dtypes and shapes against the model inputs") from err
-                values = {name: float(a) for name, a in zip(reduced, arrays)}
-            for name in names:
-                if name not in reduced:  # a graph input: from the feed
-                    values[name] = _input_max_abs(index, name, feed[name], name in probe.bias_cone, threshold)
-                value = _scalar_max_abs(index, name, values[name], name in probe.bias_cone)
-                maxima[name] = max(maxima[name], value)
-            seen += 1
-    if not seen:
-        raise CalibrationError("the calibration data gave no batches; pass at least one batch of inputs")
+        if progress is not None:
+            progress(observed.samples)
     return maxima
 
 
@@ -610,9 +577,13 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
     probe = _probe_for(model, names, threshold, max_abs_names)
     seen = 0
     per_sample = 0  # bytes of exposed tensors per sample, from the first run
+    # The budget bounds the exposed tensors; in-graph reductions return one scalar each, so a probe that
+    # exposes nothing runs every batch whole (and without a session when it has no reduction either).
+    sliced = bool(probe.fetched)
     with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
-        session = _session_for(probe, providers, Path(scratch), in_node_order=bool(probe.reduced))
-        on = _binning_device(session, device)
+        session = _session_for(probe, providers, Path(scratch), in_node_order=bool(probe.reduced)) \
+            if probe.fetched or probe.reduced else None
+        on = _binning_device(session, device) if session is not None else None
         if on is not None:
             budget_bytes = device_budget_bytes if device_budget_bytes is not None else _device_budget(on,
                                                                                                    budget_bytes)
@@ -620,18 +591,21 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
                      "runs hold at most %.0f MiB of them", on, budget_bytes / 2**20)
         if on_device is not None:
             on_device(on)
-        skeleton = weightless_copy(probe.model)
+        skeleton = weightless_copy(probe.model) if sliced else None
         del probe.model.graph.initializer[:]  # a copy: the session has the weights, one copy is enough
         for index, batch in enumerate(batches):
             start, size = 0, _batch_size(batch, probe.inputs)
-            if not per_sample and size:
+            if skeleton is not None and not per_sample and size:
                 per_sample = _bytes_per_sample(skeleton, probe, batch)
             while start < size or (size == 0 and start == 0):
-                step = 1 if not per_sample else max(1, budget_bytes // per_sample)
+                if not sliced:
+                    step = max(1, size)
+                else:
+                    step = 1 if not per_sample else max(1, budget_bytes // per_sample)
                 part = _slice(batch, probe.inputs, start, step, size)
                 mark_step(f"batch {index}" + (f", samples {start}-{min(size, start + step) - 1}" if size > 1 else ""))
                 observed = _observe(session, probe, index, part, exclude_masked, threshold, on)
-                if not per_sample and observed.samples:
+                if sliced and not per_sample and observed.samples:
                     per_sample = max(1, observed.nbytes // observed.samples)
                     log.debug("%d bytes of exposed tensors per sample: %d samples per run", per_sample,
                               max(1, budget_bytes // per_sample))
@@ -708,7 +682,10 @@ def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str]
     reduced: dict[str, str] = {}
     if max_abs_names:
         to_reduce = [name for name in max_abs_names if name in computed]
-        reduced = _add_max_abs_reductions(graph, to_reduce, _element_types(model, to_reduce))
+        types = _element_types(model, to_reduce)
+        if not fetched:  # only the scalars leave ONNX Runtime, not the model's own outputs
+            del graph.output[:]
+        reduced = _add_max_abs_reductions(graph, to_reduce, types)
     mask_inputs = [i for i in graph.input if i.name in inputs and "mask" in i.name.lower()]
     padding_masks = tuple(i.name for i in mask_inputs if i.type.tensor_type.elem_type in _MASK_TYPES)
     cone = _mask_bias_cone(graph, {i.name for i in mask_inputs} | _bias_constants(graph, threshold, weights_dir))
@@ -728,10 +705,12 @@ def _expose(model: onnx.ModelProto, names: tuple[str, ...]) -> None:
 
 
 def _element_types(model: onnx.ModelProto, names: list[str]) -> dict[str, int]:
-    infos = list(model.graph.value_info)
+    """Element types of ``names`` from the graph's value_info and outputs, else from shape inference."""
+    infos = [*model.graph.value_info, *model.graph.output]
     if not set(names) <= {i.name for i in infos}:
         try:
-            infos = list(onnx.shape_inference.infer_shapes(weightless_copy(model)).graph.value_info)
+            infos = [*onnx.shape_inference.infer_shapes(weightless_copy(model)).graph.value_info,
+                     *model.graph.output]
         except (onnx.shape_inference.InferenceError, ValueError) as err:
             log.warning("shape inference failed (%s); exposing calibrated tensors as float32", err)
     return {i.name: i.type.tensor_type.elem_type for i in infos if i.type.tensor_type.elem_type}
@@ -776,20 +755,9 @@ def _mask_bias_cone(graph: onnx.GraphProto, seeds: set[str]) -> frozenset[str]:
             continue
         skipped = _INDEX_INPUTS.get(node.op_type, frozenset())
         carried = [name for pos, name in enumerate(node.input) if pos not in skipped]
-        if any(name in cone for name in carried + _outer_scope_names(node)):
+        if any(name in cone for name in carried) or not cone.isdisjoint(outer_scope_names(node)):
             cone.update(out for out in node.output if out)
     return frozenset(cone)
-
-
-def _outer_scope_names(node: onnx.NodeProto) -> list[str]:
-    """Names the subgraphs of a control-flow node (If, Loop, Scan) read, their own inputs included."""
-    names: list[str] = []
-    subgraphs = [attr.g for attr in node.attribute if attr.HasField("g")]
-    subgraphs += [g for attr in node.attribute for g in attr.graphs]
-    for sub in subgraphs:
-        for inner in sub.node:
-            names += list(inner.input) + _outer_scope_names(inner)
-    return names
 
 
 def _session_for(probe: _Probe, providers: list[str] | None, scratch: Path, in_node_order: bool = False) -> Any:
@@ -820,8 +788,10 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
     outputs = [*probe.fetched, *probe.reduced.values()]
     ort_values: list[Any] = []
     try:
-        if device is None:
-            results = session.run(outputs, feed) if outputs else []
+        if not outputs:
+            results = []
+        elif device is None:
+            results = session.run(outputs, feed)
         else:
             results, ort_values = _run_on_device(session, feed, probe, device)
     except _ort_errors() as err:

@@ -396,6 +396,60 @@ def test_rows_run_the_serving_backends(build: Path, tmp_path: Path, monkeypatch:
     assert not hasattr(runners, "TrtRunner") and not hasattr(runners, "CudaGraphRunner")
 
 
+def test_each_onnx_is_checked_against_the_manifest_once(build: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The classifier check, the reference and the onnxruntime rows share one sha256 check per graph."""
+    import compiler.bench.harness as bench_module
+
+    checked: list[str] = []
+    real = bench_module.verified_onnx
+
+    def counting(directory: Path, entry: Any, precision: str = "") -> Path:
+        checked.append(precision)
+        return real(directory, entry, precision)
+
+    monkeypatch.setattr(bench_module, "verified_onnx", counting)
+    data = bench_directory(build, BenchSettings(**FAST, backends=("onnxruntime",), buckets=(1,),  # type: ignore[arg-type]
+                                                report_dir=tmp_path, plot=False)).data
+    assert sorted(checked) == ["fp16", "fp32"] and data["classifier"] is True
+
+
+def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A runner that does not open fails once for every bucket; one that fails at a bucket fails that bucket."""
+    import compiler.bench.harness as bench_module
+    from compiler.bench.harness import Skipped, _Plan, _run_plan, _RunContext
+
+    context = _RunContext(False, "random", {})
+    settings = BenchSettings(**FAST)  # type: ignore[arg-type]
+    opened: list[int] = []
+
+    def broken() -> Any:
+        opened.append(1)
+        raise RuntimeError("no device\nmore detail")
+
+    results, skipped = _run_plan(_Plan("onnxruntime", "fp32", broken), (1, 4), {}, {}, settings, context)
+    assert results == [] and len(opened) == 1
+    assert skipped == [Skipped("onnxruntime", "fp32", None, "failed: RuntimeError: no device", failed=True)]
+    assert "onnxruntime/fp32 at bucket 1 failed: RuntimeError: no device" in caplog.text
+
+    closed: list[int] = []
+
+    class Runner:
+        def close(self) -> None:
+            closed.append(1)
+
+    def measure(plan: Any, runner: Any, bucket: int, *args: Any) -> Any:
+        raise ValueError(f"bucket {bucket} does not fit")
+
+    monkeypatch.setattr(bench_module, "_measure", measure)
+    results, skipped = _run_plan(_Plan("torch", "fp32", Runner), (1, 4), {1: {}, 4: {}}, {1: {}, 4: {}}, settings,
+                                 context)
+    assert results == [] and closed == [1]
+    assert [(s.bucket, s.reason, s.failed) for s in skipped] == [
+        (b, f"failed: ValueError: bucket {b} does not fit", True) for b in (1, 4)]
+
+
 def test_one_tf32_policy_per_run(build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import compiler.bench.harness as bench_module
 

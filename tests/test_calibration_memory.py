@@ -47,6 +47,15 @@ def test_max_abs_in_graph_names_nan() -> None:
         collect_max_abs(_mlp(), ["h"], batches)
 
 
+def test_max_abs_runs_batches_whole_and_reports_their_samples() -> None:
+    """The budget bounds exposed tensors; in-graph reductions expose none, so no batch is sliced."""
+    model, batches = _mlp(), _mlp_batches(3)
+    seen: list[int] = []
+    maxima = collect_max_abs(model, ["h", "y"], batches, progress=seen.append, budget_bytes=1)
+    assert seen == [len(b["x"]) for b in batches]
+    assert maxima == collect_max_abs(model, ["h", "y"], batches)
+
+
 def test_a_batch_over_the_budget_runs_in_slices_with_the_same_statistics() -> None:
     model, batches = _mlp(), _mlp_batches(4)
     whole_progress: list[int] = []

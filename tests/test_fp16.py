@@ -326,6 +326,32 @@ def test_subgraph_reads_stay_fp32() -> None:
                                rtol=1e-3)
 
 
+def test_the_emulation_keeps_a_weight_a_subgraph_reads() -> None:
+    """An INT8 weight whose DequantizeLinear the emulation computes stays while a control-flow subgraph reads it."""
+    from calibration.fp16 import fp16_rounding_emulation
+
+    w = np.arange(-8, 8, dtype=np.int8).reshape(4, 4)
+    then_branch = helper.make_graph([helper.make_node("Identity", ["w"], ["t_out"])], "then", [],
+                                    [tensor("t_out", [4, 4], TensorProto.INT8)])
+    else_branch = helper.make_graph([helper.make_node("Neg", ["w"], ["e_out"])], "else", [],
+                                    [tensor("e_out", [4, 4], TensorProto.INT8)])
+    nodes = [helper.make_node("DequantizeLinear", ["w", "s"], ["wf"], name="dq"),
+             helper.make_node("MatMul", ["x", "wf"], ["y"], name="mm"),
+             helper.make_node("If", ["cond"], ["branch"], name="if", then_branch=then_branch,
+                              else_branch=else_branch)]
+    model = make_model(nodes, [tensor("x", ["B", 4], TensorProto.FLOAT16), tensor("cond", [], TensorProto.BOOL)],
+                       [tensor("y", ["B", 4], TensorProto.FLOAT16), tensor("branch", [4, 4], TensorProto.INT8)],
+                       {"w": w, "s": np.float16(0.5)})
+    emulated = fp16_rounding_emulation(model)
+    assert "w" in {t.name for t in emulated.graph.initializer}
+    assert "DequantizeLinear" not in {n.op_type for n in emulated.graph.node}  # computed by the emulation
+    x = np.eye(4, dtype=np.float32)
+    for cond, expected in ((True, w), (False, -w)):
+        y, got = ort_session(emulated).run(None, {"x": x, "cond": np.array(cond)})
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(y, w.astype(np.float32) * 0.5)
+
+
 def test_unconvertible_attribute_type_fails_naming_the_node() -> None:
     nodes = [helper.make_node("HannWindow", ["n"], ["window"], name="hann", output_datatype=FLOAT),
              helper.make_node("Mul", ["window", "x"], ["y"], name="mul")]

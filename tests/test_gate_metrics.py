@@ -139,6 +139,25 @@ def test_constant_reference_warns() -> None:
     assert any("same for every sample" in w for w in _evaluator(_scale_chain([2.0]), batches).warnings)
 
 
+def test_the_reference_outputs_are_read_back_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FP32 top-1 and the degenerate-reference warnings come from one read of the files written."""
+    from calibration import accuracy
+
+    read: list[Any] = []
+    real = accuracy._row_blocks
+
+    def counting(item: Any, budget_bytes: int) -> Any:
+        read.append(item)
+        return real(item, budget_bytes)
+
+    monkeypatch.setattr(accuracy, "_row_blocks", counting)
+    labels = np.array([7, 7, 7, 7, 0, 7])  # every row of X rises: class 7
+    evaluator = Evaluator.from_model(_scale_chain([2.0]), [{"x": X}, {"x": X[:2]}], labels, GateSettings(),
+                                     providers=["CPUExecutionProvider"])
+    assert len(read) == len(set(read)) == 2  # one output, two batches, each file once
+    assert evaluator.fp32_top1 == pytest.approx(5 / 6) and evaluator.warnings == []
+
+
 def test_checking_providers_prefer_cuda_and_never_tensorrt() -> None:
     everything = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     assert checking_providers(everything, cuda=True) == ["CUDAExecutionProvider", "CPUExecutionProvider"]

@@ -407,6 +407,22 @@ def test_baked_mask_constants_are_excluded_up_to_the_softmax_only() -> None:
     assert collect_max_abs(_causal_model(), ["biased"], [{"x": x}])["biased"] == pytest.approx(1e9)
 
 
+def test_a_mask_bias_a_subgraph_reads_puts_the_control_flow_output_in_the_cone() -> None:
+    then_branch = helper.make_graph([helper.make_node("Add", ["x", "mask_bias"], ["t_out"])], "then", [],
+                                    [tensor("t_out", ["B", 4])])
+    else_branch = helper.make_graph([helper.make_node("Identity", ["x"], ["e_out"])], "else", [],
+                                    [tensor("e_out", ["B", 4])])
+    model = make_model([helper.make_node("If", ["cond"], ["scores"], name="if", then_branch=then_branch,
+                                         else_branch=else_branch)],
+                       [tensor("x", ["B", 4]), tensor("mask_bias", ["B", 4]), tensor("cond", [], TensorProto.BOOL)],
+                       [tensor("scores", ["B", 4])])
+    x = np.random.default_rng(12).standard_normal((3, 4)).astype(np.float32)
+    bias = np.where(np.arange(4) < 3, 0.0, -1e9).astype(np.float32)[None].repeat(3, axis=0)
+    stats = collect_histograms(model, ["scores"], [{"x": x, "mask_bias": bias, "cond": np.array(True)}])
+    assert stats.histograms["scores"].amax == float(np.abs(x[:, :3]).max())  # the -1e9 biases stay out
+    assert stats.histograms["scores"].count == 9
+
+
 # --- binning on the device (torch), tested on CPU tensors -------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

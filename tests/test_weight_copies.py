@@ -203,3 +203,19 @@ def test_the_emulation_computes_int8_weights_as_onnx_runtime_does(monkeypatch: p
     x = {"x": np.random.default_rng(4).standard_normal((8, 64)).astype(np.float32) * 3}
     np.testing.assert_array_equal(ort_session(emulated, exact_qdq=True).run(None, x)[0],
                                   ort_session(by_onnx_runtime, exact_qdq=True).run(None, x)[0])
+
+
+def test_a_temporary_onnx_file_holds_no_reference_to_its_model() -> None:
+    """The gate drops its FP16 emulation inside the block, so ONNX Runtime's load is the only copy left."""
+    import sys
+
+    from compiler.core.onnx_io import TemporaryOnnxFile
+
+    model = mlp(32, 2)  # 4 KiB weights: written to the data file
+    references = sys.getrefcount(model)
+    with TemporaryOnnxFile(model) as path:
+        assert sys.getrefcount(model) == references and path.is_file() and (path.parent / "model.onnx.data").is_file()
+        session = ort_session(path)
+    assert not path.parent.exists()
+    x = np.ones((1, 32), np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], ort_session(model).run(None, {"x": x})[0])

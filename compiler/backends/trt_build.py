@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from compiler.core import defaults
 from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.core.files import atomic_write_bytes, atomic_write_text, read_json, sha256_file, sha256_files
-from compiler.core.installed import tensorrt_version
+from compiler.core.installed import tensorrt_version, version_tuple
 from compiler.core.manifest import inside
 from compiler.core.onnx_io import onnx_files
 from compiler.core.settings import BuildSettings
@@ -84,13 +84,9 @@ BuildStep = Callable[[Any, list["Shapes"]], tuple[bytes, list[str]]]
 
 # --- which TensorRT -------------------------------------------------------------------------------------------
 
-def _major(version: str) -> int:
-    return int(version.split(".")[0])
-
-
 def tensorrt_version_problem(version: str) -> str | None:
     """Why trtc cannot use TensorRT ``version`` (one line naming the fix), or None: it needs 10.12 or later."""
-    numbers = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    numbers = version_tuple(version)[:2]
     if len(numbers) < 2 or numbers < MIN_TENSORRT:
         floor = ".".join(map(str, MIN_TENSORRT))
         return (f"TensorRT {version} is too old: trtc needs {floor} or later (strongly typed networks are complete "
@@ -110,8 +106,7 @@ def require_tensorrt(directory: Path | str | None = None) -> str:
     problem = tensorrt_version_problem(version)
     if problem:
         raise BuildError(problem)
-    major = _major(version)
-    if major > SUPPORTED_MAJORS[-1]:
+    if version_tuple(version)[0] > SUPPORTED_MAJORS[-1]:
         log.warning("TensorRT %s is newer than trtc knows (10.x, 11.x); building anyway", version)
     return version
 
@@ -127,7 +122,7 @@ def strongly_typed_flag() -> bool:
     while the enum still has it. Without TensorRT here (a loader built to be inspected) the answer is 10.x's.
     """
     version = tensorrt_version()
-    if version is None or _major(version) < 11:
+    if version is None or version_tuple(version) < (11,):
         return True
     import tensorrt as trt
 
@@ -560,14 +555,19 @@ def _drop_unreadable_timing_cache(cache: Path) -> None:
     import tensorrt as trt
 
     config = trt.Builder(trt.Logger(trt.Logger.ERROR)).create_builder_config()
-    try:
-        readable = config.create_timing_cache(cache.read_bytes()) is not None
-    except (RuntimeError, TypeError, ValueError) as err:
-        log.debug("timing cache %s: %s", cache, err)
-        readable = False
-    if not readable:
+    if _read_timing_cache(config, cache) is None:
         log.warning("the timing cache seeded from the directory or --timing-cache is unreadable; starting a fresh one")
         cache.unlink()
+
+
+def _read_timing_cache(config: trt.IBuilderConfig, cache: Path) -> trt.ITimingCache | None:
+    """The timing cache in file ``cache`` as TensorRT reads it, or None when TensorRT cannot (why is logged at
+    debug level: the callers warn in their own words)."""
+    try:
+        return config.create_timing_cache(cache.read_bytes())
+    except (RuntimeError, TypeError, ValueError) as err:
+        log.debug("timing cache %s: %s", cache, err)
+        return None
 
 
 def merge_timing_cache(source: Path, target: Path, env: dict[str, Any]) -> bool:
@@ -592,11 +592,7 @@ def merge_timing_cache(source: Path, target: Path, env: dict[str, Any]) -> bool:
             log.warning("timing cache not merged: %s", problem)
             return False
         if target.is_file():
-            try:
-                previous = config.create_timing_cache(target.read_bytes())
-            except (RuntimeError, TypeError, ValueError) as err:
-                log.debug("timing cache %s: %s", target, err)
-                previous = None
+            previous = _read_timing_cache(config, target)
             if previous is None:
                 log.warning("%s is unreadable; replacing it with this build's timings", target)
             elif not cache.combine(previous, ignore_mismatch=False):

@@ -21,6 +21,7 @@ from typing import Any
 from compiler.backends.trt_build import environment, parse_compute_capability
 from compiler.core.errors import InputError
 from compiler.core.files import sha256_file
+from compiler.core.installed import version_tuple
 from compiler.core.manifest import MANIFEST, inside, read_manifest
 from compiler.core.settings import hardware_compat_level
 
@@ -45,10 +46,6 @@ class Staleness:
 
 
 # --- compatibility rules -----------------------------------------------------------------------------------------
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split(".") if p.isdigit())
-
 
 def tensorrt_can_run(built: str, running: str, version_compatible: bool) -> bool:
     """Whether TensorRT ``running`` can load an engine that TensorRT ``built`` made."""
@@ -116,20 +113,10 @@ def environment_reasons(built: dict[str, Any], here: dict[str, Any], build: dict
 
 # --- the manifest's engines --------------------------------------------------------------------------------------
 
-def engine_entries(manifest: dict[str, Any], directory: Path) -> list[dict[str, Any]]:
-    engines = manifest.get("engines") or []
-    if not isinstance(engines, list):
-        raise InputError(f"{directory / MANIFEST}: 'engines' is not a list; rebuild with `trtc rebuild {directory}`")
-    for index, entry in enumerate(engines):
-        if not isinstance(entry, dict) or not all(k in entry for k in ("bucket", "file", "sha256")) \
-                or not isinstance(entry["bucket"], int) or not isinstance(entry["sha256"], str):
-            raise InputError(f"{directory / MANIFEST}: engines[{index}] lacks bucket, file or sha256; rebuild "
-                             f"with `trtc rebuild {directory}`")
-        inside(directory, entry["file"], "engine")
-        layers = entry.get("layers")
-        if isinstance(layers, dict) and layers.get("file"):
-            inside(directory, layers["file"], "layer file")
-    return engines
+def engine_entries(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engines a manifest from ``read_manifest`` records: that has checked each entry's shape (bucket, file,
+    sha256) and that its engine and layer files lie inside the directory."""
+    return manifest.get("engines") or []
 
 
 def recorded_onnx(manifest: dict[str, Any], precision: str, directory: Path) -> dict[str, Any]:
@@ -145,14 +132,12 @@ def recorded_onnx(manifest: dict[str, Any], precision: str, directory: Path) -> 
 
 
 def stale_in(directory: Path, manifest: dict[str, Any], here: dict[str, Any]) -> list[Staleness]:
-    engines = engine_entries(manifest, directory)
+    """The engines of ``directory`` (its ``manifest``, from ``read_manifest``) that cannot run in ``here``."""
+    engines = engine_entries(manifest)
     build = manifest.get("build") or {}
     if not engines:
         reason = "engines never built (built with --engine none)" if build.get("engine") == "none" else NEVER_BUILT
         return [Staleness(None, None, reason)]
-    if not isinstance(build, dict) or not isinstance(manifest.get("environment") or {}, dict):
-        raise InputError(f"{directory / MANIFEST}: 'build' or 'environment' is not an object; rebuild with "
-                         f"`trtc rebuild {directory}`")
     shared = environment_reasons(manifest.get("environment") or {}, here, build)
     digests: dict[str, str | None] = {}
     onnx_digests = {e.get("file"): e.get("sha256") for e in (manifest.get("onnx") or {}).values()

@@ -515,19 +515,40 @@ def accuracy_of(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], bu
 _CLASSIFIER_HEADS = ("Gemm", "MatMul", "Softmax", "LogSoftmax")
 
 
-def is_classifier(directory: Path, manifest: dict[str, Any]) -> bool:
+@dataclass
+class _VerifiedOnnx:
+    """A build directory's ONNX graphs, each checked against the manifest's sha256 once and the path kept.
+
+    One bench run asks for the FP32 graph up to three times (classifier check, reference, onnxruntime
+    row); hashing gigabytes of weights each time only repeats the same answer. A check that fails is
+    not kept: it raises again on the next call.
+    """
+
+    directory: Path
+    manifest: dict[str, Any]
+    _paths: dict[str, Path] = field(default_factory=dict)
+
+    def path(self, precision: str) -> Path:
+        """The checked graph of the manifest's ``onnx[precision]`` entry (which must exist)."""
+        if precision not in self._paths:
+            self._paths[precision] = verified_onnx(self.directory, self.manifest["onnx"][precision], precision)
+        return self._paths[precision]
+
+
+def is_classifier(directory: Path, manifest: dict[str, Any], onnx_paths: _VerifiedOnnx | None = None) -> bool:
     """Whether top-1 agreement means anything for this model: the accuracy gate ran on labels, or every output is
     2-D (batch x classes) and made by a linear layer or a softmax. A sentence embedding (pooling, normalization,
-    LayerNorm) or a per-token output is not a classifier. A projection head on an embedding model looks like one."""
+    LayerNorm) or a per-token output is not a classifier. A projection head on an embedding model looks like one.
+    ``onnx_paths`` shares the verified graphs with the rest of a bench run (default: checked here)."""
     if any((entry or {}).get("metric") == "top1" for entry in (manifest.get("accuracy") or {}).values()):
         return True
-    entry = (manifest.get("onnx") or {}).get("fp32")
-    if not entry:
+    if not (manifest.get("onnx") or {}).get("fp32"):
         return False
     import onnx
 
+    paths = onnx_paths if onnx_paths is not None else _VerifiedOnnx(directory, manifest)
     try:
-        graph = onnx.load(str(verified_onnx(directory, entry, "fp32")), load_external_data=False).graph
+        graph = onnx.load(str(paths.path("fp32")), load_external_data=False).graph
     except (OSError, ValueError, InputError) as err:
         log.debug("no graph to tell a classifier by: %s", err)
         return False
@@ -617,6 +638,7 @@ class _Target:
     model: Any  # nn.Module or None
     model_note: str  # why there is no model, or where it came from
     model_mode: bool  # True: `trtc bench model.pt`, a temporary export
+    onnx: _VerifiedOnnx  # the directory's graphs, each hashed once
 
 
 def _cuda_available() -> bool:
@@ -708,8 +730,7 @@ def _plans(target: _Target, settings: BenchSettings, device: str, buckets: tuple
             ort_device = _ort_device(settings.ort_providers)
             for precision in sorted(onnx, key=lambda p: ONNX_PRECISION_ORDER.index(p)
                                     if p in ONNX_PRECISION_ORDER else 99):
-                path = verified_onnx(target.directory, onnx[precision], precision)
-                plans.append(_Plan(backend, precision, ort_runner(path, ort_device)))
+                plans.append(_Plan(backend, precision, ort_runner(target.onnx.path(precision), ort_device)))
         elif backend == "tensorrt":
             engines = manifest.get("engines") or []
             reason = model_mode_note if target.model_mode else _tensorrt_unavailable()
@@ -790,8 +811,7 @@ def _reference_outputs(target: _Target, feeds: dict[int, dict[str, np.ndarray]],
                              device)
         what = f"torch/fp32 (eager, {device})"
     else:
-        runner = OrtRunner(verified_onnx(target.directory, target.manifest["onnx"]["fp32"], "fp32"),
-                           ["CPUExecutionProvider"])
+        runner = OrtRunner(target.onnx.path("fp32"), ["CPUExecutionProvider"])
         what = "onnxruntime/fp32 (CPUExecutionProvider): no PyTorch model to compare with"
     try:
         return {b: runner.infer(feed) for b, feed in feeds.items()}, what
@@ -891,35 +911,38 @@ def _run_plan(plan: _Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, 
     show it."""
     results: list[BenchResult] = []
     skipped: list[Skipped] = []
-    runner: StagedRunner | None = None
-    free_before: int | None = None
     try:
-        for bucket in buckets:
-            opening = False
-            try:
-                if runner is None:
-                    free_before = _free_device_memory()
-                    opening = True
-                    runner = plan.open()
-                    opening = False
-                results.append(_measure(plan, runner, bucket, feeds[bucket], reference[bucket], settings,
-                                        free_before, context))
-            except _Unavailable as why:
-                skipped.append(Skipped(plan.backend, plan.precision, bucket, str(why)))
-            except (TrtcError, RuntimeError, OSError, ValueError, ImportError) as err:
-                reason = f"failed: {type(err).__name__}: {_first_line(err)}"
-                log.warning("%s/%s at bucket %d %s", plan.backend, plan.precision, bucket, reason)
-                log.debug("traceback", exc_info=True)
-                shared_open = opening
-                skipped.append(Skipped(plan.backend, plan.precision, None if shared_open else bucket, reason,
-                                       failed=True))
-                if shared_open:
-                    break  # the runner shared by all buckets does not open: each bucket would fail the same way
-    finally:
-        if runner is not None:
+        free_before = _free_device_memory()
+        try:
+            runner = plan.open()
+        except _FAILURES as err:  # the runner shared by all buckets: each bucket would fail the same way
+            return results, [Skipped(plan.backend, plan.precision, None, _failure(plan, buckets[0], err), failed=True)]
+        try:
+            for bucket in buckets:
+                try:
+                    results.append(_measure(plan, runner, bucket, feeds[bucket], reference[bucket], settings,
+                                            free_before, context))
+                except _Unavailable as why:
+                    skipped.append(Skipped(plan.backend, plan.precision, bucket, str(why)))
+                except _FAILURES as err:
+                    skipped.append(Skipped(plan.backend, plan.precision, bucket, _failure(plan, bucket, err),
+                                           failed=True))
+        finally:
             runner.close()
+    finally:
         _release_device_memory()
     return results, skipped
+
+
+_FAILURES = (TrtcError, RuntimeError, OSError, ValueError, ImportError)  # a backend that fails is a row, not a crash
+
+
+def _failure(plan: _Plan, bucket: int, err: BaseException) -> str:
+    """The report's reason for a failed backend, logged as a warning (the traceback at debug level)."""
+    reason = f"failed: {type(err).__name__}: {_first_line(err)}"
+    log.warning("%s/%s at bucket %d %s", plan.backend, plan.precision, bucket, reason)
+    log.debug("traceback", exc_info=True)
+    return reason
 
 
 def _first_line(err: BaseException) -> str:
@@ -977,7 +1000,8 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
     feeds, data_source = bench_inputs(None if model_mode else directory, manifest, spec, buckets, settings.seed,
                                       settings.data)
     tf32, tf32_source = _tf32(settings, manifest)
-    context = _RunContext(is_classifier(directory, manifest), data_source,
+    onnx_paths = _VerifiedOnnx(directory, manifest)
+    context = _RunContext(is_classifier(directory, manifest, onnx_paths), data_source,
                           {b: {d: int(next(a.shape[axis] for n, a in feed.items() if n == i.name))
                                for i in spec.inputs for axis, d in enumerate(i.dims) if isinstance(d, str)
                                and d != BATCH_DIM} for b, feed in feeds.items()})
@@ -985,7 +1009,7 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
     results: list[BenchResult] = []
     with _torch_bench_mode(tf32):
         model, model_note = eager_model(manifest, device, settings.trust_pickle, directory)
-        target = _Target(directory, manifest, spec, model, model_note, model_mode)
+        target = _Target(directory, manifest, spec, model, model_note, model_mode, onnx_paths)
         reference, reference_name = _reference_outputs(target, feeds, device)
         plans, skipped = _plans(target, settings, device, buckets, tf32)
         for plan in plans:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["tensorrt_version"]
+__all__ = ["tensorrt_version", "version_tuple"]
 
 log = logging.getLogger(__name__)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The numeric dot-separated parts of a version: "10.12.0.36" -> (10, 12, 0, 36); compare tuples, not strings."""
+    return tuple(int(p) for p in version.split(".") if p.isdigit())
 
 
 def tensorrt_version() -> str | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from onnx import numpy_helper
 from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "onnx_files", "ort_session",
+           "TemporaryOnnxFile", "outer_scope_names",
            "usable_providers", "checking_providers",
            "copy_fields", "weightless_copy",
            "MAX_IR_VERSION"]
@@ -239,13 +239,13 @@ def usable_providers(prefer: list[str] | None = None) -> list[str]:
 
 def _tensorrt_ep_works(ort_version: str) -> bool:
     """Whether ONNX Runtime ``ort_version``'s TensorRT provider can use the TensorRT installed here."""
-    from compiler.core.installed import tensorrt_version  # a real TensorRT, not a stub package that imports
+    # tensorrt_version: a real TensorRT, not a stub package that imports
+    from compiler.core.installed import tensorrt_version, version_tuple
 
     trt = tensorrt_version()
     if trt is None:
         return False
-    ort_numbers = tuple(int(p) for p in re.findall(r"\d+", ort_version)[:2])
-    if int(trt.split(".")[0]) >= 11 and ort_numbers < (1, 27):
+    if version_tuple(trt) >= (11,) and version_tuple(ort_version)[:2] < (1, 27):
         log.warning("ONNX Runtime %s cannot drive TensorRT %s (its TensorRT provider needs ONNX Runtime 1.27+); "
                     "leaving the TensorRT provider out", ort_version, trt)
         return False
@@ -315,12 +315,35 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
     providers = providers or ["CPUExecutionProvider"]
     if isinstance(model, onnx.ModelProto) and _weight_bytes(model) > _PROTO_LIMIT:
         # protobuf cannot serialize 2 GiB: ONNX Runtime reads it from files (removed once it has loaded them)
-        with tempfile.TemporaryDirectory(prefix="trtc-ort-") as scratch:
-            path = Path(scratch) / "model.onnx"
-            save_onnx(model, path)
+        with TemporaryOnnxFile(model) as path:
             return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(source, sess_options=opts, providers=providers)
+
+
+class TemporaryOnnxFile:
+    """``model`` saved (:func:`save_onnx`) into a temporary folder, removed on exit: ``with
+    TemporaryOnnxFile(model) as path: session = ...(path)``, for ONNX Runtime to read a proto from a file.
+
+    Reading the file costs no serialized copy of the weights beside the proto (and works over 2 GiB).
+    Keeps no reference to ``model``: a caller that drops its own inside the block frees the weights before
+    ONNX Runtime loads its copy. Once a session has loaded the model it no longer needs the files.
+    """
+
+    def __init__(self, model: onnx.ModelProto, prefix: str = "trtc-ort-") -> None:
+        self._scratch = tempfile.TemporaryDirectory(prefix=prefix)
+        self.path = Path(self._scratch.name) / "model.onnx"
+        try:
+            save_onnx(model, self.path)
+        except BaseException:
+            self._scratch.cleanup()
+            raise
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        self._scratch.cleanup()
 
 
 _PROTO_LIMIT = 2**31 - 2**24  # bytes of weights above which a proto is not serialized in one piece
@@ -333,6 +356,28 @@ def _weight_bytes(model: onnx.ModelProto) -> int:
         total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data)
                                                                                       + len(t.double_data))
     return total
+
+
+def outer_scope_names(node: onnx.NodeProto) -> set[str]:
+    """Names that the control-flow subgraphs of ``node`` (If, Loop, Scan; nested ones too) read from the scopes
+    around it; empty for a node without subgraphs. Names a subgraph defines itself are not among them."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            names |= _free_names(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for sub in attr.graphs:
+                names |= _free_names(sub)
+    return names
+
+
+def _free_names(graph: onnx.GraphProto) -> set[str]:
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    defined |= {o for node in graph.node for o in node.output}
+    used = {i for node in graph.node for i in node.input if i} | {o.name for o in graph.output}
+    for node in graph.node:
+        used |= outer_scope_names(node)
+    return used - defined
 
 
 SMALL_INITIALIZER = 1024  # elements: smaller initializers stay in a weightless copy (they may hold shapes)

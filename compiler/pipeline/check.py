@@ -96,7 +96,7 @@ def check_directory(directory: Path, env: dict[str, Any] | None = None) -> Check
     manifest = read_manifest(directory)
     stale = stale_in(directory, manifest, here)
     stale_files = {(s.bucket, s.file) for s in stale}
-    fresh = [e for e in engine_entries(manifest, directory) if (e["bucket"], e["file"]) not in stale_files]
+    fresh = [e for e in engine_entries(manifest) if (e["bucket"], e["file"]) not in stale_files]
     return CheckResult(directory, here, fresh, stale)
 
 
@@ -138,7 +138,7 @@ def rebuild_directory(directory: Path, if_stale: bool, settings_override: BuildS
         manifest = read_manifest(directory)
         here = env if env is not None else environment()
         stale = stale_in(directory, manifest, here)
-        old_entries = engine_entries(manifest, directory)
+        old_entries = engine_entries(manifest)
         if if_stale and not stale:
             log.info("all %d engine(s) of %s can run here; nothing rebuilt", len(old_entries), directory)
             return RebuildResult(directory, False, [], old_entries)
@@ -175,7 +175,7 @@ def merge_manifests(directory: Path, others: list[Path]) -> dict[str, Any]:
     with directory_transaction(directory, "trtc merge") as transaction:
         base = read_manifest(directory)
         sources = [(directory, base)] + [(Path(o), read_manifest(Path(o))) for o in others]
-        with_engines = [(d, m) for d, m in sources if engine_entries(m, d)]
+        with_engines = [(d, m) for d, m in sources if engine_entries(m)]
         if not with_engines:
             raise InputError("none of the directories has engines to merge; build them first")
         ref_dir, ref = with_engines[0]
@@ -187,7 +187,7 @@ def merge_manifests(directory: Path, others: list[Path]) -> dict[str, Any]:
         merged: dict[int, dict[str, Any]] = {}
         copies: list[tuple[Path, str]] = []
         for source_dir, manifest in sources:
-            entries = engine_entries(manifest, source_dir)
+            entries = engine_entries(manifest)
             if not entries:
                 continue
             if recorded_onnx(manifest, precision, source_dir)["sha256"] != onnx_sha:
