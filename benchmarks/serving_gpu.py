@@ -275,7 +275,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     if mode == "processes":
         from compiler.serve.processes import ProcessBatcher
 
-        with ProcessBatcher(counting, capacity=clients, max_wait_ms=max_wait_ms, workers=workers, timeout=30.0,
+        with ProcessBatcher(counting, capacity=clients, max_wait_ms=max_wait_ms, in_flight=workers, timeout=30.0,
                             ) as process_batcher:
             counting.reset()  # the batcher's probe of the output sizes is no request
             ran = process_clients.run(process_batcher, inputs_of, requests,

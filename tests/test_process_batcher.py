@@ -84,7 +84,7 @@ def test_requests_from_two_processes_each_get_their_own_rows(engines: Engines) -
 def test_threads_of_one_client_many_rows_and_dicts(engines: Engines) -> None:
     requests = [rows(i, 1 + i % 3) for i in range(30)]
     answers: dict[int, Any] = {}
-    with ProcessBatcher(engines, capacity=8, slot_rows=3, max_wait_ms=5) as batcher:
+    with ProcessBatcher(engines, capacity=8, slot_rows=3, max_wait_ms=5, in_flight=2) as batcher:
         client = batcher.client_handle(6).connect()
 
         def one(first: int) -> None:
@@ -142,8 +142,10 @@ def test_bad_requests_fail_in_the_client_with_one_line(engines: Engines, transfo
         client = batcher.client_handle(1).connect()
         with pytest.raises(FeedError, match=r"S = 40 is outside the range 1\.\.32"):
             client.submit({"input_ids": np.zeros((1, 40), np.int64), "attention_mask": np.ones((1, 40), np.int64)})
-    with pytest.raises(InputError, match="slots=3: 2 of the batcher's 2 slots are left"):
-        ProcessBatcher(engines, capacity=2).client_handle(3)
+    with ProcessBatcher(engines, capacity=2) as batcher, pytest.raises(InputError, match="slots=3: 2 of the batcher"):
+        batcher.client_handle(3)
+    with pytest.raises(InputError, match="in_flight=0"):
+        ProcessBatcher(engines, in_flight=0)
 
 
 class Slow(Recording):

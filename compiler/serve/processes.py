@@ -6,7 +6,7 @@ second. A server with several worker processes (one per core, as web servers run
 requests to the one process that owns the GPU:
 
     # the process that owns the GPU
-    batcher = ProcessBatcher(compiler.load("build/m"), max_wait_ms=5, workers=2)
+    batcher = ProcessBatcher(compiler.load("build/m", contexts=2), max_wait_ms=5, in_flight=2)
     handles = [batcher.client_handle(slots=8) for _ in range(16)]
     spawn = multiprocessing.get_context("spawn")
     workers = [spawn.Process(target=serve, args=(handle,)) for handle in handles]
@@ -38,6 +38,7 @@ data can outgrow their slot (such a request fails with a message, the others of 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -68,7 +69,7 @@ _ERROR_BYTES = 480  # room for the message of a failed request
 _ALIGN = 64
 _NAP = 0.0001  # seconds the reader sleeps after each read of the pipe
 _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
-_OVERLOADED = "the server is overloaded; raise the timeout, or add contexts, workers or GPUs"
+_OVERLOADED = "the server is overloaded; raise the timeout, or add contexts (in_flight) or GPUs"
 
 
 class RequestFailed(RuntimeError):
@@ -384,13 +385,17 @@ class ProcessBatcher:
     """Packs requests from other processes into batches for ``engines``; see the module docstring.
 
     ``capacity``: slots in all (each holds one request in flight); ``slot_rows``: rows a request may
-    have. ``max_batch``, ``max_wait_ms``, ``timeout`` and ``workers`` as for ``DynamicBatcher``.
+    have. ``max_batch``, ``max_wait_ms`` and ``timeout`` as for ``DynamicBatcher``. ``in_flight``:
+    batches queued on the engines at once (give the engines as many contexts). One thread does all
+    of the batcher's work: it reads the requests, starts batches and answers them, so no second
+    thread of this process ever waits for the GIL behind it (two workers and a reader thread spent
+    up to half of each batch's time handing the GIL around, on an H200).
     The shared memory is ``capacity x slot_rows`` rows of every input and output at their largest
     sizes; it is reserved at once, so a too-small ``/dev/shm`` fails here (not with a crash later).
     """
 
     def __init__(self, engines: Any, *, capacity: int = 256, slot_rows: int = 1, max_batch: int | None = None,
-                 max_wait_ms: float = 10.0, timeout: float | None = 10.0, workers: int = 1,
+                 max_wait_ms: float = 10.0, timeout: float | None = 10.0, in_flight: int = 1,
                  shm_dir: str | None = None) -> None:
         if capacity < 1 or slot_rows < 1:
             raise InputError(f"capacity={capacity}, slot_rows={slot_rows}: both must be at least 1")
@@ -400,13 +405,13 @@ class ProcessBatcher:
             raise InputError(f"max_wait_ms={max_wait_ms} must not be negative")
         if timeout is not None and timeout <= 0:
             raise InputError(f"timeout={timeout} must be positive (or None to wait forever)")
-        if workers < 1:
-            raise InputError(f"workers={workers}: the batcher needs at least one worker")
+        if in_flight < 1:
+            raise InputError(f"in_flight={in_flight}: the batcher runs at least one batch at a time")
         self.engines = engines
+        self.in_flight = in_flight
         self.max_batch = max_batch or max(engines.buckets)
         self.max_wait = max_wait_ms / 1000.0
         self.timeout = timeout
-        self._ready_rows = self.max_batch  # a full batch starts at once; fewer rows wait for the window
         self._model = _model_of(engines, slot_rows)
         self._layout = _Layout.of(_regions(self._model, capacity))
         self._path, self._map = _shared_file(self._layout.size, shm_dir)
@@ -424,15 +429,10 @@ class ProcessBatcher:
         self._feeds: list[dict[tuple[int, tuple[int, ...]], Any]] = [{} for _ in range(capacity)]
         self._pending: list[_Pending] = []  # requests read from the pipe and not yet in a batch, oldest first
         self._pending_rows = 0
-        self._cond = threading.Condition()  # guards _pending; workers wait on it for a batch
         self._closed = False
         self._drain = True
-        self._reading = threading.Thread(target=self._read_loop, name="trtc-process-batcher-reader", daemon=True)
-        self._reading.start()
-        self._threads = [threading.Thread(target=self._work, name=f"trtc-process-batcher-{i}", daemon=True)
-                         for i in range(workers)]
-        for thread in self._threads:
-            thread.start()
+        self._thread = threading.Thread(target=self._serve, name="trtc-process-batcher", daemon=True)
+        self._thread.start()
 
     def client_handle(self, slots: int = 8) -> ClientHandle:
         """A handle with ``slots`` slots of its own (requests one client process may have in flight at once)."""
@@ -461,39 +461,59 @@ class ProcessBatcher:
         if self._closed:
             return
         self._arrays["closed"][0] = 1
-        self._reading_stop = True
-        self._reading.join(timeout=timeout)  # it reads what was sent before the flag, then stops
-        with self._cond:
-            self._closed = True
-            self._drain = drain
-            self._cond.notify_all()
-        for thread in self._threads:
-            thread.join(timeout=timeout)
-            if thread.is_alive():
-                log.warning("process batcher worker %s did not stop within %.0f s", thread.name, timeout)
+        self._drain = drain
+        self._closed = True
+        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            log.warning("the process batcher did not stop within %.0f s", timeout)
+            return
         self._read()  # requests that raced the closing flag
         self._reply([r[0] for r in self._pending], _CLOSED, "the batcher was closed before this request ran")
         self._pending.clear()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)
 
-    # -- the reader: requests in, checked feeds out, while the workers wait for the GPU --
+    # -- the batcher's thread --
 
-    _reading_stop = False
+    def _serve(self) -> None:
+        """Read requests, start batches (up to ``in_flight`` at once) and answer them, oldest first. Before a batch's
+        callers are woken, the next batch is started when one is ready, so that the GPU is not idle meanwhile."""
+        running: collections.deque[tuple[list[_Pending], Callable[..., Any]]] = collections.deque()
+        while True:
+            while len(running) < self.in_flight:  # fill the engines
+                batch = self._next_batch(block=not running)
+                if batch is None:
+                    if not running:
+                        return
+                    break
+                if not batch:
+                    break
+                started = self._start(batch)
+                if started is not None:
+                    running.append(started)
+            if not running:
+                continue
+            batch, finish = running.popleft()
+            failure: str | None
+            try:  # the answers go from the context's buffers straight into the slots
+                failure = finish(lambda outputs, batch=batch: self._write(batch, outputs))
+            except Exception as err:  # every caller of the batch learns why; the batcher keeps serving
+                failure = f"the batch failed: {err}"
+            if len(running) < self.in_flight:
+                follow = self._next_batch(block=False)
+                if follow:
+                    started = self._start(follow)
+                    if started is not None:
+                        running.append(started)
+            if failure is None:
+                self._wake([r[0] for r in batch])
+            else:
+                self._reply([r[0] for r in batch], _FAILED, failure)
 
-    def _read_loop(self) -> None:
-        """Read announced slots into ``_pending`` (each as a feed ready for ``start_parts``) until closed. After each
-        read it naps: a read per request (every announcement wakes a pipe's reader) would cost this process's GIL
-        more than the batches' own work; under load a nap gathers a few dozen requests."""
-        while not self._reading_stop:
-            if select.select([self._fd], [], [], 0.05)[0]:
-                self._read()
-                time.sleep(_NAP)
-        self._read()
-
-    def _read(self) -> None:
-        """Move the requests in the pipe to ``_pending``; wake a worker when that makes a batch ready or starts a
-        window."""
+    def _read(self, timeout: float = 0.0) -> None:
+        """Move the requests announced in the pipe to ``_pending``, waiting up to ``timeout`` seconds for one."""
+        if timeout > 0 and not select.select([self._fd], [], [], timeout)[0]:
+            return
         try:
             data = os.read(self._fd, 1 << 16)
         except BlockingIOError:
@@ -507,19 +527,15 @@ class ProcessBatcher:
         names = self._model.dim_names
         keys = list(map(tuple, arrays["dims"][index, :len(names)].tolist())) if names else [()] * len(new)
         feeds = self._feeds
-        entries = [(slot, n, key, deadline, sent, feeds[slot].get((n, key)) or self._feed(slot, n, key))
-                   for slot, n, key, deadline, sent in zip(new, rows, keys, deadlines, submitted, strict=True)]
-        with self._cond:
-            was = self._pending_rows
-            self._pending.extend(entries)
-            self._pending_rows += sum(rows)
-            if not was or was < self._ready_rows <= self._pending_rows:
-                self._cond.notify()
+        self._pending.extend((slot, n, key, deadline, sent, feeds[slot].get((n, key)) or self._feed(slot, n, key))
+                             for slot, n, key, deadline, sent in zip(new, rows, keys, deadlines, submitted,
+                                                                     strict=True))
+        self._pending_rows += sum(rows)
 
     def _feed(self, slot: int, rows: int, key: tuple[int, ...]) -> Any:
         """One request's rows as the checked feed ``start_parts`` takes: views of its slot (no copy until the pinned
-        buffers). Kept per slot and shape: the views see each new request's data (building one was 5-10 us of the
-        GIL per request)."""
+        buffers). Kept per slot and shape: the views see each new request's data (building one was 5-10 us per
+        request)."""
         from compiler.backends.contexts import CheckedFeed
 
         if not key:
@@ -534,66 +550,35 @@ class ProcessBatcher:
         kept[(rows, key)] = feed
         return feed
 
-    # -- the workers --
-
-    def _work(self) -> None:
-        """Take batches and run them; on a GPU the next batch, when one is ready, is queued before the last batch's
-        callers are woken."""
-        overlap = bool(self.engines.queues_on_gpu)
-        started: tuple[list[_Pending], Callable[..., Any]] | None = None
-        while True:
-            if started is None:
-                batch = self._next_batch(block=True)
-                if batch is None:
-                    return
-                started = self._start(batch)
-                continue
-            batch, finish = started
-            started = None
-            failure: str | None
-            try:  # the answers go from the context's buffers straight into the slots
-                failure = finish(lambda outputs, batch=batch: self._write(batch, outputs))
-            except Exception as err:  # every caller of the batch learns why; the worker keeps serving
-                failure = f"the batch failed: {err}"
-            if overlap:
-                follow = self._next_batch(block=False)
-                if follow:
-                    started = self._start(follow)
-            if failure is None:
-                self._wake([r[0] for r in batch])
-            else:
-                self._reply([r[0] for r in batch], _FAILED, failure)
-
     def _next_batch(self, block: bool) -> list[_Pending] | None:
-        """The requests of the next batch: once ``_ready_rows`` rows wait or the oldest request's window is over; an
-        empty list when ``block`` is False and none is ready; None when closed and done."""
-        with self._cond:
-            while True:
-                pending = self._pending
-                if not pending:
-                    if self._closed:
-                        return None
-                    if not block:
-                        return []
-                    self._cond.wait()
-                    continue
-                if self._closed and not self._drain:
-                    self._reply([p[0] for p in pending], _CLOSED, "the batcher was closed before this request ran")
-                    pending.clear()
-                    self._pending_rows = 0
+        """The requests of the next batch: a full one, or the oldest request's window is over; an empty list when
+        ``block`` is False and none is ready; None when closed and nothing is left."""
+        while True:
+            self._read()
+            pending = self._pending
+            if not pending:
+                if self._closed:
                     return None
-                now = time.monotonic()
-                window_end = pending[0][4] + self.max_wait
-                if self._pending_rows >= self._ready_rows or now >= window_end or self._closed:
-                    batch = self._take(now)
-                    if self._pending_rows >= self._ready_rows:
-                        self._cond.notify()  # another worker's batch
-                    if batch or not block:
-                        return batch
-                    continue
                 if not block:
                     return []
-                self._cond.wait(window_end - now)
+                self._read(0.05)  # wakes up now and then to see the batcher closed
+                continue
+            if self._closed and not self._drain:
+                self._reply([p[0] for p in pending], _CLOSED, "the batcher was closed before this request ran")
+                pending.clear()
+                self._pending_rows = 0
+                return None
+            now = time.monotonic()
+            window_end = pending[0][4] + self.max_wait
+            if self._pending_rows >= self.max_batch or now >= window_end or self._closed:
+                batch = self._take(now)
+                if batch or not block:
+                    return batch
+                continue
+            if not block:
+                return []
+            # a nap, not a wake-up per request: every announcement would wake a reader of the pipe
+            time.sleep(min(window_end - now, _NAP))
 
     def _take(self, now: float) -> list[_Pending]:
         """Pop the requests of one batch (the oldest request's dims, up to ``max_batch`` rows), answering the expired
