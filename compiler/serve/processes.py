@@ -476,15 +476,12 @@ class ProcessBatcher:
     # -- the batcher's thread --
 
     def _serve(self) -> None:
-        """Read requests, start batches (up to ``in_flight`` at once) and answer them, oldest first. While the oldest
-        batch runs, the next one is read and taken, so that it starts as soon as a context is free, before the
-        oldest batch's callers are woken: the GPU does not wait for this thread's work on either."""
+        """Read requests, start batches (up to ``in_flight`` at once) and answer them, oldest first. Before a batch's
+        callers are woken, the next batch is started when one is ready, so that the GPU is not idle meanwhile."""
         running: collections.deque[tuple[list[_Pending], Callable[..., Any]]] = collections.deque()
-        taken: list[_Pending] | None = []  # the next batch, taken while the engines were full
         while True:
             while len(running) < self.in_flight:  # fill the engines
-                batch = taken or self._next_batch(block=not running)
-                taken = []
+                batch = self._next_batch(block=not running)
                 if batch is None:
                     if not running:
                         return
@@ -496,26 +493,22 @@ class ProcessBatcher:
                     running.append(started)
             if not running:
                 continue
-            if not taken:
-                taken = self._next_batch(block=False)  # before the wait below: it overlaps the running batches
             batch, finish = running.popleft()
             failure: str | None
             try:  # the answers go from the context's buffers straight into the slots
                 failure = finish(lambda outputs, batch=batch: self._write(batch, outputs))
             except Exception as err:  # every caller of the batch learns why; the batcher keeps serving
                 failure = f"the batch failed: {err}"
-            follow = taken or self._next_batch(block=False)
-            taken = []
-            if follow:
-                started = self._start(follow)
-                if started is not None:
-                    running.append(started)
+            if len(running) < self.in_flight:
+                follow = self._next_batch(block=False)
+                if follow:
+                    started = self._start(follow)
+                    if started is not None:
+                        running.append(started)
             if failure is None:
                 self._wake([r[0] for r in batch])
             else:
                 self._reply([r[0] for r in batch], _FAILED, failure)
-            if follow is None and not running:
-                return
 
     def _read(self, timeout: float = 0.0) -> None:
         """Move the requests announced in the pipe to ``_pending``, waiting up to ``timeout`` seconds for one."""
