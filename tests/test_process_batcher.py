@@ -188,6 +188,29 @@ def test_a_failed_batch_fails_its_requests_with_the_reason(engines: Engines) -> 
         np.testing.assert_allclose(client.submit(rows(2), timeout=10), engines(rows(2)), rtol=1e-5, atol=1e-6)
 
 
+def test_callers_learn_at_once_when_the_batcher_process_is_gone(engines: Engines) -> None:
+    hold = threading.Event()
+    with ProcessBatcher(Slow(engines, hold), capacity=2, max_wait_ms=0) as batcher:
+        client = batcher.client_handle(2).connect()
+        result: dict[str, Any] = {}
+
+        def send() -> None:
+            try:
+                result["answer"] = client.submit(rows(1), timeout=None)  # would wait forever for a dead batcher
+            except Exception as err:
+                result["error"] = err
+
+        waiting = threading.Thread(target=send)
+        waiting.start()
+        assert batcher.engines.entered.wait(timeout=10)
+        batcher._wakers[0].close()  # what the client sees of a batcher process that died: its pipe's end closes
+        join_all([waiting], timeout=10)
+        assert isinstance(result.get("error"), BatcherClosed) and "ended before it answered" in str(result["error"])
+        with pytest.raises(BatcherClosed, match="ended before it answered"):
+            client.submit(rows(2))
+        hold.set()
+
+
 def test_closed_batcher_refuses_requests_and_removes_its_memory(engines: Engines, tmp_path: Path) -> None:
     batcher = ProcessBatcher(engines, capacity=2, shm_dir=str(tmp_path))
     handle = batcher.client_handle(1)
@@ -201,6 +224,18 @@ def test_closed_batcher_refuses_requests_and_removes_its_memory(engines: Engines
         handle.connect()
     with pytest.raises(BatcherClosed):
         batcher.client_handle(1)
+
+
+def test_too_little_shared_memory_is_one_line_before_any_write(engines: Engines, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(InputError, match=r"MiB free and the batcher's slots need .* lower capacity or slot_rows, or "
+                                         r"give the container more shared memory \(docker run --shm-size\)"):
+        ProcessBatcher(engines, capacity=4, shm_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == [], "the half-made shared memory file was left behind"
 
 
 def test_close_without_draining_fails_queued_requests(engines: Engines) -> None:

@@ -178,6 +178,16 @@ def _resolve(future: Any, value: Any, error: BaseException | None) -> None:
         future.set_exception(error)
 
 
+def check_settings(max_batch: int | None, max_wait_ms: float, timeout: float | None) -> None:
+    """The settings every batcher shares (this one and ``compiler.serve.processes.ProcessBatcher``)."""
+    if max_batch is not None and max_batch < 1:
+        raise InputError(f"max_batch={max_batch}: a batch holds at least one row")
+    if max_wait_ms < 0:
+        raise InputError(f"max_wait_ms={max_wait_ms} must not be negative")
+    if timeout is not None and timeout <= 0:
+        raise InputError(f"timeout={timeout} must be positive (or None to wait forever)")
+
+
 class DynamicBatcher:
     """Packs concurrent requests into batches for ``engines``; thread-safe.
 
@@ -189,12 +199,7 @@ class DynamicBatcher:
 
     def __init__(self, engines: _Engines, *, max_batch: int | None = None, max_wait_ms: float = 10.0,
                  timeout: float | None = 10.0, workers: int = 1) -> None:
-        if max_batch is not None and max_batch < 1:
-            raise InputError(f"max_batch={max_batch}: a batch holds at least one row")
-        if max_wait_ms < 0:
-            raise InputError(f"max_wait_ms={max_wait_ms} must not be negative")
-        if timeout is not None and timeout <= 0:
-            raise InputError(f"timeout={timeout} must be positive (or None to wait forever)")
+        check_settings(max_batch, max_wait_ms, timeout)
         if workers < 1:
             raise InputError(f"workers={workers}: the batcher needs at least one worker")
         self.engines = engines

@@ -31,7 +31,9 @@ Why not ``multiprocessing.Queue``: it pickles every array and wakes a feeder thr
 tens of microseconds per request on the GPU process's one GIL.
 
 Handles are passed to processes started by ``multiprocessing`` (``spawn`` or ``fork``) after the
-batcher exists; the shared memory lives in ``/dev/shm`` until ``close``. Inputs must all have the
+batcher exists; the shared memory lives in ``/dev/shm`` until ``close``. When the batcher's process
+ends, its spawned clients' waiting callers fail at once with ``BatcherClosed`` (forked clients hold
+the pipes' other ends too, so they only see their timeouts). Inputs must all have the
 batch dimension first and a numpy dtype (no bfloat16); models whose output sizes depend on the
 data can outgrow their slot (such a request fails with a message, the others of its batch do not).
 """
@@ -58,7 +60,7 @@ import numpy as np
 
 from compiler.core.errors import FeedError, InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
-from compiler.serve.batcher import BatcherClosed, RequestTimeout
+from compiler.serve.batcher import BatcherClosed, RequestTimeout, check_settings
 
 __all__ = ["ProcessBatcher", "ClientHandle", "BatcherClient", "RequestFailed"]
 
@@ -69,6 +71,7 @@ _ERROR_BYTES = 480  # room for the message of a failed request
 _ALIGN = 64
 _NAP = 0.0001  # seconds the reader sleeps after each read of the pipe
 _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
+_GONE = "the batcher's process ended before it answered; restart the server"
 _OVERLOADED = "the server is overloaded; raise the timeout, or add contexts (in_flight) or GPUs"
 
 
@@ -201,6 +204,7 @@ class BatcherClient:
         self._abandoned: set[int] = set()  # slots of requests whose caller gave up; free again once answered
         self._lock = threading.Lock()
         self._answers = handle.answers.fileno()
+        self._gone = False  # the batcher's process ended (its end of the answers' pipe closed)
         threading.Thread(target=self._wake_callers, name="trtc-batcher-client", daemon=True).start()
 
     @property
@@ -224,6 +228,8 @@ class BatcherClient:
         arrays_ = self._arrays
         if arrays_["closed"][0]:
             raise BatcherClosed("the batcher is closed; make a new one")
+        if self._gone:
+            raise BatcherClosed(_GONE)
         slot = self._take_slot(limit)
         number = self._number[slot] + 1
         for (_, area, _), array in zip(self._inputs, arrays, strict=True):
@@ -247,6 +253,8 @@ class BatcherClient:
             with self._lock:
                 self._abandoned.add(slot)
             raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}")
+        if self._gone and int(arrays_["answered"][slot]) != number:
+            raise BatcherClosed(_GONE)  # the slot stays taken: nobody will answer it
         try:
             return self._answer(slot, number, rows, single)
         finally:
@@ -326,8 +334,12 @@ class BatcherClient:
             try:
                 data = os.read(self._answers, 1 << 12)
             except OSError:
-                return
-            if not data:  # the batcher is gone
+                data = b""
+            if not data:  # the batcher's process is gone: nobody answers the callers still waiting
+                self._gone = True
+                for lock in ready.values():
+                    if lock.locked():
+                        lock.release()
                 return
             for slot in np.frombuffer(data, dtype="<i4").tolist():
                 ready[slot].release()
@@ -399,12 +411,7 @@ class ProcessBatcher:
                  shm_dir: str | None = None) -> None:
         if capacity < 1 or slot_rows < 1:
             raise InputError(f"capacity={capacity}, slot_rows={slot_rows}: both must be at least 1")
-        if max_batch is not None and max_batch < 1:
-            raise InputError(f"max_batch={max_batch}: a batch holds at least one row")
-        if max_wait_ms < 0:
-            raise InputError(f"max_wait_ms={max_wait_ms} must not be negative")
-        if timeout is not None and timeout <= 0:
-            raise InputError(f"timeout={timeout} must be positive (or None to wait forever)")
+        check_settings(max_batch, max_wait_ms, timeout)
         if in_flight < 1:
             raise InputError(f"in_flight={in_flight}: the batcher runs at least one batch at a time")
         self.engines = engines
