@@ -5,7 +5,8 @@
 hand-offs: closed-loop clients of single-row requests, each sending its next when answered, in
 three modes: ``--threads`` client threads blocking in ``submit``, ``--coroutines`` coroutines of
 one asyncio event loop awaiting ``infer``, and as many client threads spread over ``--processes``
-other processes sending to a ``ProcessBatcher`` (``compiler.serve.processes``). Batches of up to
+other processes sending to a ``ProcessBatcher`` (``compiler.serve.processes``), and as many
+coroutines there (one event loop per process) awaiting ``BatcherClient.infer``. Batches of up to
 64 rows, ``max_wait_ms`` 5. Each mode runs ``--repeats`` times; the table shows the median (a
 shared machine is noisy). A model whose largest bucket runs faster than this ceiling cannot be
 served at its bound through the batcher on this host. On a GPU machine ``serving_gpu.py``
@@ -91,12 +92,12 @@ def with_asyncio(engines: Any, clients: int, requests: int) -> float:
         return requests / (time.perf_counter() - start)
 
 
-def with_processes(engines: Any, clients: int, requests: int, processes: int) -> float:
+def with_processes(engines: Any, clients: int, requests: int, processes: int, kind: str = "threads") -> float:
     from compiler.serve.processes import ProcessBatcher
 
     x = np.zeros((1, 1, 8, 8), np.float32)
     with ProcessBatcher(engines, capacity=clients, max_wait_ms=5, max_batch=BATCH) as batcher:
-        ran = process_clients.run(batcher, [x] * clients, requests, processes)
+        ran = process_clients.run(batcher, [x] * clients, requests, processes, kind=kind)
     return requests / ran["seconds"]
 
 
@@ -118,13 +119,15 @@ def main() -> None:
 
     engines = instant_engines()
     processes = args.processes or process_clients.default_processes(args.coroutines)
-    runs: dict[str, list[float]] = {"threads": [], "asyncio": [], "processes": []}
+    runs: dict[str, list[float]] = {"threads": [], "asyncio": [], "processes": [], "processes-asyncio": []}
     for _ in range(args.repeats):
         runs["threads"].append(with_threads(engines, args.threads, args.requests))
         runs["asyncio"].append(with_asyncio(engines, args.coroutines, args.requests))
         runs["processes"].append(with_processes(engines, args.coroutines, args.requests, processes))
+        runs["processes-asyncio"].append(with_processes(engines, args.coroutines, args.requests, processes, "asyncio"))
     table = Table("clients", "count", "median req/s", "runs", title="the batcher's own ceiling (instant answers)")
-    for mode, count in (("threads", args.threads), ("asyncio", args.coroutines), ("processes", args.coroutines)):
+    for mode, count in (("threads", args.threads), ("asyncio", args.coroutines), ("processes", args.coroutines),
+                        ("processes-asyncio", args.coroutines)):
         table.add_row(mode, str(count), f"{statistics.median(runs[mode]):,.0f}",
                       ", ".join(f"{r:,.0f}" for r in runs[mode]))
     Console(width=None if sys.stdout.isatty() else 120).print(table)

@@ -1,7 +1,8 @@
 """Closed-loop clients in other processes for a ``ProcessBatcher`` (``serving_gpu.py``, ``batcher_ceiling.py``).
 
-``processes`` spawned processes share ``clients`` client threads; each thread sends one request,
-waits for its answer, and sends the next, until its process has answered its share of
+``processes`` spawned processes share ``clients`` clients, threads calling ``submit`` or (``kind``
+"asyncio") coroutines of one event loop per process awaiting ``infer``; each client sends one
+request, waits for its answer, and sends the next, until its process has answered its share of
 ``requests``. Every client sends its own row (``inputs[i]``), so that the caller can check that each
 answer is the client's own. The processes start together (an event) and report their latencies,
 the first values of every answer and the requests they lost; seconds run from the first start to the
@@ -12,6 +13,7 @@ The child processes import numpy and ``compiler.serve.processes`` only (never to
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import threading
@@ -28,7 +30,8 @@ def default_processes(clients: int) -> int:
     return max(1, min(clients, max(2, (os.cpu_count() or 2) - 4)))
 
 
-def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout: float = 30.0) -> dict[str, Any]:
+def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout: float = 30.0,
+        kind: str = "threads") -> dict[str, Any]:
     """Run ``len(inputs)`` clients in ``processes`` processes against ``batcher`` until ``requests`` are answered.
 
     Returns seconds, latencies (s), answers as (client index, first values) and lost requests."""
@@ -40,7 +43,7 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
     shares = [requests // processes + (1 if p < requests % processes else 0) for p in range(processes)]
     workers = [spawn.Process(target=_client_process, daemon=True,
                              args=(batcher.client_handle(len(group)), group, [inputs[i] for i in group], share,
-                                   timeout, start, results))
+                                   timeout, start, results, kind))
                for group, share in zip(groups, shares, strict=True) if group]
     for worker in workers:
         worker.start()
@@ -61,8 +64,8 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
 
 
 def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: int, timeout: float,
-                    start: Any, results: Any) -> None:
-    """One client process: ``len(indices)`` threads, ``share`` requests in all."""
+                    start: Any, results: Any, kind: str) -> None:
+    """One client process: ``len(indices)`` threads (or coroutines), ``share`` requests in all."""
     try:
         client = handle.connect()
     except BaseException as err:
@@ -97,14 +100,36 @@ def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: i
                 latencies.append(elapsed)
                 answers.append((index, first.reshape(-1)[:FIRST_VALUES].astype(np.float32)))
 
+    async def one_async(position: int) -> None:
+        nonlocal issued, lost
+        x = inputs[position]
+        index = indices[position]
+        while issued < share:
+            issued += 1
+            begin = time.perf_counter()
+            try:
+                out = await client.infer(x, timeout=timeout)
+            except Exception:
+                lost += 1
+                continue
+            latencies.append(time.perf_counter() - begin)
+            first = out if not isinstance(out, dict) else next(iter(out.values()))
+            answers.append((index, first.reshape(-1)[:FIRST_VALUES].astype(np.float32)))
+
+    async def all_async() -> None:
+        await asyncio.gather(*(one_async(i) for i in range(len(inputs))))
+
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(inputs))]
     results.put("ready")
     start.wait()
     begin = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    if kind == "asyncio":
+        asyncio.run(all_async())
+    else:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     end = time.monotonic()
     client.close()
     results.put({"begin": begin, "end": end, "latencies": np.asarray(latencies), "answers": answers, "lost": lost})

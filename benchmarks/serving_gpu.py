@@ -11,10 +11,11 @@ contexts (batcher workers = contexts):
 * ``DynamicBatcher`` with closed-loop clients sending single-row requests until ``--requests``
   are answered, in three modes: ``--clients`` threads blocking in ``submit`` (default 64),
   coroutines of one asyncio event loop awaiting ``infer`` (default: the largest bucket x
-  (contexts + 1), so that a batch forms while the contexts run theirs), and client threads in
-  ``--client-processes`` other processes sending to a ``ProcessBatcher`` (as many, plus one
-  largest bucket more when a batch takes under 2 ms: the clients' own turnaround is then as
-  long as a batch): throughput, p50/p99
+  (contexts + 1), so that a batch forms while the contexts run theirs), and clients in
+  ``--client-processes`` other processes sending to a ``ProcessBatcher``, as threads
+  (``processes``) or coroutines (``processes-asyncio``) (as many, plus one largest bucket more
+  when a batch takes under 2 ms: the clients' own turnaround is then as long as a batch):
+  throughput, p50/p99
   latency, lost (errors, timeouts) and misrouted answers (a row that is not the caller's), rows
   the engines ran beyond the requests (duplicates); targets: throughput >= 80 % of the bound,
   p99 <= max_wait + 2 x the largest bucket's batch time; and once per model the batcher's own
@@ -218,7 +219,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     are answered. ``mode``: "threads" (a thread per client blocking in ``submit``), "asyncio" (one
     event loop, a coroutine per client awaiting ``infer``, as an asyncio server's handlers would) or
     "processes" (a ``ProcessBatcher`` and client threads in ``client_processes`` other processes, as a
-    server with several worker processes would)."""
+    server with several worker processes would), "processes-asyncio" (the same with coroutines)."""
     from compiler.serve.batcher import DynamicBatcher
 
     pool = feed_of(engines, model, clients, seed=7)
@@ -272,14 +273,15 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
         await asyncio.gather(*(async_client(i) for i in range(clients)))
 
     processes = None
-    if mode == "processes":
+    if mode.startswith("processes"):
         from compiler.serve.processes import ProcessBatcher
 
         with ProcessBatcher(counting, capacity=clients, max_wait_ms=max_wait_ms, in_flight=workers, timeout=30.0,
                             ) as process_batcher:
             counting.reset()  # the batcher's probe of the output sizes is no request
             ran = process_clients.run(process_batcher, inputs_of, requests,
-                                      client_processes or process_clients.default_processes(clients))
+                                      client_processes or process_clients.default_processes(clients),
+                                      kind="asyncio" if mode == "processes-asyncio" else "threads")
         seconds, latencies, answers, lost = ran["seconds"], ran["latencies"].tolist(), ran["answers"], ran["lost"]
         processes = ran["processes"]
     else:
@@ -424,8 +426,10 @@ _SHORT = {"map_vs_bound": "map", "map_not_slower_than_loop": "map<loop", "batche
           "batcher_threads_p99": "thr-p99", "batcher_threads_nothing_lost": "thr-lost",
           "batcher_asyncio_throughput": "aio", "batcher_asyncio_p99": "aio-p99",
           "batcher_asyncio_nothing_lost": "aio-lost", "batcher_processes_throughput": "proc",
-          "batcher_processes_p99": "proc-p99", "batcher_processes_nothing_lost": "proc-lost"}  # missed targets
-MODES = ("threads", "asyncio", "processes")
+          "batcher_processes_p99": "proc-p99", "batcher_processes_nothing_lost": "proc-lost",
+          "batcher_processes-asyncio_throughput": "paio", "batcher_processes-asyncio_p99": "paio-p99",
+          "batcher_processes-asyncio_nothing_lost": "paio-lost"}  # the table's names for missed targets
+MODES = ("threads", "asyncio", "processes", "processes-asyncio")
 
 
 def _sync(context: Any) -> None:
@@ -448,7 +452,8 @@ def main() -> None:
                              "to keep every context busy with the next batch forming; 8 with --smoke).")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="Batcher client modes: threads (DynamicBatcher.submit), asyncio (DynamicBatcher.infer), "
-                             "processes (ProcessBatcher with clients in other processes). Default: all three.")
+                             "processes (ProcessBatcher with client threads in other processes), processes-asyncio "
+                             "(the same with coroutines awaiting BatcherClient.infer). Default: all four.")
     parser.add_argument("--client-processes", type=int,
                         help="Client processes in processes mode (default: the cores less 4, at least 2).")
     parser.add_argument("--requests", type=int, help="Batcher requests per run (default 4000 with threads, 20000 "
@@ -519,8 +524,9 @@ def main() -> None:
                 # clients' own turnaround (woken, answer copied out, next request sent: 0.5-1 ms on the H200 host
                 # under this load) is as long as a batch, so that a full batch still waits while each context runs
                 short = not smoke and bound["batch_ms_mean"] < 2.0
+                many = args.async_clients or coroutines + (largest if short else 0)
                 counts = {"threads": (clients, thread_requests), "asyncio": (coroutines, async_requests),
-                          "processes": (args.async_clients or coroutines + (largest if short else 0), async_requests)}
+                          "processes": (many, async_requests), "processes-asyncio": (many, async_requests)}
                 modes = {mode: batcher_run(engines, model, contexts, counts[mode][0], counts[mode][1],
                                            args.max_wait_ms, mode=mode, client_processes=args.client_processes)
                          for mode in wanted_modes}
@@ -570,7 +576,7 @@ def main() -> None:
                               + f"; map/bound {mapped['map_vs_bound']:.2f}, "
                                 f"map/loop {mapped['sequential_over_map']:.2f}"
                               )
-    short = {"threads": "threads", "asyncio": "asyncio", "processes": "procs"}
+    short = {"threads": "threads", "asyncio": "asyncio", "processes": "procs", "processes-asyncio": "procs-aio"}
     table = Table("model", "backend", "ctx", "bound rows/s",
                   *[h for mode in wanted_modes for h in (f"{short[mode]} req/s", "p99 ms")], "(p99 bound)", "lost",
                   "map ms", "loop ms", "bound ms", "missed",

@@ -223,7 +223,8 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     assert set(runs) == {("fp32", 1), ("fp32", 2), ("fp16", 1), ("fp16", 2)}
     for r in runs.values():
         for batcher, mode in ((r["batcher"], "threads"), (r["batcher_asyncio"], "asyncio"),
-                              (r["batcher_processes"], "processes")):
+                              (r["batcher_processes"], "processes"),
+                              (r["batcher_processes-asyncio"], "processes-asyncio")):
             assert batcher["mode"] == mode and batcher["answered"] == 120
             assert batcher["lost"] == batcher["misrouted"] == batcher["duplicated_rows"] == 0
             assert batcher["p99_ms"] >= batcher["p50_ms"] > 0 and r["targets"][f"batcher_{mode}_nothing_lost"]
@@ -232,10 +233,10 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert r["map"]["overlapped_bound_ms"] == max(stages)
         assert r["map"]["bound_ms"] == (max(stages) if r["contexts"] > 1 else max(stages[0] + stages[1], stages[2]))
         assert (r["parallel_calls"] is None) == (r["contexts"] == 1)
-        batcher_targets = {f"batcher_{mode}_{what}" for mode in ("threads", "asyncio", "processes")
+        batcher_targets = {f"batcher_{mode}_{what}" for mode in ("threads", "asyncio", "processes", "processes-asyncio")
                            for what in ("throughput", "p99", "nothing_lost")}
         assert set(r["targets"]) == {"map_vs_bound", "map_not_slower_than_loop"} | batcher_targets
-    assert set(report["batcher_ceiling"]["cnn"]) == {"threads", "asyncio", "processes"}
+    assert set(report["batcher_ceiling"]["cnn"]) == {"threads", "asyncio", "processes", "processes-asyncio"}
     assert "serving at its bound" in done.stdout
 
 
@@ -395,5 +396,6 @@ def test_the_ceiling_benchmark_runs(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["kind"] == "trtc-batcher-ceiling" and set(report["median"]) == {"threads", "asyncio", "processes"}
+    assert report["kind"] == "trtc-batcher-ceiling" and set(report["median"]) == {
+        "threads", "asyncio", "processes", "processes-asyncio"}
     assert all(len(runs) == 1 and runs[0] > 0 for runs in report["requests_per_s"].values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import threading
@@ -103,6 +104,20 @@ def test_threads_of_one_client_many_rows_and_dicts(engines: Engines) -> None:
     np.testing.assert_allclose(named["out"], engines(rows(7, 2)), rtol=1e-5, atol=1e-6)
 
 
+def test_coroutines_of_one_client_each_get_their_own_rows(engines: Engines) -> None:
+    """40 coroutines on 6 slots: the ones without a slot wait for one; every answer is the caller's own."""
+    requests = [rows(i, 1 + i % 2) for i in range(40)]
+
+    async def main(client: Any) -> list[Any]:
+        return await asyncio.gather(*(client.infer(x, timeout=20) for x in requests))
+
+    with ProcessBatcher(engines, capacity=6, slot_rows=2, max_wait_ms=5) as batcher:
+        client = batcher.client_handle(6).connect()
+        answers = asyncio.run(main(client))
+    for x, answer in zip(requests, answers, strict=True):
+        np.testing.assert_allclose(answer, engines(x), rtol=1e-5, atol=1e-6)
+
+
 def test_requests_of_other_sequence_lengths_run_in_their_own_batches(transformer: Engines) -> None:
     recording = Recording(transformer)
     feeds = [{"input_ids": np.full((1, n), i, np.int64), "attention_mask": np.ones((1, n), np.int64)}
@@ -176,6 +191,20 @@ def test_a_late_answer_times_out_and_its_slot_serves_again(engines: Engines) -> 
         np.testing.assert_allclose(client.submit(rows(2), timeout=10), engines(rows(2)), rtol=1e-5, atol=1e-6)
 
 
+def test_a_late_answer_times_out_a_coroutine_and_its_slot_serves_again(engines: Engines) -> None:
+    hold = threading.Event()
+    with ProcessBatcher(Slow(engines, hold), capacity=1, max_wait_ms=0) as batcher:
+        client = batcher.client_handle(1).connect()
+
+        async def main() -> Any:
+            with pytest.raises(RequestTimeout, match="no answer within 100 ms"):
+                await client.infer(rows(1), timeout=0.1)
+            hold.set()
+            return await client.infer(rows(2), timeout=10)
+
+        np.testing.assert_allclose(asyncio.run(main()), engines(rows(2)), rtol=1e-5, atol=1e-6)
+
+
 def test_a_failed_batch_fails_its_requests_with_the_reason(engines: Engines) -> None:
     gate = threading.Event()
     gate.set()
@@ -208,6 +237,20 @@ def test_callers_learn_at_once_when_the_batcher_process_is_gone(engines: Engines
         assert isinstance(result.get("error"), BatcherClosed) and "ended before it answered" in str(result["error"])
         with pytest.raises(BatcherClosed, match="ended before it answered"):
             client.submit(rows(2))
+        hold.set()
+    hold.clear()
+    with ProcessBatcher(Slow(engines, hold), capacity=2, max_wait_ms=0) as batcher:  # the same for a coroutine
+        client = batcher.client_handle(2).connect()
+
+        async def main() -> None:
+            waiting = asyncio.ensure_future(client.infer(rows(1), timeout=None))
+            while not batcher.engines.entered.is_set():
+                await asyncio.sleep(0.01)
+            batcher._wakers[0].close()
+            with pytest.raises(BatcherClosed, match="ended before it answered"):
+                await asyncio.wait_for(waiting, 10)
+
+        asyncio.run(main())
         hold.set()
 
 

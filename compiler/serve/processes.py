@@ -40,6 +40,7 @@ data can outgrow their slot (such a request fails with a message, the others of 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import logging
@@ -175,7 +176,8 @@ class BatcherClient:
 
     ``submit(x)`` takes what ``engines(x)`` takes (numpy arrays or CPU tensors, batch first, at most
     ``slot_rows`` rows) and returns what it returns (one array for a one-input, one-output model given
-    one array, else a dict by output name, as numpy arrays).
+    one array, else a dict by output name, as numpy arrays). ``await client.infer(x)`` is the same for
+    coroutines of an asyncio server (the answers of one batch reach their event loop in one call).
     """
 
     def __init__(self, handle: ClientHandle) -> None:
@@ -202,6 +204,7 @@ class BatcherClient:
         for slot in handle.slots:
             self._free.put(slot)
         self._abandoned: set[int] = set()  # slots of requests whose caller gave up; free again once answered
+        self._futures: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}  # ``infer``'s waits
         self._lock = threading.Lock()
         self._answers = handle.answers.fileno()
         self._gone = False  # the batcher's process ended (its end of the answers' pipe closed)
@@ -219,41 +222,88 @@ class BatcherClient:
         """Run one request through the batcher and return its outputs; blocks at most ``timeout`` seconds (default:
         the batcher's). Raises ``FeedError`` at once for a request that does not fit the model,
         ``RequestTimeout``, ``BatcherClosed``, or ``RequestFailed`` when its batch failed."""
-        limit = self._handle.timeout if timeout is None else timeout
-        if limit is not None and limit <= 0:
-            raise InputError(f"timeout={limit} must be positive")
-        single = not isinstance(x, Mapping)
-        feed = {self._model.inputs[0].name: x} if single else x
-        arrays, rows, dims = self._checked(feed, single)
-        arrays_ = self._arrays
-        if arrays_["closed"][0]:
-            raise BatcherClosed("the batcher is closed; make a new one")
-        if self._gone:
-            raise BatcherClosed(_GONE)
+        limit, single, arrays, rows, dims = self._request(x, timeout)
         slot = self._take_slot(limit)
-        number = self._number[slot] + 1
-        for (_, area, _), array in zip(self._inputs, arrays, strict=True):
-            area[_region(area, slot, rows, array.shape[1:])] = array
-        arrays_["rows"][slot] = rows
-        if dims:
-            arrays_["dims"][slot, :len(dims)] = dims
-        now = time.monotonic()
-        arrays_["submitted"][slot] = now
-        arrays_["deadline"][slot] = now + limit if limit is not None else math.inf
-        arrays_["asked"][slot] = number
-        self._number[slot] = number
-        try:
-            os.write(self._fd, slot.to_bytes(4, "little"))
-        except (BrokenPipeError, OSError):
-            self._free.put(slot)
-            raise BatcherClosed("the batcher is closed (its pipe is gone); make a new one") from None
+        number = self._send(slot, arrays, rows, dims, limit)
         # the batcher answers every request by its deadline (expired ones without running them) or with its batch;
         # the grace covers a batch that started just before the deadline
         if not self._ready[slot].acquire(timeout=-1 if limit is None else limit + 1.0):
             with self._lock:
                 self._abandoned.add(slot)
             raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}")
-        if self._gone and int(arrays_["answered"][slot]) != number:
+        return self._finish(slot, number, rows, single)
+
+    async def infer(self, x: Any, *, timeout: float | None = None) -> Any:
+        """``submit`` for asyncio: ``await client.infer(x)`` in a coroutine; the event loop is never blocked (when
+        every slot is busy, it waits for one in steps of a millisecond)."""
+        limit, single, arrays, rows, dims = self._request(x, timeout)
+        loop = asyncio.get_running_loop()
+        end = time.monotonic() + (limit if limit is not None else math.inf)
+        while (slot := self._free_slot()) is None:
+            if time.monotonic() >= end:
+                raise RequestTimeout(self._busy())
+            await asyncio.sleep(0.001)
+        future: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            self._futures[slot] = (loop, future)  # before the request is sent: its answer may come at once
+        try:
+            number = self._send(slot, arrays, rows, dims, limit)
+        except BaseException:
+            with self._lock:
+                self._futures.pop(slot, None)
+            raise
+        try:
+            await asyncio.wait_for(future, None if limit is None else limit + 1.0)
+        except BaseException as err:  # a timeout or the caller's cancellation: the slot is free once answered
+            with self._lock:
+                waiting = self._futures.pop(slot, None) is not None
+                if waiting:
+                    self._abandoned.add(slot)  # the answer will release its lock, as for ``submit``
+            if not waiting:  # answered meanwhile
+                self._free.put(slot)
+            if isinstance(err, TimeoutError):
+                raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}") from None
+            raise
+        return self._finish(slot, number, rows, single)
+
+    def _request(self, x: Any, timeout: float | None) -> tuple[float | None, bool, list[np.ndarray], int, list[int]]:
+        """A request checked and the batcher reachable: (timeout, single, arrays, rows, dynamic sizes)."""
+        limit = self._handle.timeout if timeout is None else timeout
+        if limit is not None and limit <= 0:
+            raise InputError(f"timeout={limit} must be positive")
+        single = not isinstance(x, Mapping)
+        feed = {self._model.inputs[0].name: x} if single else x
+        arrays, rows, dims = self._checked(feed, single)
+        if self._arrays["closed"][0]:
+            raise BatcherClosed("the batcher is closed; make a new one")
+        if self._gone:
+            raise BatcherClosed(_GONE)
+        return limit, single, arrays, rows, dims
+
+    def _send(self, slot: int, arrays: list[np.ndarray], rows: int, dims: list[int], limit: float | None) -> int:
+        """Copy the request into its slot and announce it; its number (what the answer must carry)."""
+        slots = self._arrays
+        number = self._number[slot] + 1
+        for (_, area, _), array in zip(self._inputs, arrays, strict=True):
+            area[_region(area, slot, rows, array.shape[1:])] = array
+        slots["rows"][slot] = rows
+        if dims:
+            slots["dims"][slot, :len(dims)] = dims
+        now = time.monotonic()
+        slots["submitted"][slot] = now
+        slots["deadline"][slot] = now + limit if limit is not None else math.inf
+        slots["asked"][slot] = number
+        self._number[slot] = number
+        try:
+            os.write(self._fd, slot.to_bytes(4, "little"))
+        except OSError:
+            self._free.put(slot)
+            raise BatcherClosed("the batcher is closed (its pipe is gone); make a new one") from None
+        return number
+
+    def _finish(self, slot: int, number: int, rows: int, single: bool) -> Any:
+        """The answer of an answered slot, which is free again after."""
+        if self._gone and int(self._arrays["answered"][slot]) != number:
             raise BatcherClosed(_GONE)  # the slot stays taken: nobody will answer it
         try:
             return self._answer(slot, number, rows, single)
@@ -312,20 +362,28 @@ class BatcherClient:
 
     def _take_slot(self, limit: float | None) -> int:
         end = time.monotonic() + (limit if limit is not None else math.inf)
-        while True:
-            with contextlib.suppress(queue.Empty):
-                return self._free.get_nowait()
-            with self._lock:
-                for slot in list(self._abandoned):
-                    if self._ready[slot].acquire(False):  # answered after its caller gave up: free again
-                        self._abandoned.discard(slot)
-                        return slot
+        while (slot := self._free_slot()) is None:
             wait = min(0.01, end - time.monotonic())
             if wait <= 0:
-                raise RequestTimeout(f"all {len(self._ready)} slots of this client are busy: connect with more slots "
-                                     "(client_handle(slots=...)), or send fewer requests at once")
+                raise RequestTimeout(self._busy())
             with contextlib.suppress(queue.Empty):
                 return self._free.get(timeout=wait)
+        return slot
+
+    def _free_slot(self) -> int | None:
+        """A free slot, or one whose caller gave up and whose answer has come since; None when all are busy."""
+        with contextlib.suppress(queue.Empty):
+            return self._free.get_nowait()
+        with self._lock:
+            for slot in list(self._abandoned):
+                if self._ready[slot].acquire(False):
+                    self._abandoned.discard(slot)
+                    return slot
+        return None
+
+    def _busy(self) -> str:
+        return (f"all {len(self._ready)} slots of this client are busy: connect with more slots "
+                "(client_handle(slots=...)), or send fewer requests at once")
 
     def _wake_callers(self) -> None:
         """The client's thread that reads the numbers of answered slots from its pipe and wakes their callers."""
@@ -335,14 +393,26 @@ class BatcherClient:
                 data = os.read(self._answers, 1 << 12)
             except OSError:
                 data = b""
-            if not data:  # the batcher's process is gone: nobody answers the callers still waiting
+            gone = not data  # the batcher's process ended: nobody answers the callers still waiting
+            if gone:
                 self._gone = True
-                for lock in ready.values():
-                    if lock.locked():
-                        lock.release()
+                slots = [slot for slot, lock in ready.items() if lock.locked() or slot in self._futures]
+            else:
+                slots = np.frombuffer(data, dtype="<i4").tolist()
+            by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+            with self._lock:
+                for slot in slots:
+                    waiting = self._futures.pop(slot, None)
+                    if waiting is None:
+                        if not gone or ready[slot].locked():
+                            ready[slot].release()
+                    else:
+                        by_loop.setdefault(waiting[0], []).append(waiting[1])
+            for loop, futures in by_loop.items():
+                with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these
+                    loop.call_soon_threadsafe(_settle, futures)
+            if gone:
                 return
-            for slot in np.frombuffer(data, dtype="<i4").tolist():
-                ready[slot].release()
 
     def _answer(self, slot: int, number: int, rows: int, single: bool) -> Any:
         arrays = self._arrays
@@ -378,6 +448,13 @@ class BatcherClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _settle(futures: list[asyncio.Future[None]]) -> None:
+    """On the event loop: wake the coroutines whose answers are in (unless they stopped waiting)."""
+    for future in futures:
+        if not future.done():
+            future.set_result(None)
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:
