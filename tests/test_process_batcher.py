@@ -64,7 +64,6 @@ def test_requests_from_two_processes_each_get_their_own_rows(engines: Engines) -
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
     with ProcessBatcher(recording, capacity=8, max_wait_ms=20) as batcher:
-        path = batcher._path
         workers = [spawn.Process(target=_client_process, args=(batcher.client_handle(4), requests[p], results))
                    for p in range(2)]
         for worker in workers:
@@ -72,7 +71,6 @@ def test_requests_from_two_processes_each_get_their_own_rows(engines: Engines) -
         answers = [results.get(timeout=60) for _ in workers]
         for worker in workers:
             worker.join(timeout=30)
-    assert not os.path.exists(path), "close left the shared memory behind"
     assert [sorted(a) for a in answers] == [[0, 1, 2, 3]] * 2
     for p in range(2):  # each process's answers, matched to its requests by value
         process_answers = next(a for a in answers if np.allclose(a[0], engines(requests[p][0]), atol=1e-5))
@@ -234,8 +232,8 @@ def test_callers_learn_at_once_when_the_batcher_process_is_gone(engines: Engines
         assert batcher.engines.entered.wait(timeout=10)
         batcher._wakers[0].close()  # what the client sees of a batcher process that died: its pipe's end closes
         join_all([waiting], timeout=10)
-        assert isinstance(result.get("error"), BatcherClosed) and "ended before it answered" in str(result["error"])
-        with pytest.raises(BatcherClosed, match="ended before it answered"):
+        assert isinstance(result.get("error"), BatcherClosed) and "its process ended" in str(result["error"])
+        with pytest.raises(BatcherClosed, match="its process ended"):
             client.submit(rows(2))
         hold.set()
     hold.clear()
@@ -247,26 +245,92 @@ def test_callers_learn_at_once_when_the_batcher_process_is_gone(engines: Engines
             while not batcher.engines.entered.is_set():
                 await asyncio.sleep(0.01)
             batcher._wakers[0].close()
-            with pytest.raises(BatcherClosed, match="ended before it answered"):
+            with pytest.raises(BatcherClosed, match="its process ended"):
                 await asyncio.wait_for(waiting, 10)
 
         asyncio.run(main())
         hold.set()
 
 
-def test_closed_batcher_refuses_requests_and_removes_its_memory(engines: Engines, tmp_path: Path) -> None:
-    batcher = ProcessBatcher(engines, capacity=2, shm_dir=str(tmp_path))
+def _send_and_hang(handle: ClientHandle, sent: Any) -> None:
+    client = handle.connect()
+    sent.set()
+    client.submit(rows(1), timeout=None)
+
+
+def _send_once(handle: ClientHandle, results: Any) -> None:
+    results.put(handle.connect().submit(rows(2), timeout=30))
+
+
+def test_a_restarted_client_process_reuses_its_handle_after_the_dead_ones_answer(engines: Engines) -> None:
+    """A supervisor restarts a worker that died with a request in flight and gives the new one the same handle: the
+    slot waits for the dead request's answer (a second wake of it must not kill the new client), then serves."""
+    hold = threading.Event()
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessBatcher(Slow(engines, hold), capacity=1, max_wait_ms=0) as batcher:
+        handle = batcher.client_handle(1)
+        sent = spawn.Event()
+        dead = spawn.Process(target=_send_and_hang, args=(handle, sent))
+        dead.start()
+        assert sent.wait(60) and batcher.engines.entered.wait(30)
+        dead.terminate()
+        dead.join(30)
+        results = spawn.Queue()
+        restarted = spawn.Process(target=_send_once, args=(handle, results))
+        restarted.start()
+        time.sleep(1.0)
+        hold.set()  # the dead request's batch finishes; its answer reaches the restarted process
+        answer = results.get(timeout=60)
+        restarted.join(30)
+    np.testing.assert_allclose(answer, engines(rows(2)), rtol=1e-5, atol=1e-6)
+
+
+def test_closed_batcher_refuses_requests_and_leaves_no_file(engines: Engines, tmp_path: Path) -> None:
+    batcher = ProcessBatcher(engines, capacity=3, shm_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == [], "the shared memory's file outlives its creation (a crash would leak it)"
     handle = batcher.client_handle(1)
     client = handle.connect()
-    assert [p.name for p in tmp_path.iterdir()] == [Path(batcher._path).name]
+    np.testing.assert_allclose(client.submit(rows(3)), engines(rows(3)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match="connected already in this process"):
+        handle.connect()
+    late = batcher.client_handle(1).connect()
+    spare = batcher.client_handle(1)
+    late_checked = late._request(rows(1), None)  # checked before the close, sent after it: the write finds no reader
     batcher.close()
-    assert list(tmp_path.iterdir()) == []
     with pytest.raises(BatcherClosed, match="the batcher is closed"):
         client.submit(rows(0))
-    with pytest.raises(BatcherClosed, match="was closed"):
-        handle.connect()
     with pytest.raises(BatcherClosed):
+        late._send(late._take_slot(time.monotonic() + 1), *late_checked[2:], time.monotonic() + 1)
+    with pytest.raises(BatcherClosed, match="was closed"):
+        spare.connect()
+    with pytest.raises(BatcherClosed, match="make a new one"):
         batcher.client_handle(1)
+    client.close()
+    with pytest.raises(BatcherClosed, match="this client is closed"):
+        client.submit(rows(0))
+
+
+def test_in_flight_beyond_the_contexts_is_refused(engines: Engines) -> None:
+    with pytest.raises(InputError, match="in_flight=3 but the engines have 2 context"):
+        ProcessBatcher(engines, in_flight=3)
+    with ProcessBatcher(engines, capacity=1) as batcher, pytest.raises(InputError, match="slots=0: a client needs"):
+        batcher.client_handle(0)
+
+
+def test_a_batcher_that_stops_on_a_bug_fails_its_requests_at_once(engines: Engines,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: ProcessBatcher, now: float) -> Any:
+        raise RuntimeError("a bug")
+
+    with ProcessBatcher(engines, capacity=1, max_wait_ms=0) as batcher:
+        client = batcher.client_handle(1).connect()
+        monkeypatch.setattr(ProcessBatcher, "_take", broken)
+        start = time.monotonic()
+        with pytest.raises(RequestFailed, match="the batcher stopped: RuntimeError: a bug"):
+            client.submit(rows(1), timeout=None)
+        assert time.monotonic() - start < 5
+        with pytest.raises(BatcherClosed):
+            client.submit(rows(1))
 
 
 def test_too_little_shared_memory_is_one_line_before_any_write(engines: Engines, tmp_path: Path,

@@ -176,6 +176,11 @@ class Engines:
         self._closed = False
 
     @property
+    def contexts(self) -> int:
+        """How many calls can run at once (each borrows one context)."""
+        return self._max_contexts
+
+    @property
     def backend(self) -> str:
         """``tensorrt``, ``onnxruntime`` or ``torch``."""
         return self._backend.name

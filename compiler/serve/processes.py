@@ -1,8 +1,8 @@
 """A dynamic batcher for requests from other processes, through shared memory: ``ProcessBatcher``.
 
-One Python process answers a few thousand requests a second from threads and 30-40 k from asyncio
-coroutines (its GIL; docs/benchmarks.md), while one GPU runs a small transformer at 50-95 k rows a
-second. A server with several worker processes (one per core, as web servers run) sends their
+One Python process answers 11-14 k requests a second from 64 threads and 36-60 k from asyncio
+coroutines on an H200 host (its GIL; docs/benchmarks.md), while one GPU runs a small transformer at
+61-98 k rows a second. A server with several worker processes (one per core, as web servers run) sends their
 requests to the one process that owns the GPU:
 
     # the process that owns the GPU
@@ -11,7 +11,7 @@ requests to the one process that owns the GPU:
     spawn = multiprocessing.get_context("spawn")
     workers = [spawn.Process(target=serve, args=(handle,)) for handle in handles]
 
-    # in each worker process (it imports numpy and this module, never torch or the backends)
+    # in each worker process (it imports numpy and this module, never torch or ONNX Runtime)
     def serve(handle):
         client = handle.connect()
         y = client.submit(x, timeout=0.5)       # from up to `slots` threads at once
@@ -31,11 +31,12 @@ Why not ``multiprocessing.Queue``: it pickles every array and wakes a feeder thr
 tens of microseconds per request on the GPU process's one GIL.
 
 Handles are passed to processes started by ``multiprocessing`` (``spawn`` or ``fork``) after the
-batcher exists; the shared memory lives in ``/dev/shm`` until ``close``. When the batcher's process
-ends, its spawned clients' waiting callers fail at once with ``BatcherClosed`` (forked clients hold
-the pipes' other ends too, so they only see their timeouts). Inputs must all have the
-batch dimension first and a numpy dtype (no bfloat16); models whose output sizes depend on the
-data can outgrow their slot (such a request fails with a message, the others of its batch do not).
+batcher exists, one handle per process. The shared memory is a file in ``/dev/shm`` removed as soon
+as it is made (the handles carry its descriptor), so nothing is left behind, even after a crash.
+When the batcher closes or its process ends, spawned clients' waiting callers fail at once with
+``BatcherClosed`` (forked clients hold the pipes' other ends too, so they only see their timeouts).
+Inputs must all have the batch dimension first and a numpy dtype (no bfloat16); models whose output
+sizes depend on the data can outgrow their slots (such a batch fails with a message).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import select
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +74,8 @@ _ERROR_BYTES = 480  # room for the message of a failed request
 _ALIGN = 64
 _NAP = 0.0001  # seconds the reader sleeps after each read of the pipe
 _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
-_GONE = "the batcher's process ended before it answered; restart the server"
+_GONE = "the batcher is closed, or its process ended; restart the server"
+_GRACE = 1.0  # seconds a caller waits past its timeout for a batch that started just before it
 _OVERLOADED = "the server is overloaded; raise the timeout, or add contexts (in_flight) or GPUs"
 
 
@@ -158,7 +161,7 @@ class ClientHandle:
     """What a client process needs to reach a ``ProcessBatcher``: pass it to a process started by ``multiprocessing``
     (as an argument), then call ``connect()`` there. Its slots are its own: one handle per process."""
 
-    path: str
+    memory: Any  # the shared memory's descriptor (a multiprocessing Connection: it travels to spawned processes)
     layout: _Layout
     model: _Model
     slots: tuple[int, ...]
@@ -167,8 +170,17 @@ class ClientHandle:
     timeout: float | None
 
     def connect(self) -> BatcherClient:
-        """Attach to the batcher's shared memory (in the client process)."""
+        """Attach to the batcher's shared memory (in the client process; once per handle and process)."""
+        with _CONNECTED_LOCK:
+            if self.answers in _CONNECTED:
+                raise InputError("this handle is connected already in this process: use that client (it is "
+                                 "thread-safe), or give each process its own client_handle()")
+            _CONNECTED.add(self.answers)
         return BatcherClient(self)
+
+
+_CONNECTED: weakref.WeakSet[Any] = weakref.WeakSet()  # answer pipes read by a client of this process
+_CONNECTED_LOCK = threading.Lock()
 
 
 class BatcherClient:
@@ -182,13 +194,9 @@ class BatcherClient:
 
     def __init__(self, handle: ClientHandle) -> None:
         try:
-            fd = os.open(handle.path, os.O_RDWR)
-        except FileNotFoundError:
-            raise BatcherClosed(f"the batcher's shared memory {handle.path} is gone: the batcher was closed") from None
-        try:
-            self._map = mmap.mmap(fd, handle.layout.size)
-        finally:
-            os.close(fd)
+            self._map = mmap.mmap(handle.memory.fileno(), handle.layout.size)
+        except (OSError, ValueError):
+            raise BatcherClosed("the batcher's shared memory is gone: the batcher was closed") from None
         self._handle = handle
         self._model = handle.model
         self._arrays = handle.layout.views(self._map)
@@ -199,11 +207,15 @@ class BatcherClient:
         self._ready = {slot: threading.Lock() for slot in handle.slots}  # released when the slot's answer is in
         for lock in self._ready.values():
             lock.acquire()
-        self._number = {slot: int(self._arrays["answered"][slot]) for slot in handle.slots}
+        asked, answered = self._arrays["asked"], self._arrays["answered"]
+        self._number = {slot: int(asked[slot]) for slot in handle.slots}
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for slot in handle.slots:
-            self._free.put(slot)
         self._abandoned: set[int] = set()  # slots of requests whose caller gave up; free again once answered
+        for slot in handle.slots:
+            if asked[slot] == answered[slot]:
+                self._free.put(slot)
+            else:  # a request of an earlier process with this handle is still unanswered
+                self._abandoned.add(slot)
         self._futures: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}  # ``infer``'s waits
         self._lock = threading.Lock()
         self._answers = handle.answers.fileno()
@@ -219,19 +231,28 @@ class BatcherClient:
         return [io.name for io in self._model.outputs]
 
     def submit(self, x: Any, *, timeout: float | None = None) -> Any:
-        """Run one request through the batcher and return its outputs; blocks at most ``timeout`` seconds (default:
-        the batcher's). Raises ``FeedError`` at once for a request that does not fit the model,
-        ``RequestTimeout``, ``BatcherClosed``, or ``RequestFailed`` when its batch failed."""
+        """Run one request through the batcher and return its outputs. Raises ``FeedError`` at once for a request
+        that does not fit the model, ``RequestTimeout``, ``BatcherClosed``, or ``RequestFailed`` when its batch
+        failed. ``timeout`` (default: the batcher's) counts from the call; the batcher answers every request by
+        then (an expired one without running it) or with its batch, and the caller waits ``_GRACE`` seconds more
+        for a batch that started just before the deadline."""
         limit, single, arrays, rows, dims = self._request(x, timeout)
-        slot = self._take_slot(limit)
-        number = self._send(slot, arrays, rows, dims, limit)
-        # the batcher answers every request by its deadline (expired ones without running them) or with its batch;
-        # the grace covers a batch that started just before the deadline
-        if not self._ready[slot].acquire(timeout=-1 if limit is None else limit + 1.0):
-            with self._lock:
-                self._abandoned.add(slot)
-            raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}")
-        return self._finish(slot, number, rows, single)
+        end = time.monotonic() + (limit if limit is not None else math.inf)
+        slot = self._take_slot(end)
+        try:
+            number = self._send(slot, arrays, rows, dims, end)
+        except BaseException:
+            self._free.put(slot)
+            raise
+        ready = self._ready[slot]
+        while True:  # a wake-up is a hint; the slot's answered number says whose answer is in
+            left = end + _GRACE - time.monotonic()
+            if not ready.acquire(timeout=-1 if limit is None else max(0.0, left)):
+                with self._lock:
+                    self._abandoned.add(slot)
+                raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}")
+            if self._gone or int(self._arrays["answered"][slot]) == number:
+                return self._finish(slot, number, rows, single)
 
     async def infer(self, x: Any, *, timeout: float | None = None) -> Any:
         """``submit`` for asyncio: ``await client.infer(x)`` in a coroutine; the event loop is never blocked (when
@@ -240,31 +261,32 @@ class BatcherClient:
         loop = asyncio.get_running_loop()
         end = time.monotonic() + (limit if limit is not None else math.inf)
         while (slot := self._free_slot()) is None:
+            self._check_open()
             if time.monotonic() >= end:
                 raise RequestTimeout(self._busy())
             await asyncio.sleep(0.001)
-        future: asyncio.Future[None] = loop.create_future()
-        with self._lock:
-            self._futures[slot] = (loop, future)  # before the request is sent: its answer may come at once
-        try:
-            number = self._send(slot, arrays, rows, dims, limit)
-        except BaseException:
+        number = -1
+        while True:  # a wake-up is a hint; the slot's answered number says whose answer is in
+            future: asyncio.Future[None] = loop.create_future()
             with self._lock:
-                self._futures.pop(slot, None)
-            raise
-        try:
-            await asyncio.wait_for(future, None if limit is None else limit + 1.0)
-        except BaseException as err:  # a timeout or the caller's cancellation: the slot is free once answered
-            with self._lock:
-                waiting = self._futures.pop(slot, None) is not None
-                if waiting:
-                    self._abandoned.add(slot)  # the answer will release its lock, as for ``submit``
-            if not waiting:  # answered meanwhile
-                self._free.put(slot)
-            if isinstance(err, TimeoutError):
-                raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}") from None
-            raise
-        return self._finish(slot, number, rows, single)
+                self._futures[slot] = (loop, future)  # before the request is sent: its answer may come at once
+            try:
+                if number < 0:
+                    number = self._send(slot, arrays, rows, dims, end)
+                left = end + _GRACE - time.monotonic()
+                await asyncio.wait_for(future, None if limit is None else max(0.0, left))
+            except BaseException as err:  # a timeout or the caller's cancellation: the slot is free once answered
+                with self._lock:
+                    self._futures.pop(slot, None)
+                    if number < 0 or int(self._arrays["answered"][slot]) == number:  # never sent, or answered
+                        self._free.put(slot)
+                    else:
+                        self._abandoned.add(slot)  # its answer will release the slot's lock, as for ``submit``
+                if isinstance(err, TimeoutError):
+                    raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}") from None
+                raise
+            if self._gone or int(self._arrays["answered"][slot]) == number:
+                return self._finish(slot, number, rows, single)
 
     def _request(self, x: Any, timeout: float | None) -> tuple[float | None, bool, list[np.ndarray], int, list[int]]:
         """A request checked and the batcher reachable: (timeout, single, arrays, rows, dynamic sizes)."""
@@ -274,13 +296,16 @@ class BatcherClient:
         single = not isinstance(x, Mapping)
         feed = {self._model.inputs[0].name: x} if single else x
         arrays, rows, dims = self._checked(feed, single)
-        if self._arrays["closed"][0]:
-            raise BatcherClosed("the batcher is closed; make a new one")
-        if self._gone:
-            raise BatcherClosed(_GONE)
+        self._check_open()
         return limit, single, arrays, rows, dims
 
-    def _send(self, slot: int, arrays: list[np.ndarray], rows: int, dims: list[int], limit: float | None) -> int:
+    def _check_open(self) -> None:
+        if not self._arrays:
+            raise BatcherClosed("this client is closed")
+        if self._gone or self._arrays["closed"][0]:
+            raise BatcherClosed(_GONE)
+
+    def _send(self, slot: int, arrays: list[np.ndarray], rows: int, dims: list[int], end: float) -> int:
         """Copy the request into its slot and announce it; its number (what the answer must carry)."""
         slots = self._arrays
         number = self._number[slot] + 1
@@ -289,16 +314,14 @@ class BatcherClient:
         slots["rows"][slot] = rows
         if dims:
             slots["dims"][slot, :len(dims)] = dims
-        now = time.monotonic()
-        slots["submitted"][slot] = now
-        slots["deadline"][slot] = now + limit if limit is not None else math.inf
+        slots["submitted"][slot] = time.monotonic()
+        slots["deadline"][slot] = end
         slots["asked"][slot] = number
         self._number[slot] = number
         try:
             os.write(self._fd, slot.to_bytes(4, "little"))
         except OSError:
-            self._free.put(slot)
-            raise BatcherClosed("the batcher is closed (its pipe is gone); make a new one") from None
+            raise BatcherClosed(_GONE) from None
         return number
 
     def _finish(self, slot: int, number: int, rows: int, single: bool) -> Any:
@@ -360,9 +383,9 @@ class BatcherClient:
                             f"batcher with slot_rows={rows}")
         return arrays, rows, dims
 
-    def _take_slot(self, limit: float | None) -> int:
-        end = time.monotonic() + (limit if limit is not None else math.inf)
+    def _take_slot(self, end: float) -> int:
         while (slot := self._free_slot()) is None:
+            self._check_open()
             wait = min(0.01, end - time.monotonic())
             if wait <= 0:
                 raise RequestTimeout(self._busy())
@@ -375,8 +398,11 @@ class BatcherClient:
         with contextlib.suppress(queue.Empty):
             return self._free.get_nowait()
         with self._lock:
+            slots = self._arrays
             for slot in list(self._abandoned):
-                if self._ready[slot].acquire(False):
+                # woken and answered; woken by a second wake of an earlier answer only, the lock is held again until
+                # this request's answer releases it
+                if self._ready[slot].acquire(False) and slots["asked"][slot] == slots["answered"][slot]:
                     self._abandoned.discard(slot)
                     return slot
         return None
@@ -404,8 +430,9 @@ class BatcherClient:
                 for slot in slots:
                     waiting = self._futures.pop(slot, None)
                     if waiting is None:
-                        if not gone or ready[slot].locked():
-                            ready[slot].release()
+                        lock = ready.get(slot)
+                        if lock is not None and lock.locked():  # a second wake for one answer is harmless
+                            lock.release()
                     else:
                         by_loop.setdefault(waiting[0], []).append(waiting[1])
             for loop, futures in by_loop.items():
@@ -437,7 +464,7 @@ class BatcherClient:
         return outputs
 
     def close(self) -> None:
-        """Detach from the shared memory (the batcher keeps running)."""
+        """Detach from the shared memory (the batcher keeps running); later calls raise ``BatcherClosed``."""
         self._arrays = {}
         self._inputs, self._outputs = [], []
         with contextlib.suppress(BufferError):  # a view still held by a caller keeps the mapping alive
@@ -491,6 +518,10 @@ class ProcessBatcher:
         check_settings(max_batch, max_wait_ms, timeout)
         if in_flight < 1:
             raise InputError(f"in_flight={in_flight}: the batcher runs at least one batch at a time")
+        contexts = getattr(engines, "contexts", None)
+        if contexts is not None and in_flight > contexts:  # its one thread would wait for a context it holds itself
+            raise InputError(f"in_flight={in_flight} but the engines have {contexts} context(s): load them with "
+                             f"contexts={in_flight}, or lower in_flight")
         self.engines = engines
         self.in_flight = in_flight
         self.max_batch = max_batch or max(engines.buckets)
@@ -498,7 +529,7 @@ class ProcessBatcher:
         self.timeout = timeout
         self._model = _model_of(engines, slot_rows)
         self._layout = _Layout.of(_regions(self._model, capacity))
-        self._path, self._map = _shared_file(self._layout.size, shm_dir)
+        self._memory, self._map = _shared_memory(self._layout.size, shm_dir)
         self._arrays = self._layout.views(self._map)
         self._in = [(io, self._arrays[f"in:{io.name}"]) for io in self._model.inputs]
         self._out = [(io, self._arrays[f"out:{io.name}"]) for io in self._model.outputs]
@@ -508,6 +539,8 @@ class ProcessBatcher:
         self._wakers: list[Any] = []  # per handle, the write end of its pipe of answered slots
         self._fd = self._reader.fileno()
         os.set_blocking(self._fd, False)
+        self._poll = select.poll()  # not select.select: it refuses descriptors above 1023, common in a busy server
+        self._poll.register(self._fd, select.POLLIN)
         self._capacity = capacity
         self._handed = 0  # slots given to handles so far
         self._feeds: list[dict[tuple[int, tuple[int, ...]], Any]] = [{} for _ in range(capacity)]
@@ -522,7 +555,9 @@ class ProcessBatcher:
         """A handle with ``slots`` slots of its own (requests one client process may have in flight at once)."""
         if self._closed:
             raise BatcherClosed("the batcher is closed; make a new one")
-        if slots < 1 or self._handed + slots > self._capacity:
+        if slots < 1:
+            raise InputError(f"slots={slots}: a client needs at least one slot")
+        if self._handed + slots > self._capacity:
             raise InputError(f"slots={slots}: {self._capacity - self._handed} of the batcher's {self._capacity} slots "
                              "are left; make the batcher with a larger capacity")
         mine = tuple(range(self._handed, self._handed + slots))
@@ -531,7 +566,7 @@ class ProcessBatcher:
         for slot in mine:
             self._owner[slot] = len(self._wakers)
         self._wakers.append(waker)
-        return ClientHandle(self._path, self._layout, self._model, mine, answers, self._writer, self.timeout)
+        return ClientHandle(self._memory, self._layout, self._model, mine, answers, self._writer, self.timeout)
 
     def __enter__(self) -> ProcessBatcher:
         return self
@@ -554,15 +589,41 @@ class ProcessBatcher:
         self._read()  # requests that raced the closing flag
         self._reply([r[0] for r in self._pending], _CLOSED, "the batcher was closed before this request ran")
         self._pending.clear()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path)
+        self._hang_up()
+
+    def _hang_up(self) -> None:
+        """Close the pipes and the memory: a request sent later fails at once (its write finds no reader), and
+        spawned clients' waiting callers learn it (their pipes end)."""
+        for end in (self._reader, self._writer, self._memory, *self._wakers):
+            end.close()
+        with contextlib.suppress(BufferError):  # views still held elsewhere keep the mapping
+            self._map.close()
 
     # -- the batcher's thread --
 
     def _serve(self) -> None:
+        """``_run``, and when it fails (a bug, not a failed batch: those are answered), fail every request instead of
+        leaving the clients to their timeouts."""
+        running: collections.deque[tuple[list[_Pending], Callable[..., Any]]] = collections.deque()
+        try:
+            self._run(running)
+        except BaseException as err:
+            log.exception("the process batcher stopped")
+            self._arrays["closed"][0] = 1
+            self._closed = True
+            text = f"the batcher stopped: {type(err).__name__}: {err}"
+            for _, finish in running:  # give the contexts back to the engines
+                with contextlib.suppress(Exception):
+                    finish()
+            with contextlib.suppress(Exception):
+                self._read()
+            self._reply([r[0] for batch, _ in running for r in batch] + [r[0] for r in self._pending], _FAILED, text)
+            self._pending.clear()
+            self._hang_up()
+
+    def _run(self, running: collections.deque[tuple[list[_Pending], Callable[..., Any]]]) -> None:
         """Read requests, start batches (up to ``in_flight`` at once) and answer them, oldest first. Before a batch's
         callers are woken, the next batch is started when one is ready, so that the GPU is not idle meanwhile."""
-        running: collections.deque[tuple[list[_Pending], Callable[..., Any]]] = collections.deque()
         while True:
             while len(running) < self.in_flight:  # fill the engines
                 batch = self._next_batch(block=not running)
@@ -577,12 +638,13 @@ class ProcessBatcher:
                     running.append(started)
             if not running:
                 continue
-            batch, finish = running.popleft()
+            batch, finish = running[0]
             failure: str | None
             try:  # the answers go from the context's buffers straight into the slots
                 failure = finish(lambda outputs, batch=batch: self._write(batch, outputs))
             except Exception as err:  # every caller of the batch learns why; the batcher keeps serving
                 failure = f"the batch failed: {err}"
+            running.popleft()
             if len(running) < self.in_flight:
                 follow = self._next_batch(block=False)
                 if follow:
@@ -596,7 +658,7 @@ class ProcessBatcher:
 
     def _read(self, timeout: float = 0.0) -> None:
         """Move the requests announced in the pipe to ``_pending``, waiting up to ``timeout`` seconds for one."""
-        if timeout > 0 and not select.select([self._fd], [], [], timeout)[0]:
+        if timeout > 0 and not self._poll.poll(timeout * 1000):
             return
         try:
             data = os.read(self._fd, 1 << 16)
@@ -776,11 +838,15 @@ def _model_of(engines: Any, slot_rows: int) -> _Model:
                   slot_rows)
 
 
-def _shared_file(size: int, directory: str | None) -> tuple[str, mmap.mmap]:
-    """A file of ``size`` bytes in shared memory (``/dev/shm``), its pages reserved now: writing into a tmpfs
-    beyond its limit is a SIGBUS, not an error."""
+def _shared_memory(size: int, directory: str | None) -> tuple[Any, mmap.mmap]:
+    """``size`` bytes of shared memory: a file in ``/dev/shm`` removed at once (its descriptor, as a multiprocessing
+    Connection, travels to the clients, so nothing is left behind even after a crash), its pages reserved now:
+    writing into a tmpfs beyond its limit is a SIGBUS, not an error."""
+    from multiprocessing.connection import Connection
+
     directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     fd, path = tempfile.mkstemp(prefix=f"trtc-batcher-{os.getpid()}-", dir=directory)
+    os.unlink(path)
     try:
         try:
             os.posix_fallocate(fd, 0, size)
@@ -789,9 +855,7 @@ def _shared_file(size: int, directory: str | None) -> tuple[str, mmap.mmap]:
             raise InputError(f"{directory} has {free.f_bavail * free.f_frsize / 2**20:.0f} MiB free and the batcher's "
                              f"slots need {size / 2**20:.0f} MiB ({err.strerror}): lower capacity or slot_rows, or "
                              "give the container more shared memory (docker run --shm-size)") from None
-        return path, mmap.mmap(fd, size)
+        return Connection(fd), mmap.mmap(fd, size)
     except BaseException:
-        os.unlink(path)
-        raise
-    finally:
         os.close(fd)
+        raise
