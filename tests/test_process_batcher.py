@@ -176,6 +176,32 @@ class Slow(Recording):
         return self.engines.start_parts(calls)
 
 
+class FirstPositives:
+    """A model whose output size depends on its data: the first n columns, n = positives in the first row."""
+
+    def __new__(cls) -> Any:
+        import torch
+
+        class Module(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x[:, :int((x[0] > 0).sum())] * 2
+
+        return Module()
+
+
+def test_an_output_larger_than_its_slot_fails_its_batch_with_the_reason() -> None:
+    from compiler.serve.engines import engines_from_module
+
+    with engines_from_module(FirstPositives(), ["x:Bx64"], buckets=(1, 4), device="cpu", contexts=1) as engines, \
+            ProcessBatcher(engines, capacity=1, max_wait_ms=0) as batcher:
+        room = batcher._model.outputs[0].largest[0]  # sized by the probe's random row
+        client = batcher.client_handle(1).connect()
+        few = np.where(np.arange(64) < room - 1, 1.0, -1.0).astype(np.float32)[None]
+        np.testing.assert_allclose(client.submit(few), few[:, :room - 1] * 2)  # smaller than the room: fits
+        with pytest.raises(RequestFailed, match=r"output '\w+' has shape \(1, 64\); a slot holds .* its data"):
+            client.submit(np.ones((1, 64), np.float32))
+
+
 def test_a_late_answer_times_out_and_its_slot_serves_again(engines: Engines) -> None:
     gate = threading.Event()
     slow = Slow(engines, gate)
