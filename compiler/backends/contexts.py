@@ -50,6 +50,17 @@ class CheckedFeed:
     device: Any = None  # the torch device of a CUDA feed
 
 
+def as_kind(outputs: dict[str, np.ndarray], call: CheckedFeed) -> dict[str, Any]:
+    """Host numpy outputs as the feed's kind: numpy, CPU tensors (shared memory) or CUDA tensors on its device."""
+    if call.kind == "numpy":
+        return outputs
+    import torch
+
+    if call.kind == "torch":
+        return {name: torch.from_numpy(a) for name, a in outputs.items()}
+    return {name: torch.from_numpy(a).to(call.device) for name, a in outputs.items()}
+
+
 # --- what backends provide ----------------------------------------------------------------------------------------
 
 class _Context(Protocol):

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from compiler.backends.contexts import CheckedFeed
+from compiler.backends.contexts import CheckedFeed, as_kind
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
@@ -357,14 +357,11 @@ class DynamicBatcher:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            batch = self._take(answers)
-            self._queued = sum(r.rows for lane in self._lanes for r in lane)
-            if self._queued:
-                self._cond.notify()  # what is left is another worker's next batch
-            return batch
+            return self._take(answers)
 
     def _take(self, answers: _Answers) -> list[_Request]:
-        """Pop the requests of one batch (high lane first), failing the expired ones on the way."""
+        """Pop the requests of one batch (high lane first), failing the expired ones on the way; with ``_cond``
+        held. What is left is another worker's next batch: one is woken for it."""
         now = time.monotonic()
         batch: list[_Request] = []
         rows = 0
@@ -391,6 +388,9 @@ class DynamicBatcher:
                 batch.append(request)
                 rows += request.rows
             lane.extendleft(reversed(kept))
+        self._queued = sum(r.rows for lane in self._lanes for r in lane)
+        if self._queued:
+            self._cond.notify()
         return batch
 
     def _start(self, batch: list[_Request]) -> tuple[list[_Request], Callable[[], dict[str, Any]]] | None:
@@ -424,7 +424,7 @@ class DynamicBatcher:
             part = {name: outputs[name][offset:offset + request.rows] for name in names}
             offset += request.rows
             if request.call.kind != "numpy" and isinstance(outputs[names[0]], np.ndarray):
-                part = _as_kind(part, request.call)
+                part = as_kind(part, request.call)
             answers.set(request, part[names[0]] if request.single and len(names) == 1 else part)
         return answers
 
@@ -438,20 +438,7 @@ class DynamicBatcher:
             first = high[0] if high else normal[0]
             if self._queued < self.max_batch and time.monotonic() < first.submitted + self.max_wait:
                 return []
-            batch = self._take(answers)
-            self._queued = sum(r.rows for lane in self._lanes for r in lane)
-            if self._queued:
-                self._cond.notify()
-            return batch
-
-def _as_kind(outputs: dict[str, np.ndarray], call: CheckedFeed) -> dict[str, Any]:
-    """Host outputs as the request's kind: CPU tensors sharing the memory, or CUDA tensors on its device."""
-    import torch
-
-    if call.kind == "torch":
-        return {name: torch.from_numpy(a) for name, a in outputs.items()}
-    return {name: torch.from_numpy(a).to(call.device) for name, a in outputs.items()}
-
+            return self._take(answers)
 
 def _signature(call: CheckedFeed, feed: Mapping[str, Any], unbatched: tuple[str, ...]) -> tuple[Any, ...]:
     """What must agree for two requests to share a batch: the sizes of the dynamic dimensions, the device of

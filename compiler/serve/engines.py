@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from compiler.backends.contexts import _NUMPY_DTYPES, CheckedFeed, _Backend, _Context
+from compiler.backends.contexts import _NUMPY_DTYPES, CheckedFeed, _Backend, _Context, as_kind
 from compiler.backends.onnxrt import _OrtBackend
 from compiler.backends.onnxrt import _OrtCpuContext as _OrtCpuContext  # where tests reach it, as before the split
 from compiler.backends.pytorch import _TorchBackend
@@ -236,7 +236,7 @@ class Engines:
             if call.kind != "numpy":
                 if call.kind == "torch" and single and self._sole_output is not None:  # one tensor, no dicts
                     return sys.modules["torch"].from_numpy(outputs[self._sole_output])  # imported: x is a tensor
-                outputs = _as_kind(outputs, call)
+                outputs = as_kind(outputs, call)
         else:
             outputs = self._run(call)
         if single and self._sole_output is not None:
@@ -424,7 +424,7 @@ class Engines:
         if not host:
             return context.copy_outputs_on_device()
         context.wait()
-        return _as_kind(context.copy_outputs(), call)
+        return as_kind(context.copy_outputs(), call)
 
     # -- pipelining --
 
@@ -508,7 +508,7 @@ class Engines:
                         outputs = context.copy_outputs_on_device()
                     else:
                         context.wait()
-                        outputs = _as_kind(context.copy_outputs(), call)
+                        outputs = as_kind(context.copy_outputs(), call)
                 finally:  # free for batch n+2 while batch n is post-processed
                     self._release(context)
                     in_flight.release()
@@ -565,17 +565,6 @@ def _concatenate(parts: list[Any]) -> Any:
     import torch
 
     return torch.cat(parts)
-
-
-def _as_kind(outputs: dict[str, np.ndarray], call: CheckedFeed) -> dict[str, Any]:
-    """Host numpy outputs as the feed's kind: numpy, CPU tensors (shared memory) or CUDA tensors."""
-    if call.kind == "numpy":
-        return outputs
-    import torch
-
-    if call.kind == "torch":
-        return {name: torch.from_numpy(a) for name, a in outputs.items()}
-    return {name: torch.from_numpy(a).to(call.device) for name, a in outputs.items()}
 
 
 # --- loading ------------------------------------------------------------------------------------------------------
