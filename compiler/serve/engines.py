@@ -44,20 +44,20 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from compiler.backends.contexts import _NUMPY_DTYPES, CheckedFeed, _Backend, _Context, as_kind
+from compiler.backends.contexts import CheckedFeed, _Backend, _Context, as_kind
 from compiler.backends.onnxrt import _OrtBackend
 from compiler.backends.onnxrt import _OrtCpuContext as _OrtCpuContext  # where tests reach it, as before the split
 from compiler.backends.pytorch import _TorchBackend
 from compiler.backends.trt import EnginesNotRunnable, _tensorrt_backend
 from compiler.core import defaults
 from compiler.core.errors import FeedError, InputError
-from compiler.core.specs import BATCH_DIM, DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
+from compiler.core.specs import DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
+from compiler.serve.feeds import InputCheck, check_shape, checks_for, mismatch
 
 __all__ = ["load", "engines_from_module", "onnx_for_precision", "tf32_policy", "tensorrt_available", "Engines",
            "CheckedFeed", "FeedError", "EnginesNotRunnable", "BACKENDS"]
@@ -69,37 +69,7 @@ BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
 
 # --- the feed ----------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _InputCheck:
-    """One input's contract, laid out for a fast check: fixed sizes and dynamic dims by axis."""
-
-    name: str
-    dims: tuple[int | str, ...]
-    dtype: str
-    np_dtype: Any  # numpy dtype, None for bfloat16 (torch tensors only)
-    batched: bool
-    fixed: tuple[tuple[int, int], ...]  # (axis, size)
-    dynamic: tuple[tuple[int, str], ...]  # (axis, dimension name), the batch excluded
-
-
-def _checks_for(spec: ModelSpec) -> list[_InputCheck]:
-    checks = []
-    for i in spec.inputs:
-        if BATCH_DIM in i.dims[1:]:
-            raise InputError(f"input {i}: the runtime batches along the first dimension, and B is not first; "
-                             "re-export with the batch first")
-        fixed = tuple((axis, d) for axis, d in enumerate(i.dims) if isinstance(d, int))
-        dynamic = tuple((axis, d) for axis, d in enumerate(i.dims) if isinstance(d, str) and d != BATCH_DIM)
-        np_dtype = _NUMPY_DTYPES[i.dtype]
-        checks.append(_InputCheck(i.name, i.dims, i.dtype, np.dtype(np_dtype) if np_dtype is not None else None,
-                                  bool(i.dims) and i.dims[0] == BATCH_DIM, fixed, dynamic))
-    if not any(c.batched for c in checks):
-        raise InputError(f"no input has the batch dimension B first ({', '.join(map(str, spec.inputs))}); the "
-                         "runtime serves batched models: re-export with --input NAME:Bx...")
-    return checks
-
-
-def _array_of(value: Any, check: _InputCheck) -> tuple[str, Any]:
+def _array_of(value: Any, check: InputCheck) -> tuple[str, Any]:
     """("numpy" | "torch" | "cuda", the array to run): numpy arrays and CPU tensors as numpy, CUDA tensors as is."""
     if isinstance(value, np.ndarray):
         if value.dtype != check.np_dtype:
@@ -152,7 +122,7 @@ class Engines:
         self.output_names: list[str] = list(backend.output_names)
         self.input_names: list[str] = backend.spec.input_names
         self.name = f"trtc-runtime[{backend.name}]"  # as a ``compiler.backends.runners.Runner``
-        self._checks = _checks_for(backend.spec)
+        self._checks = checks_for(backend.spec)
         self._dim_names = tuple(backend.spec.dims)
         self._largest = largest = self.buckets[-1]
         self._sole_output = self.output_names[0] if len(self.output_names) == 1 else None
@@ -322,31 +292,7 @@ class Engines:
                     raise FeedError(f"input {check.name!r} is a {this} array and another input a {kind} array: pass "
                                     "all inputs as numpy arrays, or all as torch tensors on one device")
                 kind = this
-            shape = array.shape
-            if len(shape) != len(check.dims):
-                raise FeedError(f"input {check.name!r} has shape {tuple(shape)}, the model takes "
-                                f"{_dims_text(check.dims)} (rank {len(check.dims)})")
-            for axis, size in check.fixed:
-                if shape[axis] != size:
-                    raise FeedError(f"input {check.name!r} has shape {tuple(shape)}, the model takes "
-                                    f"{_dims_text(check.dims)}: dimension {axis} must be {size}")
-            if check.batched:
-                if rows < 0:
-                    rows = shape[0]
-                elif shape[0] != rows:
-                    raise FeedError(f"input {check.name!r} has batch {shape[0]}, another input batch {rows}: every "
-                                    "input needs the same batch size")
-            for axis, dim in check.dynamic:
-                size = shape[axis]
-                have = dims.get(dim)
-                if have is None:
-                    rng: DimRange = self.spec.dims[dim]
-                    if not rng.min <= size <= rng.max:
-                        raise FeedError(f"input {check.name!r}: {dim} = {size} is outside the range "
-                                        f"{rng.min}..{rng.max} the model was built for")
-                    dims[dim] = size
-                elif size != have:
-                    raise FeedError(f"input {check.name!r} has {dim} = {size}, another input {dim} = {have}")
+            rows = check_shape(check, array.shape, rows, dims, self.spec.dims)
             arrays[check.name] = array
         if len(x) != len(self.input_names):
             raise self._mismatch(x)
@@ -358,10 +304,7 @@ class Engines:
         return call
 
     def _mismatch(self, x: Mapping[str, Any]) -> FeedError:
-        names = self.input_names
-        missing = [n for n in names if x.get(n) is None]
-        unknown = [n for n in x if n not in names]
-        return FeedError(f"the feed does not match the model's inputs {names}: missing {missing}, unknown {unknown}")
+        return mismatch(self.input_names, x)
 
     def _place(self, call: CheckedFeed) -> None:
         """A CUDA feed stays on the device for a GPU backend (same device) and is copied to the host otherwise."""
@@ -553,10 +496,6 @@ def _is_mapping_type(cls: type) -> bool:
         if len(_MAPPING_TYPES) < 64:
             _MAPPING_TYPES[cls] = known
     return known
-
-
-def _dims_text(dims: tuple[int | str, ...]) -> str:
-    return "x".join(str(d) for d in dims)
 
 
 def _concatenate(parts: list[Any]) -> Any:

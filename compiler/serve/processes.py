@@ -62,8 +62,9 @@ from typing import Any
 import numpy as np
 
 from compiler.core.errors import FeedError, InputError
-from compiler.core.specs import BATCH_DIM, ModelSpec
+from compiler.core.specs import BATCH_DIM, DimRange, ModelSpec
 from compiler.serve.batcher import BatcherClosed, RequestTimeout, check_settings
+from compiler.serve.feeds import InputCheck, check_shape, checks_for, mismatch
 
 __all__ = ["ProcessBatcher", "ClientHandle", "BatcherClient", "RequestFailed"]
 
@@ -133,7 +134,8 @@ class _Model:
     inputs: tuple[_Io, ...]
     outputs: tuple[_Io, ...]
     dim_names: tuple[str, ...]  # the dynamic non-batch dims, in the order a slot stores their values
-    ranges: tuple[tuple[int, int], ...]  # (min, max) of each
+    ranges: dict[str, DimRange]  # of each
+    checks: tuple[InputCheck, ...]  # the inputs' contracts, as ``Engines`` checks them
     slot_rows: int
 
 
@@ -200,9 +202,8 @@ class BatcherClient:
         self._handle = handle
         self._model = handle.model
         self._arrays = handle.layout.views(self._map)
-        self._inputs = [(io, self._arrays[f"in:{io.name}"], np.dtype(io.dtype)) for io in self._model.inputs]
+        self._inputs = [self._arrays[f"in:{io.name}"] for io in self._model.inputs]  # the slots' input areas
         self._outputs = [(io, self._arrays[f"out:{io.name}"]) for io in self._model.outputs]
-        self._dim_index = {name: i for i, name in enumerate(self._model.dim_names)}
         self._fd = handle.writer.fileno()
         self._ready = {slot: threading.Lock() for slot in handle.slots}  # released when the slot's answer is in
         for lock in self._ready.values():
@@ -309,7 +310,7 @@ class BatcherClient:
         """Copy the request into its slot and announce it; its number (what the answer must carry)."""
         slots = self._arrays
         number = self._number[slot] + 1
-        for (_, area, _), array in zip(self._inputs, arrays, strict=True):
+        for area, array in zip(self._inputs, arrays, strict=True):
             area[_region(area, slot, rows, array.shape[1:])] = array
         slots["rows"][slot] = rows
         if dims:
@@ -334,48 +335,25 @@ class BatcherClient:
             self._free.put(slot)
 
     def _checked(self, feed: Mapping[str, Any], single: bool) -> tuple[list[np.ndarray], int, list[int]]:
+        """The request's arrays held to the model's contract (``compiler.serve.feeds``, as ``Engines`` holds them),
+        its rows and its dynamic sizes in slot order."""
         model = self._model
         if single and len(model.inputs) != 1:
             raise FeedError(f"the model takes inputs {self.input_names}: pass a dict {{name: array}}")
         if len(feed) != len(model.inputs) or any(io.name not in feed for io in model.inputs):
-            missing = [io.name for io in model.inputs if io.name not in feed]
-            unknown = [n for n in feed if n not in self.input_names]
-            raise FeedError(f"the feed does not match the model's inputs {self.input_names}: missing {missing}, "
-                            f"unknown {unknown}")
+            raise mismatch(self.input_names, feed)
         arrays = []
         rows = -1
-        dims = [0] * len(model.dim_names)
-        for io, _, dtype in self._inputs:
-            value = feed[io.name]
-            array = value if type(value) is np.ndarray else _as_array(value, io.name)
-            if array.dtype != dtype:
-                raise FeedError(f"input {io.name!r} has dtype {array.dtype}, the model takes {io.dtype}: pass "
-                                f"x.astype(np.{io.dtype})")
-            shape = array.shape
-            if len(shape) != len(io.dims) + 1:
-                raise FeedError(f"input {io.name!r} has shape {tuple(shape)}, the model takes "
-                                f"Bx{'x'.join(map(str, io.dims))} (rank {len(io.dims) + 1})")
-            if rows < 0:
-                rows = shape[0]
-            elif shape[0] != rows:
-                raise FeedError(f"input {io.name!r} has batch {shape[0]}, another input batch {rows}: every input "
-                                "needs the same batch size")
-            for axis, dim in enumerate(io.dims):
-                size = shape[axis + 1]
-                if isinstance(dim, int):
-                    if size != dim:
-                        raise FeedError(f"input {io.name!r} has shape {tuple(shape)}: dimension {axis + 1} must be "
-                                        f"{dim}")
-                    continue
-                index = self._dim_index[dim]
-                low, high = model.ranges[index]
-                if not low <= size <= high:
-                    raise FeedError(f"input {io.name!r}: {dim} = {size} is outside the range {low}..{high} the model "
-                                    "was built for")
-                if dims[index] and dims[index] != size:
-                    raise FeedError(f"input {io.name!r} has {dim} = {size}, another input {dim} = {dims[index]}")
-                dims[index] = size
+        sizes: dict[str, int] = {}
+        for check in model.checks:
+            value = feed[check.name]
+            array = value if type(value) is np.ndarray else _as_array(value, check.name)
+            if array.dtype != check.np_dtype:
+                raise FeedError(f"input {check.name!r} has dtype {array.dtype}, the model takes {check.dtype}: pass "
+                                f"x.astype(np.{check.dtype})")
+            rows = check_shape(check, array.shape, rows, sizes, model.ranges)
             arrays.append(array)
+        dims = [sizes[name] for name in model.dim_names]
         if rows == 0:
             raise FeedError("the batch is empty (0 rows): pass at least one row")
         if rows > model.slot_rows:
@@ -833,9 +811,7 @@ def _model_of(engines: Any, slot_rows: int) -> _Model:
         probe = {engines.output_names[0]: probe}
     outputs = tuple(_Io(name, str(np.asarray(probe[name]).dtype), tuple(np.asarray(probe[name]).shape[1:]),
                         tuple(np.asarray(probe[name]).shape[1:])) for name in engines.output_names)
-    names = tuple(spec.dims)
-    return _Model(tuple(inputs), outputs, names, tuple((spec.dims[n].min, spec.dims[n].max) for n in names),
-                  slot_rows)
+    return _Model(tuple(inputs), outputs, tuple(spec.dims), dict(spec.dims), tuple(checks_for(spec)), slot_rows)
 
 
 def _shared_memory(size: int, directory: str | None) -> tuple[Any, mmap.mmap]:
