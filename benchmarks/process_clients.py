@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -72,64 +73,83 @@ def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: i
         results.put("ready")
         results.put({"error": f"{type(err).__name__}: {err}"})
         return
-    latencies: list[float] = []
-    answers: list[tuple[int, np.ndarray]] = []
-    lost = 0
-    issued = 0
-    lock = threading.Lock()
-
-    def one(position: int) -> None:
-        nonlocal issued, lost
-        x = inputs[position]
-        index = indices[position]
-        while True:
-            with lock:
-                if issued >= share:
-                    return
-                issued += 1
-            begin = time.perf_counter()
-            try:
-                out = client.submit(x, timeout=timeout)
-            except Exception:  # counted as lost; the run goes on
-                with lock:
-                    lost += 1
-                continue
-            elapsed = time.perf_counter() - begin
-            first = out if not isinstance(out, dict) else next(iter(out.values()))
-            with lock:
-                latencies.append(elapsed)
-                answers.append((index, first.reshape(-1)[:FIRST_VALUES].astype(np.float32)))
-
-    async def one_async(position: int) -> None:
-        nonlocal issued, lost
-        x = inputs[position]
-        index = indices[position]
-        while issued < share:
-            issued += 1
-            begin = time.perf_counter()
-            try:
-                out = await client.infer(x, timeout=timeout)
-            except Exception:
-                lost += 1
-                continue
-            latencies.append(time.perf_counter() - begin)
-            first = out if not isinstance(out, dict) else next(iter(out.values()))
-            answers.append((index, first.reshape(-1)[:FIRST_VALUES].astype(np.float32)))
-
-    async def all_async() -> None:
-        await asyncio.gather(*(one_async(i) for i in range(len(inputs))))
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(inputs))]
+    loop = ClosedLoop(share)
     results.put("ready")
     start.wait()
     begin = time.monotonic()
     if kind == "asyncio":
-        asyncio.run(all_async())
+        loop.in_asyncio(lambda x: client.infer(x, timeout=timeout), inputs, indices)
     else:
+        loop.in_threads(lambda x: client.submit(x, timeout=timeout), inputs, indices)
+    end = time.monotonic()
+    client.close()
+    results.put({"begin": begin, "end": end, "latencies": np.asarray(loop.latencies), "answers": loop.answers,
+                 "lost": loop.lost})
+
+
+class ClosedLoop:
+    """Closed-loop clients, one per input: each sends its input, waits for the answer and sends it again, until
+    ``requests`` are sent in all; a failed request is counted as lost and the run goes on. Keeps each answer's
+    latency and its first values (``first_values``), checked after the run so that checking costs the clients
+    nothing. ``in_threads``: a thread per client calling ``send``; ``in_asyncio``: a coroutine per client
+    awaiting ``send``, in one event loop."""
+
+    def __init__(self, requests: int) -> None:
+        self.requests = requests
+        self.latencies: list[float] = []
+        self.answers: list[tuple[int, np.ndarray]] = []  # (client index, first values of its answer)
+        self.lost = 0
+        self._issued = 0
+        self._lock = threading.Lock()
+
+    def in_threads(self, send: Callable[[Any], Any], inputs: list[Any], indices: list[int]) -> None:
+        def client(position: int) -> None:
+            x, index = inputs[position], indices[position]
+            while True:
+                with self._lock:
+                    if self._issued >= self.requests:
+                        return
+                    self._issued += 1
+                begin = time.perf_counter()
+                try:
+                    out = send(x)
+                except Exception:
+                    with self._lock:
+                        self.lost += 1
+                    continue
+                elapsed = time.perf_counter() - begin
+                with self._lock:
+                    self.latencies.append(elapsed)
+                    self.answers.append((index, first_values(out)))
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(inputs))]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-    end = time.monotonic()
-    client.close()
-    results.put({"begin": begin, "end": end, "latencies": np.asarray(latencies), "answers": answers, "lost": lost})
+
+    def in_asyncio(self, send: Callable[[Any], Awaitable[Any]], inputs: list[Any], indices: list[int]) -> None:
+        async def client(position: int) -> None:
+            x, index = inputs[position], indices[position]
+            while self._issued < self.requests:
+                self._issued += 1
+                begin = time.perf_counter()
+                try:
+                    out = await send(x)
+                except Exception:
+                    self.lost += 1
+                    continue
+                self.latencies.append(time.perf_counter() - begin)
+                self.answers.append((index, first_values(out)))
+
+        async def clients() -> None:
+            await asyncio.gather(*(client(i) for i in range(len(inputs))))
+
+        asyncio.run(clients())
+
+
+def first_values(out: Any) -> np.ndarray:
+    """The first ``FIRST_VALUES`` values of an answer's first output, as a float32 copy (a view would keep the
+    batch alive)."""
+    first = next(iter(out.values())) if isinstance(out, dict) else out
+    return np.asarray(first).reshape(-1)[:FIRST_VALUES].astype(np.float32)

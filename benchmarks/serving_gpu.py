@@ -41,7 +41,6 @@ Writes one JSON (``--out``) and prints a table. ``--smoke`` runs tiny sizes on t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import platform
 import statistics
@@ -226,52 +225,9 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     reference = engines(pool)
     reference = reference if isinstance(reference, dict) else {engines.output_names[0]: reference}
     counting = CountingEngines(engines)
-    latencies: list[float] = []
-    answers: list[tuple[int, np.ndarray]] = []  # checked after the run, so that checking costs the clients nothing
-    lost = 0
-    issued = 0
-    lock = threading.Lock()
     requests_of = [{n: a[i:i + 1] for n, a in pool.items()} for i in range(clients)]
     inputs_of = [r if len(r) > 1 else next(iter(r.values())) for r in requests_of]
     names = engines.output_names
-
-    def client(index: int) -> None:
-        nonlocal lost, issued
-        request_in = inputs_of[index]
-        while True:
-            with lock:
-                if issued >= requests:
-                    return
-                issued += 1
-            start = time.perf_counter()
-            try:
-                out = batcher.submit(request_in, timeout=30.0)
-            except Exception:  # counted as lost; the run goes on
-                with lock:
-                    lost += 1
-                continue
-            elapsed = time.perf_counter() - start
-            with lock:
-                latencies.append(elapsed)
-                answers.append((index, _first_values(out, names)))
-
-    async def async_client(index: int) -> None:
-        nonlocal lost, issued
-        request_in = inputs_of[index]
-        while issued < requests:
-            issued += 1
-            start = time.perf_counter()
-            try:
-                out = await batcher.infer(request_in, timeout=30.0)
-            except Exception:
-                lost += 1
-                continue
-            latencies.append(time.perf_counter() - start)
-            answers.append((index, _first_values(out, names)))
-
-    async def async_clients() -> None:
-        await asyncio.gather(*(async_client(i) for i in range(clients)))
-
     processes = None
     if mode.startswith("processes"):
         from compiler.serve.processes import ProcessBatcher
@@ -287,17 +243,19 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     else:
         batcher = DynamicBatcher(counting, max_wait_ms=max_wait_ms, workers=workers,  # type: ignore[arg-type]
                                  timeout=30.0)
+        loop = process_clients.ClosedLoop(requests)
         begin = time.perf_counter()
         if mode == "asyncio":
-            asyncio.run(async_clients())
+            loop.in_asyncio(lambda x: batcher.infer(x, timeout=30.0), inputs_of, list(range(clients)))
         else:
-            in_threads(client, clients)
+            loop.in_threads(lambda x: batcher.submit(x, timeout=30.0), inputs_of, list(range(clients)))
         seconds = time.perf_counter() - begin
         batcher.close()
+        latencies, answers, lost = loop.latencies, loop.answers, loop.lost
     misrouted = 0
     if check_rows:  # an answer is misrouted when another client's reference row is closer to it than its own
-        refs = np.stack([_first_values(reference[names[0]][i:i + 1], names) for i in range(clients)])
-        misrouted = sum(int(np.argmin(np.abs(refs[:, :len(got)] - got).max(axis=1)) != index)
+        refs = np.stack([process_clients.first_values(reference[names[0]][i:i + 1]) for i in range(clients)])
+        misrouted = sum(int(np.argmin(np.abs(refs - got).max(axis=1)) != index)
                         for index, got in answers)
     ms = np.asarray(latencies) * 1e3
     return {"mode": mode, "clients": clients, "client_processes": processes, "requests": requests,
@@ -308,13 +266,6 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
             "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None,
             "batches": counting.batches, "mean_batch_rows": counting.rows / max(1, counting.batches),
             "mean_batch_ms": 1e3 * counting.seconds / max(1, counting.batches)}
-
-
-def _first_values(out: Any, names: list[str]) -> np.ndarray:
-    """The first 256 values of a one-row answer's first output, as a float32 copy (a view would keep the batch
-    alive): cheap, as it runs in the clients' loop."""
-    first = out[names[0]] if isinstance(out, dict) else out
-    return np.asarray(first).reshape(-1)[:256].astype(np.float32)
 
 
 def in_threads(target: Any, count: int) -> float:
