@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from compiler.backends.contexts import CheckedFeed, _call_values, _capture, _ComputeOrder, _GpuContext, _max_values
 from compiler.core.errors import InputError, TrtcError
-from compiler.core.manifest import verified_file
+from compiler.core.manifest import inside
 from compiler.core.specs import ModelSpec
 
 if TYPE_CHECKING:
@@ -86,7 +86,8 @@ class _TensorRTBackend:
             for entry in manifest["engines"]:
                 file = str(entry["file"])
                 if file not in engines:
-                    path = verified_file(directory, entry, "engine")  # confined, sha256 checked before reading
+                    # confined; its sha256 was checked by ``_tensorrt_backend`` (``stale_in``) just before
+                    path = inside(directory, file, "engine")
                     engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
                     if engine is None:
                         raise EnginesNotRunnable(f"{directory / file}: TensorRT cannot load this engine (see its log "
@@ -248,9 +249,10 @@ def _tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec
         note = manifest.get("engines_note") or "none were built"
         raise EnginesNotRunnable(f"{directory} has no TensorRT engines ({note}); run `trtc rebuild {directory}` "
                                  "on a machine with TensorRT and a GPU, or load it with backend='onnxruntime'")
-    from compiler.backends.trt_compat import stale_engines
+    from compiler.backends.trt_build import environment
+    from compiler.backends.trt_compat import stale_in
 
-    stale = stale_engines(directory)
+    stale = stale_in(directory, manifest, environment())  # hashes every engine: the backend then only reads them
     if stale:
         reasons = "; ".join(str(s) for s in stale)
         raise EnginesNotRunnable(f"stale engines in {directory}: {reasons}; run `trtc rebuild {directory}`")
