@@ -9,13 +9,12 @@ contexts (batcher workers = contexts):
 
 * ``engines(x)``: end-to-end throughput of host numpy batches at the largest bucket (the bound);
 * ``DynamicBatcher`` with closed-loop clients sending single-row requests until ``--requests``
-  are answered, in three modes: ``--clients`` threads blocking in ``submit`` (default 64),
-  coroutines of one asyncio event loop awaiting ``infer`` (default: the largest bucket x
-  (contexts + 1), so that a batch forms while the contexts run theirs), and clients in
-  ``--client-processes`` other processes sending to a ``ProcessBatcher``, as threads
-  (``processes``) or coroutines (``processes-asyncio``) (as many, plus one largest bucket more
-  when a batch takes under 2 ms: the clients' own turnaround is then as long as a batch):
-  throughput, p50/p99
+  are answered, in four modes: ``--clients`` threads blocking in ``submit`` (default 64),
+  coroutines of one asyncio event loop awaiting ``infer``, and clients in
+  ``--client-processes`` other processes sending to a ``ProcessBatcher`` (its default
+  ``in_flight``), as threads (``processes``) or coroutines (``processes-asyncio``); coroutines and
+  process clients are two largest buckets (a batch forms while one runs), three when a batch takes
+  under 2 ms (the clients' own turnaround is then as long as a batch): throughput, p50/p99
   latency, lost (errors, timeouts) and misrouted answers (a row that is not the caller's), rows
   the engines ran beyond the requests (duplicates); targets: throughput >= 80 % of the bound,
   p99 <= max_wait + 2 x the largest bucket's batch time; and once per model the batcher's own
@@ -167,6 +166,14 @@ class CountingEngines:
     def queues_on_gpu(self) -> bool:
         return bool(self._engines.queues_on_gpu)
 
+    @property
+    def contexts(self) -> int:
+        return int(self._engines.contexts)
+
+    @property
+    def buffer_sets(self) -> int:
+        return int(self._engines.buffer_sets)
+
     def start_parts(self, calls: Any) -> Any:
         start = time.perf_counter()
         finish = self._engines.start_parts(calls)
@@ -228,12 +235,12 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     requests_of = [{n: a[i:i + 1] for n, a in pool.items()} for i in range(clients)]
     inputs_of = [r if len(r) > 1 else next(iter(r.values())) for r in requests_of]
     names = engines.output_names
-    processes = None
+    processes = in_flight = None
     if mode.startswith("processes"):
         from compiler.serve.processes import ProcessBatcher
 
-        with ProcessBatcher(counting, capacity=clients, max_wait_ms=max_wait_ms, in_flight=workers, timeout=30.0,
-                            ) as process_batcher:
+        with ProcessBatcher(counting, capacity=clients, max_wait_ms=max_wait_ms, timeout=30.0) as process_batcher:
+            in_flight = process_batcher.in_flight
             counting.reset()  # the batcher's probe of the output sizes is no request
             ran = process_clients.run(process_batcher, inputs_of, requests,
                                       client_processes or process_clients.default_processes(clients),
@@ -258,7 +265,8 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
         misrouted = sum(int(np.argmin(np.abs(refs - got).max(axis=1)) != index)
                         for index, got in answers)
     ms = np.asarray(latencies) * 1e3
-    return {"mode": mode, "clients": clients, "client_processes": processes, "requests": requests,
+    return {"mode": mode, "clients": clients, "client_processes": processes, "in_flight": in_flight,
+            "requests": requests,
             "answered": len(latencies), "lost": lost,
             "misrouted": misrouted, "duplicated_rows": max(0, counting.rows - requests), "seconds": seconds,
             "requests_per_s": len(latencies) / seconds if seconds else 0.0,
@@ -412,6 +420,9 @@ def main() -> None:
     parser.add_argument("--ort-ordered", action="store_true",
                         help="ONNX Runtime CUDA contexts run one after the other on the GPU instead of side by side "
                              "(compiler.backends.onnxrt.ORDER_RUNS = True), to compare.")
+    parser.add_argument("--ort-launch-inline", action="store_true",
+                        help="The batchers' ONNX Runtime runs are launched by the batcher's own thread instead of a "
+                             "thread of each context (compiler.backends.onnxrt.LAUNCH_THREAD = False), to compare.")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="The batcher's window (default 5).")
     parser.add_argument("--seconds", type=float, help="Seconds per engines(x) throughput (default 2; 0.2 smoke).")
     parser.add_argument("--map-batches", type=int, help="Batches per map run (default 200; 8 with --smoke).")
@@ -427,6 +438,10 @@ def main() -> None:
         import compiler.backends.onnxrt
 
         compiler.backends.onnxrt.ORDER_RUNS = True
+    if args.ort_launch_inline:
+        import compiler.backends.onnxrt
+
+        compiler.backends.onnxrt.LAUNCH_THREAD = False
 
     import torch
     from rich.console import Console
@@ -470,13 +485,14 @@ def main() -> None:
                 parts = parts_throughput(engines, one, largest, seconds)
                 parallel = parallel_throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest,
                                                contexts, seconds) if contexts > 1 else None
-                coroutines = args.async_clients or (8 if smoke else largest * (contexts + 1))
-                # clients in other processes: as many, and one batch more when a batch takes under 2 ms, where the
-                # clients' own turnaround (woken, answer copied out, next request sent: 0.5-1 ms on the H200 host
-                # under this load) is as long as a batch, so that a full batch still waits while each context runs
+                # coroutines and clients in other processes: two batches (one runs while the next waits behind it:
+                # the batchers keep two in flight on a GPU), and one batch more when a batch takes under 2 ms, where
+                # the clients' own turnaround (woken, answer copied out, next request sent: 0.5-1 ms on the H200
+                # host under this load) is as long as a batch. More clients only wait longer (Little's law: at the
+                # bound, latency = clients / throughput), which the p99 target would not allow.
                 short = not smoke and bound["batch_ms_mean"] < 2.0
-                many = args.async_clients or coroutines + (largest if short else 0)
-                counts = {"threads": (clients, thread_requests), "asyncio": (coroutines, async_requests),
+                many = args.async_clients or (8 if smoke else largest * (3 if short else 2))
+                counts = {"threads": (clients, thread_requests), "asyncio": (many, async_requests),
                           "processes": (many, async_requests), "processes-asyncio": (many, async_requests)}
                 modes = {mode: batcher_run(engines, model, contexts, counts[mode][0], counts[mode][1],
                                            args.max_wait_ms, mode=mode, client_processes=args.client_processes)
@@ -513,6 +529,8 @@ def main() -> None:
                              "parallel_calls": parallel, "run_parts": parts,
                              "ort_session_on_context_stream": on_own_stream if backend == "onnxruntime" else None,
                              "ort_runs_ordered": args.ort_ordered if backend == "onnxruntime" else None,
+                             "ort_launch_thread": not args.ort_launch_inline if backend == "onnxruntime" else None,
+                             "buffer_sets": engines.buffer_sets,
                              **{("batcher" if mode == "threads" else f"batcher_{mode}"): result
                                 for mode, result in modes.items()},
                              "map": mapped, "targets": targets})
@@ -552,6 +570,7 @@ def main() -> None:
     report = {"kind": "trtc-serving-bench", "smoke": smoke, "command": " ".join(sys.argv), "machine": machine,
               "settings": {"clients": clients, "async_clients": args.async_clients, "thread_requests": thread_requests,
                            "async_requests": async_requests, "ort_runs_ordered": args.ort_ordered,
+                           "ort_launch_thread": not args.ort_launch_inline,
                            "modes": wanted_modes, "client_processes": args.client_processes,
                            "max_wait_ms": args.max_wait_ms,
                            "seconds": seconds, "map_batches": map_batches, "map_batch": map_batch,

@@ -382,6 +382,43 @@ def test_on_a_gpu_the_next_batch_starts_before_asyncio_callers_are_answered(engi
     assert events.index("answer 0") < events.index("start 1")  # thread callers are answered first
 
 
+def test_on_a_gpu_with_two_buffer_sets_a_worker_queues_the_next_batch_before_it_waits(engines: Engines) -> None:
+    """With two buffer sets per worker on a GPU, the worker starts batch 1 while batch 0 still runs (its finish
+    held), for thread callers too: the next batch's copy overlaps the GPU. Every caller gets its own rows."""
+    events: list[str] = []
+    release = threading.Event()
+
+    class TwoSets(Recording):
+        queues_on_gpu = True  # type: ignore[assignment]  # CPU engines, as a GPU's would be driven
+        buffer_sets = 2
+
+        def start_parts(self, calls: Any) -> Any:
+            number = len(self.batches)
+            events.append(f"start {number}")
+            finish = super().start_parts(calls)
+
+            def held(read: Any = None) -> Any:
+                if number == 0:
+                    assert release.wait(10), "the test never released batch 0"
+                events.append(f"finish {number}")
+                return finish()
+
+            return held
+
+    two = TwoSets(engines)
+    with DynamicBatcher(two, max_batch=4, max_wait_ms=1000, workers=1) as batcher:  # type: ignore[arg-type]
+        futures = [batcher.submit_async(rows(i)) for i in range(8)]
+        deadline = time.monotonic() + 5
+        while "start 1" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events == ["start 0", "start 1"]  # batch 1 queued while batch 0 runs
+        release.set()
+        results = [f.result(timeout=10) for f in futures]
+    assert events == ["start 0", "start 1", "finish 0", "finish 1"]
+    for i, out in enumerate(results):
+        np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
+
+
 def test_the_ceiling_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/batcher_ceiling.py: every client mode answers every request; one JSON with the medians."""
     import json

@@ -336,8 +336,9 @@ def test_closed_batcher_refuses_requests_and_leaves_no_file(engines: Engines, tm
         client.submit(rows(0))
 
 
-def test_in_flight_beyond_the_contexts_is_refused(engines: Engines) -> None:
-    with pytest.raises(InputError, match="in_flight=3 but the engines have 2 context"):
+def test_in_flight_beyond_the_buffer_sets_is_refused(engines: Engines) -> None:
+    assert engines.buffer_sets == 2  # two CPU contexts, one set each
+    with pytest.raises(InputError, match=r"in_flight=3 but the engines have 2 buffer set\(s\) \(2 context"):
         ProcessBatcher(engines, in_flight=3)
     with ProcessBatcher(engines, capacity=1) as batcher, pytest.raises(InputError, match="slots=0: a client needs"):
         batcher.client_handle(0)

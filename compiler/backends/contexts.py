@@ -5,6 +5,8 @@ and the two kinds of context that hold a bucket's buffers.
 * ``_GpuContext``: device input buffers, pinned host staging and one CUDA stream per context
   (TensorRT, ONNX Runtime's CUDA provider and eager PyTorch on a GPU), with ``_ComputeOrder``
   keeping the model runs of one backend's contexts in sequence and ``_capture`` for CUDA graphs.
+  Each has ``BUFFER_SETS`` buffer sets (``lane``): the host copies the next batch into one set's
+  pinned staging while the last batch, from the other set, runs on the GPU.
 
 The front end (``Engines``, ``load``) is ``compiler.serve.engines``; the backends are
 ``compiler.backends.trt``, ``compiler.backends.onnxrt`` and ``compiler.backends.pytorch``.
@@ -12,6 +14,8 @@ The front end (``Engines``, ``load``) is ``compiler.serve.engines``; the backend
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 import logging
 import math
@@ -35,6 +39,10 @@ _NUMPY_DTYPES: dict[str, Any] = {"float32": np.float32, "float16": np.float16, "
                                  "int8": np.int8, "uint8": np.uint8, "bool": np.bool_, "bfloat16": None}
 _BINDING_CACHE = 32  # (bucket, dynamic sizes) combinations whose views and bindings a context keeps
 _PARALLEL_COPY_BYTES = 1 << 20  # inputs this large are staged with torch's multi-threaded copy
+# Buffer sets (pinned staging and host outputs) per GPU context: with two, one context takes a second batch while
+# its first runs (on an H200 one context and one set ran a CNN's batcher at 64-75 % of its bound: the 64 requests'
+# copy into the set waited for the GPU).
+BUFFER_SETS = 2
 
 
 @dataclass
@@ -75,6 +83,8 @@ class _Context(Protocol):
     device tensors usable on the context's stream. ``execute`` is the bare model run on buffers
     already filled. ``stream``: the CUDA stream the context's work is queued on (None on the CPU).
     ``overlaps``: whether the host is free while the model runs (``map`` pipelines only then).
+    ``hold`` keeps the context to the caller across ``upload``, ``compute`` and ``download`` (other
+    buffer sets of the same context wait to queue their work meanwhile).
     """
 
     on_gpu: bool
@@ -86,6 +96,8 @@ class _Context(Protocol):
     def upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None: ...
 
     def upload_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> None: ...
+
+    def start(self, bucket: int, calls: Sequence[CheckedFeed]) -> None: ...
 
     def compute(self, bucket: int, call: CheckedFeed) -> None: ...
 
@@ -100,6 +112,10 @@ class _Context(Protocol):
     def copy_outputs(self) -> dict[str, np.ndarray]: ...
 
     def copy_outputs_on_device(self) -> dict[str, Any]: ...
+
+    def hold(self) -> contextlib.AbstractContextManager[Any]: ...
+
+    def buffer_sets(self) -> list[_Context]: ...
 
     def close(self) -> None: ...
 
@@ -198,6 +214,10 @@ class _HostContext:
     def download(self, host: bool) -> None:
         pass  # the outputs are host arrays already
 
+    def start(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
+        self.upload_parts(bucket, calls)
+        self.compute(bucket, calls[0])
+
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -214,6 +234,13 @@ class _HostContext:
 
     def copy_outputs_on_device(self) -> dict[str, Any]:
         raise AssertionError("a CPU context has no device outputs")
+
+    def hold(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def buffer_sets(self) -> list[_Context]:
+        """One: the host computes each run itself, so a second set would have nothing to overlap."""
+        return [self]
 
     def close(self) -> None:
         self._flat.clear()
@@ -249,6 +276,12 @@ class _GpuContext:
 
     Subclasses implement ``execute``: run on the device inputs, queued on ``self.stream``, and
     return the device outputs at the bucket's batch.
+
+    ``buffer_sets`` gives the context and ``BUFFER_SETS - 1`` lanes of it (``lane``): each has pinned
+    staging, host outputs and a done event of its own, and shares the rest. A run queues its copy to
+    the device, the model and the copy back on the one stream under ``_queueing``, so two sets'
+    runs never interleave there; a set is used by one caller at a time and waited for before it is
+    used again, so its staging is free when the host writes the next batch into it.
     """
 
     on_gpu = True
@@ -270,23 +303,53 @@ class _GpuContext:
         self.stream = torch.cuda.Stream(self.device)
         self._done = torch.cuda.Event()
         self._batched = {i.name: bool(i.dims) and i.dims[0] == BATCH_DIM for i in spec.inputs}
+        self._queueing = threading.RLock()  # shared by the lanes: one run at a time is queued on the stream
+        # a thread of the context's own that queues ``start``'s runs, for a backend whose run holds the host about as
+        # long as the GPU computes (ONNX Runtime launching its kernels): the caller goes on meanwhile
+        self._launcher: ThreadPoolExecutor | None = None
+        self._launched: Any = None  # the future of this set's run in the launcher
+        self._lane_of: _GpuContext = self  # the context whose device buffers and model this set uses
         self._device_flat: dict[tuple[int, str], torch.Tensor] = {}
-        self._host_flat: dict[tuple[int, str], torch.Tensor] = {}
-        self._host_np: dict[tuple[int, str], np.ndarray] = {}
         for b in buckets:
             values = _max_values(spec, b)
             for i in spec.inputs:
-                numel = math.prod(i.shape(values))
                 # zeros: warm-up and capture read them, and zero is a valid token id, mask and pixel
-                self._device_flat[b, i.name] = torch.zeros(numel, dtype=dtypes[i.name], device=self.device)
-                self._host_flat[b, i.name] = torch.zeros(numel, dtype=dtypes[i.name], pin_memory=True)
-                self._host_np[b, i.name] = self._host_flat[b, i.name].numpy()
+                self._device_flat[b, i.name] = torch.zeros(math.prod(i.shape(values)), dtype=dtypes[i.name],
+                                                           device=self.device)
+        self._host_flat: dict[tuple[int, str], torch.Tensor] = {}
+        self._host_np: dict[tuple[int, str], np.ndarray] = {}
+        self._stage_buffers()
         self._views: dict[tuple[int, tuple[int, ...]], dict[str, tuple[Any, Any, np.ndarray]]] = {}
         self._host_out: dict[str, torch.Tensor] = {}
         self._last: dict[str, Any] = {}
-        self._last_host = True
         self._rows = 0
         self._computed: dict[str, Any] = {}
+
+    def _stage_buffers(self) -> None:
+        """This set's pinned staging, one per device input buffer."""
+        torch = self._torch
+        self._host_flat = {key: torch.zeros(flat.numel(), dtype=flat.dtype, pin_memory=True)
+                           for key, flat in self._device_flat.items()}
+        self._host_np = {key: flat.numpy() for key, flat in self._host_flat.items()}
+
+    def lane(self) -> _GpuContext:
+        """Another buffer set of this context (see the class docstring): what ``Engines`` pools besides it."""
+        other = copy.copy(self)  # shares the stream, device buffers, model, graphs and bindings
+        other._stage_buffers()
+        other._views = {}
+        other._host_out = {}
+        other._last = {}
+        other._computed = {}
+        other._rows = 0
+        other._done = self._torch.cuda.Event()
+        other._launched = None
+        return other
+
+    def buffer_sets(self) -> list[_Context]:
+        return [self, *(self.lane() for _ in range(BUFFER_SETS - 1))]
+
+    def hold(self) -> contextlib.AbstractContextManager[Any]:
+        return self._queueing
 
     def device_inputs(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
         return {name: views[0] for name, views in self._input_views(bucket, call).items()}
@@ -307,41 +370,77 @@ class _GpuContext:
         return views
 
     def run(self, bucket: int, call: CheckedFeed, start: int, stop: int, host: bool) -> None:
-        if call.on_device:  # the feed was written on the caller's stream
-            self.stream.wait_stream(self._torch.cuda.current_stream(self.device))
-        with self._torch.cuda.stream(self.stream):
-            self._upload(bucket, call, start, stop)
-            self._compute(bucket, call)
-            self._download(host)
+        caller = self._torch.cuda.current_stream(self.device)
+        with self._queueing:
+            if call.on_device:  # the feed was written on the caller's stream
+                self.stream.wait_stream(caller)
+            with self._torch.cuda.stream(self.stream):
+                self._upload(bucket, call, start, stop)
+                self._compute(bucket, call)
+                self._download(host, caller)
 
     def upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None:
-        if call.on_device:
-            self.stream.wait_stream(self._torch.cuda.current_stream(self.device))
-        with self._torch.cuda.stream(self.stream):
-            self._upload(bucket, call, start, stop)
+        with self._queueing:
+            if call.on_device:
+                self.stream.wait_stream(self._torch.cuda.current_stream(self.device))
+            with self._torch.cuda.stream(self.stream):
+                self._upload(bucket, call, start, stop)
 
     def upload_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
-        """Each host feed's rows into the pinned staging at its offset (``_pack``), then one copy to the device."""
-        torch = self._torch
-        first = calls[0]
-        rows = sum(call.rows for call in calls)
-        with torch.cuda.stream(self.stream):
-            for name, (device_view, host_view, host_np) in self._input_views(bucket, first).items():
-                if not self._batched[name]:
-                    self.stage(host_np, host_view, first.arrays[name])
-                    device_view.copy_(host_view, non_blocking=True)
-                    continue
-                _pack([call.arrays[name] for call in calls], host_np[:rows])
-                device_view[:rows].copy_(host_view[:rows], non_blocking=True)
-        self._rows = rows
+        """Each host feed's rows into this set's pinned staging at its offset (``_pack``), then one copy to the
+        device."""
+        views = self._pack_parts(bucket, calls)
+        with self._queueing, self._torch.cuda.stream(self.stream):
+            self._copy_parts(views)
 
     def compute(self, bucket: int, call: CheckedFeed) -> None:
-        with self._torch.cuda.stream(self.stream):
+        with self._queueing, self._torch.cuda.stream(self.stream):
             self._compute(bucket, call)
 
     def download(self, host: bool) -> None:
-        with self._torch.cuda.stream(self.stream):
-            self._download(host)
+        caller = self._torch.cuda.current_stream(self.device)
+        with self._queueing, self._torch.cuda.stream(self.stream):
+            self._download(host, caller)
+
+    def start(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
+        """``upload_parts``, ``compute`` and ``download(True)`` with no other set's run queued between them: what
+        ``Engines.start_parts`` runs. The packing into this set's staging needs no lock: only the queueing waits
+        for another set's."""
+        caller = self._torch.cuda.current_stream(self.device)
+        views = self._pack_parts(bucket, calls)
+        if self._launcher is None:
+            self._queue_run(views, bucket, calls[0], caller)
+        else:  # in order with the other sets' runs: one launcher thread per context
+            self._launched = self._launcher.submit(self._queue_run, views, bucket, calls[0], caller)
+
+    def _queue_run(self, views: dict[str, tuple[Any, Any, np.ndarray]], bucket: int, call: CheckedFeed,
+                   caller: Any) -> None:
+        with self._queueing, self._torch.cuda.stream(self.stream):
+            self._copy_parts(views)
+            self._compute(bucket, call)
+            self._download(True, caller)
+
+    def _pack_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> dict[str, tuple[Any, Any, np.ndarray]]:
+        """The feeds' rows one after the other into this set's staging; its views (``_input_views``)."""
+        first = calls[0]
+        rows = sum(call.rows for call in calls)
+        views = self._input_views(bucket, first)
+        for name, (_, host_view, host_np) in views.items():
+            if self._batched[name]:
+                _pack([call.arrays[name] for call in calls], host_np[:rows])
+            else:
+                self.stage(host_np, host_view, first.arrays[name])
+        self._rows = rows
+        return views
+
+    def _copy_parts(self, views: dict[str, tuple[Any, Any, np.ndarray]]) -> None:
+        """Queue the copy of the packed rows to the device (under ``_queueing``, on the stream)."""
+        rows = self._rows
+        for name, (device_view, host_view, _) in views.items():
+            if self._batched[name]:
+                device_view[:rows].copy_(host_view[:rows], non_blocking=True)
+            else:
+                device_view.copy_(host_view, non_blocking=True)
 
     def _upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None:
         """Queue the copy of rows ``start:stop`` into the bucket's device inputs (through pinned memory); a
@@ -373,8 +472,10 @@ class _GpuContext:
             self._computed = {name: out[:rows] for name, out in self.execute(bucket, call).items()}
             order.done.record(self.stream)
 
-    def _download(self, host: bool) -> None:
-        """Queue the outputs' copy to pinned host memory (``host``), or keep them on the device."""
+    def _download(self, host: bool, caller: Any) -> None:
+        """Queue the outputs' copy to this set's pinned host memory (``host``), or to new device tensors that the
+        ``caller`` stream owns (the context's own outputs are the next run's, perhaps another set's)."""
+        torch = self._torch
         if host:
             staged = {}
             for name, out in self._computed.items():
@@ -383,9 +484,12 @@ class _GpuContext:
                 staged[name] = pinned.numpy()
             self._last = staged
         else:
-            self._last = self._computed
+            with torch.cuda.stream(caller):  # allocated on the caller's stream, which uses and frees them
+                copies = {name: torch.empty_like(out) for name, out in self._computed.items()}
+            for name, out in self._computed.items():
+                copies[name].copy_(out, non_blocking=True)
+            self._last = copies
         self._done.record(self.stream)
-        self._last_host = host
 
     def stage(self, host_np: np.ndarray, host_view: Any, source: np.ndarray) -> None:
         """Copy a host array into pinned memory: numpy for small arrays, torch's parallel copy (GIL released)
@@ -406,6 +510,10 @@ class _GpuContext:
         raise NotImplementedError
 
     def wait(self) -> None:
+        launched = self._launched
+        if launched is not None:  # queued by the launcher: raises what its run raised
+            self._launched = None
+            launched.result()
         self._done.synchronize()
 
     def outputs(self) -> dict[str, Any]:
@@ -415,17 +523,14 @@ class _GpuContext:
         return {name: view.copy() for name, view in self._last.items()}
 
     def copy_outputs_on_device(self) -> dict[str, Any]:
-        """The last run's device outputs copied into fresh tensors the caller's stream owns; waits for them."""
-        torch = self._torch
-        copies = {name: torch.empty_like(view) for name, view in self._last.items()}  # allocated on the caller's stream
-        with torch.cuda.stream(self.stream):
-            for name, view in self._last.items():
-                copies[name].copy_(view, non_blocking=True)
-            self._done.record(self.stream)
+        """The last run's device outputs, in fresh tensors the caller's stream owns (``_download``); waits for them."""
         self._done.synchronize()
-        return copies
+        return self._last
 
     def close(self) -> None:
+        """Free the context: called on the context itself, never on its lanes (``Engines`` drops those)."""
+        if self._launcher is not None:
+            self._launcher.shutdown()
         self.stream.synchronize()
         self._views.clear()
         self._device_flat.clear()
@@ -439,24 +544,37 @@ _PACK_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 _pack_pool: ThreadPoolExecutor | None = None
 
 
-def _pack(parts: list[np.ndarray], out: np.ndarray) -> None:
-    """``np.concatenate(parts, out=out)``, by up to ``_PACK_THREADS`` threads for large batches (numpy releases the
-    GIL while it copies). numpy, not torch: ``torch.cat`` into pinned memory took 140-740 ms for 64 images on a
-    busy 2-core host (its thread pool oversubscribed), numpy 6 ms; one thread alone was 2 ms slower per batch of
-    64 ResNet images than torch on the H200."""
+def in_groups(count: int, nbytes: int, job: Callable[[int, int], Any], group_bytes: int | None = None) -> None:
+    """``job(a, b)`` for consecutive ranges of ``range(count)`` that together cover it: one range when ``nbytes``
+    (all the work) is under two ``group_bytes`` (default ``_PACK_GROUP_BYTES``), else up to ``_PACK_THREADS``
+    about equal ranges at once, one of them in the calling thread. For numpy copies, which release the GIL."""
     global _pack_pool
-    groups = min(_PACK_THREADS, len(parts), out.nbytes // _PACK_GROUP_BYTES)
+    groups = min(_PACK_THREADS, count, nbytes // (group_bytes or _PACK_GROUP_BYTES))
     if groups <= 1:
-        np.concatenate(parts, out=out, casting="same_kind")
+        job(0, count)
         return
     if _pack_pool is None:
         _pack_pool = ThreadPoolExecutor(_PACK_THREADS, thread_name_prefix="trtc-pack")
+    cuts = [count * g // groups for g in range(groups + 1)]
+    jobs = [_pack_pool.submit(job, a, b) for a, b in itertools.pairwise(cuts[1:])]
+    try:
+        job(0, cuts[1])
+    finally:
+        for done in jobs:
+            done.result()
+
+
+def _pack(parts: list[np.ndarray], out: np.ndarray) -> None:
+    """``np.concatenate(parts, out=out)``, by up to ``_PACK_THREADS`` threads for large batches (``in_groups``).
+    numpy, not torch: ``torch.cat`` into pinned memory took 140-740 ms for 64 images on a busy 2-core host (its
+    thread pool oversubscribed), numpy 6 ms; one thread alone was 2 ms slower per batch of 64 ResNet images than
+    torch on the H200."""
+    if len(parts) == 1 or out.nbytes < 2 * _PACK_GROUP_BYTES:
+        np.concatenate(parts, out=out, casting="same_kind")
+        return
     offsets = [0, *itertools.accumulate(len(p) for p in parts)]  # row offsets of the parts in ``out``
-    cuts = [len(parts) * g // groups for g in range(groups + 1)]  # parts per thread, about equal
-    jobs = [_pack_pool.submit(np.concatenate, parts[a:b], out=out[offsets[a]:offsets[b]], casting="same_kind")
-            for a, b in itertools.pairwise(cuts)]
-    for job in jobs:
-        job.result()
+    in_groups(len(parts), out.nbytes,
+              lambda a, b: np.concatenate(parts[a:b], out=out[offsets[a]:offsets[b]], casting="same_kind"))
 
 
 def _capture(stream: Any, launch: Callable[[], Any], what: str) -> tuple[Any, Any] | None:

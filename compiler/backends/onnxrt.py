@@ -49,6 +49,11 @@ CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_works
 # collapsed (489 req/s against 3,302): a worker holds the order across ONNX Runtime's run, which releases the GIL,
 # and then waits for the GIL with the order held. ``benchmarks/serving_gpu.py --ort-ordered`` compares.
 ORDER_RUNS = False
+# Whether the batchers' runs (``start``) are queued by a thread of each CUDA context's own: ONNX Runtime's run holds
+# the calling thread about as long as the GPU computes (launching every kernel; it releases the GIL meanwhile), and
+# in the batcher's one thread that time added to its own per-batch work. ``benchmarks/serving_gpu.py
+# --ort-launch-inline`` compares.
+LAUNCH_THREAD = True
 
 
 class _OrtBackend:
@@ -264,6 +269,10 @@ class _OrtCudaContext(_GpuContext):
             self._queue_only = ort.RunOptions()
             self._queue_only.add_run_config_entry("disable_synchronize_execution_providers", "1")
             self._order = backend.order  # None unless ORDER_RUNS
+            if LAUNCH_THREAD:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._launcher = ThreadPoolExecutor(1, thread_name_prefix="trtc-ort-launch")
 
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
         import torch

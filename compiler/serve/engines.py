@@ -26,10 +26,12 @@ contexts are in ``compiler.backends.contexts``), one module each:
 in a log line, so that a service still starts on a node without TensorRT.
 
 Thread safety: an ``Engines`` may be called from any number of threads. Each call borrows one
-context from a small pool (``contexts``, default 2, all created at load, so that graph capture
-and allocation never land on a request) and gives it back when its outputs are copied out;
-callers beyond the pool wait for a free context. A context is never used by two callers at once,
-so its buffers and stream are never shared.
+buffer set from a small pool and gives it back when its outputs are copied out; callers beyond
+the pool wait for a free one. The pool: ``contexts`` (default 2, all created at load, so that
+graph capture and allocation never land on a request), each with two buffer sets on a GPU
+(``buffer_sets``: pinned staging and host outputs of their own, sharing the context's device
+buffers, stream and model; their runs are queued on the stream one whole run at a time), so the
+host copies one batch in while the context computes another; one set per context on the CPU.
 
 ``trtc bench`` times these same backends (``Engines.borrow`` and a context's ``upload`` /
 ``compute`` / ``download``); there is no second way to run a model.
@@ -137,18 +139,27 @@ class Engines:
         try:
             for _ in range(contexts):
                 self._contexts.append(backend.new_context())
+            sets = [context.buffer_sets() for context in self._contexts]
         except BaseException:
             for context in self._contexts:
                 context.close()
             raise
-        for context in self._contexts:
-            self._idle.put(context)
+        self._sets = len(sets) * len(sets[0])
+        for lane in zip(*sets, strict=True):  # the contexts' first sets first: calls at once go to different contexts
+            for context in lane:
+                self._idle.put(context)
         self._closed = False
 
     @property
     def contexts(self) -> int:
-        """How many calls can run at once (each borrows one context)."""
+        """Execution contexts: how many batches the GPU (or the CPU) can run at once."""
         return self._max_contexts
+
+    @property
+    def buffer_sets(self) -> int:
+        """How many calls can be in flight at once (each borrows one buffer set): two per context on a GPU, so
+        that the host copies one batch in while the context runs another; one per context on the CPU."""
+        return self._sets
 
     @property
     def backend(self) -> str:
@@ -185,9 +196,10 @@ class Engines:
             if self._closed:
                 return
             self._closed = True
-            contexts = list(self._contexts)
-        for _ in contexts:
-            self._idle.get().close()
+        for _ in range(self._sets):  # every buffer set given back: nothing runs any more
+            self._idle.get()
+        for context in self._contexts:
+            context.close()
         self._backend.close()
 
     # -- calls --
@@ -240,9 +252,7 @@ class Engines:
         bucket = self._route[rows]
         context = self._acquire()
         try:
-            context.upload_parts(bucket, calls)
-            context.compute(bucket, calls[0])
-            context.download(True)
+            context.start(bucket, calls)
         except BaseException:
             self._idle.put(context)
             raise
@@ -326,11 +336,6 @@ class Engines:
         with self._lock:
             if self._closed:
                 raise RuntimeError("these engines are closed")
-            grow = len(self._contexts) < self._max_contexts
-            if grow:
-                context = self._backend.new_context()
-                self._contexts.append(context)
-                return context
         return self._idle.get()
 
     def _release(self, context: _Context) -> None:
@@ -338,10 +343,12 @@ class Engines:
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[_Context]:
-        """One context of the pool, for the caller alone until the block ends (what ``trtc bench`` times)."""
+        """One buffer set of the pool, with its context held, for the caller alone until the block ends (what ``trtc
+        bench`` times: its ``upload``, ``compute`` and ``download`` are separate calls)."""
         context = self._acquire()
         try:
-            yield context
+            with context.hold():
+                yield context
         finally:
             self._release(context)
 
@@ -377,14 +384,13 @@ class Engines:
 
         Each batch is what ``engines(...)`` takes, and ``postprocess`` gets what it returns. Batch
         n+1 is copied in and computed while batch n is post-processed: on a GPU backend with
-        ``depth`` buffer sets (contexts, each on its own CUDA stream, with pinned host buffers),
-        on a CPU backend with the compute in a second thread. A buffer set is given back as soon
+        ``depth`` buffer sets (``buffer_sets``: pinned host buffers, queued on their context's
+        CUDA stream), on a CPU backend with the compute in a second thread. A buffer set is given back as soon
         as its outputs are copied out, before ``postprocess`` runs, so post-processing never holds
         up the copies and compute of the next batches. Everything is synchronized before the last
         result is yielded; leaving the loop early stops the work. Where the host cannot be free while
         a batch computes (eager torch without CUDA graphs launches every kernel under the GIL; a
-        one-core CPU), and on a GPU with one context (one buffer set), it runs the plain loop
-        instead, which is then at least as fast.
+        one-core CPU), it runs the plain loop instead, which is then at least as fast.
         """
         if depth < 1:
             raise InputError(f"depth={depth}: map needs at least one buffer set")
@@ -479,9 +485,9 @@ class Engines:
         if not context.overlaps:
             return False
         if context.on_gpu:
-            # one buffer set: a batch's copy waits for the last one's compute, so only post-processing could
-            # overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, docs/benchmarks.md)
-            return self._max_contexts > 1
+            # with one buffer set a batch's copy would wait for the last one's compute, so only post-processing
+            # could overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, docs/benchmarks.md)
+            return self._sets > 1
         return (os.cpu_count() or 1) > 1
 
 

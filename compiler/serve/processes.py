@@ -6,7 +6,7 @@ coroutines on an H200 host (its GIL; docs/benchmarks.md), while one GPU runs a s
 requests to the one process that owns the GPU:
 
     # the process that owns the GPU
-    batcher = ProcessBatcher(compiler.load("build/m", contexts=2), max_wait_ms=5, in_flight=2)
+    batcher = ProcessBatcher(compiler.load("build/m"), max_wait_ms=5)
     handles = [batcher.client_handle(slots=8) for _ in range(16)]
     spawn = multiprocessing.get_context("spawn")
     workers = [spawn.Process(target=serve, args=(handle,)) for handle in handles]
@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import math
 import mmap
@@ -61,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from compiler.backends.contexts import in_groups
 from compiler.core.errors import FeedError, InputError
 from compiler.core.specs import BATCH_DIM, DimRange, ModelSpec
 from compiler.serve.batcher import BatcherClosed, RequestTimeout, check_settings
@@ -78,6 +80,9 @@ _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
 _GONE = "the batcher is closed, or its process ended; restart the server"
 _GRACE = 1.0  # seconds a caller waits past its timeout for a batch that started just before it
 _OVERLOADED = "the server is overloaded; raise the timeout, or add contexts (in_flight) or GPUs"
+# answers this large per thread are written into the slots by several threads: on an H200 host one thread took
+# 250 us per batch of a small transformer's answers (2 MB), a third of the batch's time on the GPU
+_SCATTER_GROUP_BYTES = 512 << 10
 
 
 class RequestFailed(RuntimeError):
@@ -480,7 +485,8 @@ class ProcessBatcher:
 
     ``capacity``: slots in all (each holds one request in flight); ``slot_rows``: rows a request may
     have. ``max_batch``, ``max_wait_ms`` and ``timeout`` as for ``DynamicBatcher``. ``in_flight``:
-    batches queued on the engines at once (give the engines as many contexts). One thread does all
+    batches queued on the engines at once, at most their ``buffer_sets``; default 2 where they have
+    two (a GPU: the next batch is copied in while one runs), else 1. One thread does all
     of the batcher's work: it reads the requests, starts batches and answers them, so no second
     thread of this process ever waits for the GIL behind it (two workers and a reader thread spent
     up to half of each batch's time handing the GIL around, on an H200).
@@ -489,17 +495,19 @@ class ProcessBatcher:
     """
 
     def __init__(self, engines: Any, *, capacity: int = 256, slot_rows: int = 1, max_batch: int | None = None,
-                 max_wait_ms: float = 10.0, timeout: float | None = 10.0, in_flight: int = 1,
+                 max_wait_ms: float = 10.0, timeout: float | None = 10.0, in_flight: int | None = None,
                  shm_dir: str | None = None) -> None:
         if capacity < 1 or slot_rows < 1:
             raise InputError(f"capacity={capacity}, slot_rows={slot_rows}: both must be at least 1")
         check_settings(max_batch, max_wait_ms, timeout)
+        sets = getattr(engines, "buffer_sets", None)
+        if in_flight is None:
+            in_flight = min(2, sets or 1)
         if in_flight < 1:
             raise InputError(f"in_flight={in_flight}: the batcher runs at least one batch at a time")
-        contexts = getattr(engines, "contexts", None)
-        if contexts is not None and in_flight > contexts:  # its one thread would wait for a context it holds itself
-            raise InputError(f"in_flight={in_flight} but the engines have {contexts} context(s): load them with "
-                             f"contexts={in_flight}, or lower in_flight")
+        if sets is not None and in_flight > sets:  # its one thread would wait for a buffer set it holds itself
+            raise InputError(f"in_flight={in_flight} but the engines have {sets} buffer set(s) "
+                             f"({engines.contexts} context(s)): load them with more contexts, or lower in_flight")
         self.engines = engines
         self.in_flight = in_flight
         self.max_batch = max_batch or max(engines.buckets)
@@ -745,8 +753,8 @@ class ProcessBatcher:
         for j, (io, area) in enumerate(self._out):
             out = np.asarray(outputs[io.name])
             shape = out.shape[1:]
-            if shape == io.largest and singles:
-                area[slots, 0] = out  # the common case: whole rows, one fancy assignment
+            if shape == io.largest and singles:  # the common case: whole rows, one fancy assignment per group
+                in_groups(len(slots), out.nbytes, functools.partial(_scatter, area, slots, out), _SCATTER_GROUP_BYTES)
             elif len(shape) != len(io.largest) or any(n > room for n, room in zip(shape, io.largest, strict=True)):
                 return (f"output {io.name!r} has shape {out.shape}; a slot holds {io.largest} per row (sized by a "
                         "run at the largest input sizes): this model's output sizes depend on its data")
@@ -784,6 +792,10 @@ class ProcessBatcher:
         for handle, mine in by_handle.items():
             with contextlib.suppress(OSError):  # a client process that is gone: nobody waits for these
                 os.write(self._wakers[handle].fileno(), np.asarray(mine, "<i4").tobytes())
+
+
+def _scatter(area: np.ndarray, slots: np.ndarray, out: np.ndarray, a: int, b: int) -> None:
+    area[slots[a:b], 0] = out[a:b]
 
 
 def _sizes(io: _Io, values: Mapping[str, int]) -> tuple[int, ...]:
