@@ -420,9 +420,6 @@ def main() -> None:
     parser.add_argument("--ort-ordered", action="store_true",
                         help="ONNX Runtime CUDA contexts run one after the other on the GPU instead of side by side "
                              "(compiler.backends.onnxrt.ORDER_RUNS = True), to compare.")
-    parser.add_argument("--ort-launch-inline", action="store_true",
-                        help="The batchers' ONNX Runtime runs are launched by the batcher's own thread instead of a "
-                             "thread of each context (compiler.backends.onnxrt.LAUNCH_THREAD = False), to compare.")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="The batcher's window (default 5).")
     parser.add_argument("--seconds", type=float, help="Seconds per engines(x) throughput (default 2; 0.2 smoke).")
     parser.add_argument("--map-batches", type=int, help="Batches per map run (default 200; 8 with --smoke).")
@@ -438,10 +435,6 @@ def main() -> None:
         import compiler.backends.onnxrt
 
         compiler.backends.onnxrt.ORDER_RUNS = True
-    if args.ort_launch_inline:
-        import compiler.backends.onnxrt
-
-        compiler.backends.onnxrt.LAUNCH_THREAD = False
 
     import torch
     from rich.console import Console
@@ -529,7 +522,6 @@ def main() -> None:
                              "parallel_calls": parallel, "run_parts": parts,
                              "ort_session_on_context_stream": on_own_stream if backend == "onnxruntime" else None,
                              "ort_runs_ordered": args.ort_ordered if backend == "onnxruntime" else None,
-                             "ort_launch_thread": not args.ort_launch_inline if backend == "onnxruntime" else None,
                              "buffer_sets": engines.buffer_sets,
                              **{("batcher" if mode == "threads" else f"batcher_{mode}"): result
                                 for mode, result in modes.items()},
@@ -570,7 +562,6 @@ def main() -> None:
     report = {"kind": "trtc-serving-bench", "smoke": smoke, "command": " ".join(sys.argv), "machine": machine,
               "settings": {"clients": clients, "async_clients": args.async_clients, "thread_requests": thread_requests,
                            "async_requests": async_requests, "ort_runs_ordered": args.ort_ordered,
-                           "ort_launch_thread": not args.ort_launch_inline,
                            "modes": wanted_modes, "client_processes": args.client_processes,
                            "max_wait_ms": args.max_wait_ms,
                            "seconds": seconds, "map_batches": map_batches, "map_batch": map_batch,

@@ -398,3 +398,58 @@ def test_close_without_draining_fails_queued_requests(engines: Engines) -> None:
     join_all([closer, running, queued], timeout=20)
     np.testing.assert_allclose(results["running"], engines(rows(0)), rtol=1e-5, atol=1e-6)
     assert isinstance(results["queued"], BatcherClosed)
+
+
+def test_the_next_batch_starts_while_the_last_one_runs(engines: Engines) -> None:
+    """With room for a second batch, the batcher's thread does not wait for a running batch (not ``ready``): a batch
+    that becomes full meanwhile starts at once, before the first is finished; both answer their own callers."""
+    from compiler.serve.engines import Started
+
+    events: list[str] = []
+    release = threading.Event()
+
+    class Slow(Recording):
+        buffer_sets = 2
+
+        def start_parts(self, calls: Any) -> Any:
+            number = len(self.batches)
+            events.append(f"start {number}")
+            finish = super().start_parts(calls)
+            if number != 1:  # batch 0 is the batcher's probe of the output sizes (``engines(x)``)
+                return finish
+
+            def held(read: Any = None) -> Any:
+                assert release.wait(10), "the test never released batch 1"
+                events.append("finish 1")
+                return finish(read)
+
+            return Started(held, release.is_set)
+
+    slow = Slow(engines)
+    with ProcessBatcher(slow, capacity=8, max_batch=4, max_wait_ms=1000) as batcher:
+        assert batcher.in_flight == 2
+        client = batcher.client_handle(8).connect()
+        answers: dict[int, Any] = {}
+
+        def one(i: int) -> None:
+            answers[i] = client.submit(rows(i), timeout=20)
+
+        first = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in first:
+            t.start()
+        deadline = time.monotonic() + 10
+        while "start 1" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = [threading.Thread(target=one, args=(i,)) for i in range(4, 8)]
+        for t in second:
+            t.start()
+        while "start 2" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = list(events)
+        release.set()
+        assert started == ["start 1", "start 2"]  # batch 2 started while batch 1 still ran
+        join_all(first + second, timeout=20)
+        client.close()
+    assert events == ["start 1", "start 2", "finish 1"]
+    for i in range(8):
+        np.testing.assert_allclose(answers[i], engines(rows(i)), rtol=1e-5, atol=1e-6)

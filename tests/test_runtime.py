@@ -583,24 +583,26 @@ def _one_context_on_cuda(backend: str, tmp_path: Path) -> runtime.Engines:
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, tmp_path: Path) -> None:
     """The second buffer set of one context: two batches queued before either is waited for, answered out of
-    order; threads with host and CUDA feeds at once; ``map`` pipelines (it ran the plain loop with one set)."""
+    order; threads with host and CUDA feeds at once; ``map`` pipelines on torch's CUDA graphs (it ran the plain loop
+    with one set)."""
     with _one_context_on_cuda(backend, tmp_path) as engines:
         assert (engines.contexts, engines.buffer_sets) == (1, 2)
-        assert engines._can_overlap()
+        assert engines._can_overlap() == (backend == "torch")  # ONNX Runtime's run holds the host
         rng = np.random.default_rng(11)
         a, b = (rng.standard_normal((n, 64)).astype(np.float32) for n in (16, 9))
         finish_a = engines.start_parts([engines.check(a)])
         finish_b = engines.start_parts([engines.check(b[:4]), engines.check(b[4:])])
         name = engines.output_names[0]
-        np.testing.assert_allclose(finish_b()[name], eager("mlp", {"x": b}), rtol=1e-3, atol=1e-4)
-        np.testing.assert_allclose(finish_a()[name], eager("mlp", {"x": a}), rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(finish_b()[name], eager("mlp", {"x": b}), rtol=1e-3, atol=1e-3)
+        assert finish_a.ready()  # queued before b on the one stream
+        np.testing.assert_allclose(finish_a()[name], eager("mlp", {"x": a}), rtol=1e-3, atol=1e-3)
         inputs = [rng.standard_normal((int(rng.integers(1, 17)), 64)).astype(np.float32) for _ in range(48)]
         feeds: list[Any] = [torch.from_numpy(x).cuda() if i % 3 == 0 else x for i, x in enumerate(inputs)]
         got: list[Any] = [None] * len(feeds)
         call_from_threads(engines, feeds, got, 4, timeout=60)
         for i, (answer, x) in enumerate(zip(got, inputs)):
             answer = answer.cpu().numpy() if i % 3 == 0 else answer
-            np.testing.assert_allclose(answer, eager("mlp", {"x": x}), rtol=1e-3, atol=1e-4)
+            np.testing.assert_allclose(answer, eager("mlp", {"x": x}), rtol=1e-3, atol=1e-3)  # TF32 on
         sums = list(engines.map(inputs[:12], postprocess=lambda out: out.sum(axis=1)))
         for total, x in zip(sums, inputs[:12]):
             np.testing.assert_allclose(total, eager("mlp", {"x": x}).sum(axis=1), rtol=1e-3, atol=1e-3)

@@ -107,6 +107,8 @@ class _Context(Protocol):
 
     def wait(self) -> None: ...
 
+    def ready(self) -> bool: ...
+
     def outputs(self) -> dict[str, Any]: ...
 
     def copy_outputs(self) -> dict[str, np.ndarray]: ...
@@ -224,6 +226,9 @@ class _HostContext:
     def wait(self) -> None:
         pass
 
+    def ready(self) -> bool:
+        return True
+
     def outputs(self) -> dict[str, Any]:
         rows = self._rows
         return {name: out[:rows] for name, out in self._last.items()}
@@ -286,6 +291,7 @@ class _GpuContext:
 
     on_gpu = True
     overlaps = True  # the work is queued on the stream; the host waits only in ``wait``
+    launches_on_host = False  # whether a run launches every kernel from the host, about as long as the GPU computes
 
     def __init__(self, spec: ModelSpec, buckets: Sequence[int], device: str, dtypes: dict[str, Any] | None,
                  order: _ComputeOrder | None) -> None:
@@ -304,10 +310,6 @@ class _GpuContext:
         self._done = torch.cuda.Event()
         self._batched = {i.name: bool(i.dims) and i.dims[0] == BATCH_DIM for i in spec.inputs}
         self._queueing = threading.RLock()  # shared by the lanes: one run at a time is queued on the stream
-        # a thread of the context's own that queues ``start``'s runs, for a backend whose run holds the host about as
-        # long as the GPU computes (ONNX Runtime launching its kernels): the caller goes on meanwhile
-        self._launcher: ThreadPoolExecutor | None = None
-        self._launched: Any = None  # the future of this set's run in the launcher
         self._lane_of: _GpuContext = self  # the context whose device buffers and model this set uses
         self._device_flat: dict[tuple[int, str], torch.Tensor] = {}
         for b in buckets:
@@ -342,7 +344,6 @@ class _GpuContext:
         other._computed = {}
         other._rows = 0
         other._done = self._torch.cuda.Event()
-        other._launched = None
         return other
 
     def buffer_sets(self) -> list[_Context]:
@@ -406,18 +407,12 @@ class _GpuContext:
         """``upload_parts``, ``compute`` and ``download(True)`` with no other set's run queued between them: what
         ``Engines.start_parts`` runs. The packing into this set's staging needs no lock: only the queueing waits
         for another set's."""
-        caller = self._torch.cuda.current_stream(self.device)
+        torch = self._torch
+        caller = torch.cuda.current_stream(self.device)
         views = self._pack_parts(bucket, calls)
-        if self._launcher is None:
-            self._queue_run(views, bucket, calls[0], caller)
-        else:  # in order with the other sets' runs: one launcher thread per context
-            self._launched = self._launcher.submit(self._queue_run, views, bucket, calls[0], caller)
-
-    def _queue_run(self, views: dict[str, tuple[Any, Any, np.ndarray]], bucket: int, call: CheckedFeed,
-                   caller: Any) -> None:
-        with self._queueing, self._torch.cuda.stream(self.stream):
+        with self._queueing, torch.cuda.stream(self.stream):
             self._copy_parts(views)
-            self._compute(bucket, call)
+            self._compute(bucket, calls[0])
             self._download(True, caller)
 
     def _pack_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> dict[str, tuple[Any, Any, np.ndarray]]:
@@ -510,11 +505,11 @@ class _GpuContext:
         raise NotImplementedError
 
     def wait(self) -> None:
-        launched = self._launched
-        if launched is not None:  # queued by the launcher: raises what its run raised
-            self._launched = None
-            launched.result()
         self._done.synchronize()
+
+    def ready(self) -> bool:
+        """Whether the last run is done (``wait`` would return at once)."""
+        return bool(self._done.query())
 
     def outputs(self) -> dict[str, Any]:
         return self._last
@@ -529,8 +524,6 @@ class _GpuContext:
 
     def close(self) -> None:
         """Free the context: called on the context itself, never on its lanes (``Engines`` drops those)."""
-        if self._launcher is not None:
-            self._launcher.shutdown()
         self.stream.synchronize()
         self._views.clear()
         self._device_flat.clear()
@@ -544,37 +537,24 @@ _PACK_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 _pack_pool: ThreadPoolExecutor | None = None
 
 
-def in_groups(count: int, nbytes: int, job: Callable[[int, int], Any], group_bytes: int | None = None) -> None:
-    """``job(a, b)`` for consecutive ranges of ``range(count)`` that together cover it: one range when ``nbytes``
-    (all the work) is under two ``group_bytes`` (default ``_PACK_GROUP_BYTES``), else up to ``_PACK_THREADS``
-    about equal ranges at once, one of them in the calling thread. For numpy copies, which release the GIL."""
+def _pack(parts: list[np.ndarray], out: np.ndarray) -> None:
+    """``np.concatenate(parts, out=out)``, by up to ``_PACK_THREADS`` threads for large batches (numpy releases the
+    GIL while it copies). numpy, not torch: ``torch.cat`` into pinned memory took 140-740 ms for 64 images on a
+    busy 2-core host (its thread pool oversubscribed), numpy 6 ms; one thread alone was 2 ms slower per batch of
+    64 ResNet images than torch on the H200."""
     global _pack_pool
-    groups = min(_PACK_THREADS, count, nbytes // (group_bytes or _PACK_GROUP_BYTES))
+    groups = min(_PACK_THREADS, len(parts), out.nbytes // _PACK_GROUP_BYTES)
     if groups <= 1:
-        job(0, count)
+        np.concatenate(parts, out=out, casting="same_kind")
         return
     if _pack_pool is None:
         _pack_pool = ThreadPoolExecutor(_PACK_THREADS, thread_name_prefix="trtc-pack")
-    cuts = [count * g // groups for g in range(groups + 1)]
-    jobs = [_pack_pool.submit(job, a, b) for a, b in itertools.pairwise(cuts[1:])]
-    try:
-        job(0, cuts[1])
-    finally:
-        for done in jobs:
-            done.result()
-
-
-def _pack(parts: list[np.ndarray], out: np.ndarray) -> None:
-    """``np.concatenate(parts, out=out)``, by up to ``_PACK_THREADS`` threads for large batches (``in_groups``).
-    numpy, not torch: ``torch.cat`` into pinned memory took 140-740 ms for 64 images on a busy 2-core host (its
-    thread pool oversubscribed), numpy 6 ms; one thread alone was 2 ms slower per batch of 64 ResNet images than
-    torch on the H200."""
-    if len(parts) == 1 or out.nbytes < 2 * _PACK_GROUP_BYTES:
-        np.concatenate(parts, out=out, casting="same_kind")
-        return
     offsets = [0, *itertools.accumulate(len(p) for p in parts)]  # row offsets of the parts in ``out``
-    in_groups(len(parts), out.nbytes,
-              lambda a, b: np.concatenate(parts[a:b], out=out[offsets[a]:offsets[b]], casting="same_kind"))
+    cuts = [len(parts) * g // groups for g in range(groups + 1)]  # parts per thread, about equal
+    jobs = [_pack_pool.submit(np.concatenate, parts[a:b], out=out[offsets[a]:offsets[b]], casting="same_kind")
+            for a, b in itertools.pairwise(cuts)]
+    for job in jobs:
+        job.result()
 
 
 def _capture(stream: Any, launch: Callable[[], Any], what: str) -> tuple[Any, Any] | None:

@@ -49,11 +49,6 @@ CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_works
 # collapsed (489 req/s against 3,302): a worker holds the order across ONNX Runtime's run, which releases the GIL,
 # and then waits for the GIL with the order held. ``benchmarks/serving_gpu.py --ort-ordered`` compares.
 ORDER_RUNS = False
-# Whether the batchers' runs (``start``) are queued by a thread of each CUDA context's own: ONNX Runtime's run holds
-# the calling thread about as long as the GPU computes (launching every kernel; it releases the GIL meanwhile), and
-# in the batcher's one thread that time added to its own per-batch work. ``benchmarks/serving_gpu.py
-# --ort-launch-inline`` compares.
-LAUNCH_THREAD = True
 
 
 class _OrtBackend:
@@ -246,6 +241,8 @@ class _OrtCudaContext(_GpuContext):
     run) when the session computes on our stream into our buffers; otherwise it returns when the stream is
     done. The contexts' runs are not ordered (see ``ORDER_RUNS``); the GPU interleaves them."""
 
+    launches_on_host = True  # no CUDA graph: its run launches every kernel
+
     def __init__(self, backend: _OrtBackend) -> None:
         import torch
 
@@ -269,10 +266,6 @@ class _OrtCudaContext(_GpuContext):
             self._queue_only = ort.RunOptions()
             self._queue_only.add_run_config_entry("disable_synchronize_execution_providers", "1")
             self._order = backend.order  # None unless ORDER_RUNS
-            if LAUNCH_THREAD:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._launcher = ThreadPoolExecutor(1, thread_name_prefix="trtc-ort-launch")
 
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
         import torch

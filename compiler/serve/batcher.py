@@ -178,6 +178,15 @@ def _resolve(future: Any, value: Any, error: BaseException | None) -> None:
         future.set_exception(error)
 
 
+_POLL = 0.0001  # seconds a batcher sleeps between looks for a ready batch while its last one runs on the GPU
+
+
+def is_ready(finish: Callable[..., Any]) -> bool:
+    """Whether a started batch (``Engines.start_parts``) is done; True for engines that do not say."""
+    ready = getattr(finish, "ready", None)
+    return True if ready is None else bool(ready())
+
+
 def check_settings(max_batch: int | None, max_wait_ms: float, timeout: float | None) -> None:
     """The settings every batcher shares (this one and ``compiler.serve.processes.ProcessBatcher``)."""
     if max_batch is not None and max_batch < 1:
@@ -313,8 +322,9 @@ class DynamicBatcher:
 
     def _work(self) -> None:
         """Form batches and run them. On a GPU with a buffer set to spare for every worker (two per context), a
-        worker queues the next batch, when one is ready, before it waits for the last: the host copies one batch
-        in while the GPU runs the other (an H200, one context, a CNN: 64-75 % of its bound without). And when a
+        worker queues the next batch as soon as it is ready, looking for one while the last batch runs instead of
+        waiting for the GPU: the host copies one batch in while the GPU runs the other (an H200, one context, a
+        CNN: 64-75 % of its bound without). And when a
         batch's callers are all asyncio requests, the worker queues the next batch before it answers them: the
         event loop's work on those answers then overlaps the GPU instead of holding up the next batch's copy for
         the GIL (on an H200, a CNN with one context: 9.6 k req/s at p99 15 ms against 7.0 k at 20.5 ms). Thread
@@ -338,6 +348,9 @@ class DynamicBatcher:
                 answers.send()
                 if follow:
                     self._start_into(running, follow)
+                    continue
+                if not is_ready(running[0][1]):  # look again for a batch to queue before the GPU is done
+                    time.sleep(_POLL)
                     continue
             batch, finish = running.popleft()
             answers = self._finish(batch, finish)

@@ -46,6 +46,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -236,19 +237,20 @@ class Engines:
         """
         return self.start_parts(calls)()
 
-    def start_parts(self, calls: Sequence[CheckedFeed]) -> Callable[..., Any]:
-        """``run_parts`` in two steps: queue the batch on a context (copies and compute; on a GPU this returns
-        while they run) and return the function that waits for it, gives the context back and returns the
-        outputs. Call that function exactly once. ``finish(read)`` instead returns ``read(outputs)`` with the
-        outputs as views of the context's host buffers, valid only during that call: one copy fewer for a
-        caller that copies them on anyway (the process batcher into its shared memory)."""
+    def start_parts(self, calls: Sequence[CheckedFeed]) -> Started:
+        """``run_parts`` in two steps: queue the batch on a buffer set (copies and compute; on a GPU this returns
+        while they run) and return the ``Started`` batch: calling it waits for the batch, gives the set back and
+        returns the outputs. Call it exactly once. ``finish(read)`` instead returns ``read(outputs)`` with the
+        outputs as views of the set's host buffers, valid only during that call: one copy fewer for a caller
+        that copies them on anyway (the process batcher into its shared memory). ``finish.ready()`` says
+        whether the call would return at once (the batchers start the next batch meanwhile)."""
         rows = sum(call.rows for call in calls)
         if rows > self._largest or any(call.on_device for call in calls):
             first = calls[0].arrays
             joined = {c.name: _concatenate([call.arrays[c.name] for call in calls]) if c.batched else first[c.name]
                       for c in self._checks}
             outputs = self._run(self.check(joined))
-            return lambda read=None: outputs if read is None else read(outputs)
+            return Started(lambda read=None: outputs if read is None else read(outputs), lambda: True)
         bucket = self._route[rows]
         context = self._acquire()
         try:
@@ -264,7 +266,7 @@ class Engines:
             finally:
                 self._idle.put(context)
 
-        return finish
+        return Started(finish, context.ready)
 
     @property
     def queues_on_gpu(self) -> bool:
@@ -486,12 +488,28 @@ class Engines:
             return False
         if context.on_gpu:
             # with one buffer set a batch's copy would wait for the last one's compute, so only post-processing
-            # could overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, docs/benchmarks.md)
+            # could overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, docs/benchmarks.md);
+            # two sets of one ONNX Runtime context: its run holds the host launching kernels while the other set's
+            # batch computes (map 0.73-1.07x the loop), so only two contexts pipeline there
+            if getattr(context, "launches_on_host", False):
+                return self._max_contexts > 1
             return self._sets > 1
         return (os.cpu_count() or 1) > 1
 
 
 _MAPPING_TYPES: dict[type, bool] = {}  # the types of feeds seen, and whether each is a dict of inputs
+
+
+@dataclass(frozen=True)
+class Started:
+    """A batch ``Engines.start_parts`` queued: ``started()`` (or ``started(read)``) finishes it, ``ready()`` says
+    whether that would return at once."""
+
+    finish: Callable[..., Any]
+    ready: Callable[[], bool]
+
+    def __call__(self, read: Callable[[dict[str, np.ndarray]], Any] | None = None) -> Any:
+        return self.finish() if read is None else self.finish(read)
 
 
 def _is_mapping_type(cls: type) -> bool:
