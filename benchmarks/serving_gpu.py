@@ -174,6 +174,10 @@ class CountingEngines:
     def buffer_sets(self) -> int:
         return int(self._engines.buffer_sets)
 
+    @property
+    def launches_on_host(self) -> bool:
+        return bool(self._engines.launches_on_host)
+
     def start_parts(self, calls: Any) -> Any:
         start = time.perf_counter()
         finish = self._engines.start_parts(calls)
@@ -184,7 +188,9 @@ class CountingEngines:
             self._count(rows, start)
             return out
 
-        return done
+        from compiler.serve.engines import Started
+
+        return Started(done, getattr(finish, "ready", lambda: True))  # the batchers poll ready() as they would
 
     def _count(self, rows: int, start: float) -> None:
         with self._lock:

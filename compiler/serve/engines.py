@@ -273,6 +273,11 @@ class Engines:
         """Whether ``start_parts`` returns while the GPU works (the batcher then starts its next batch first)."""
         return self._contexts[0].on_gpu
 
+    @property
+    def launches_on_host(self) -> bool:
+        """Whether a run holds the host launching every kernel (ONNX Runtime on a GPU: no CUDA graphs)."""
+        return bool(getattr(self._contexts[0], "launches_on_host", False))
+
     def check(self, x: Any) -> CheckedFeed:
         """Check a feed (one array or a dict by input name) against the spec; raises ``FeedError``.
 
@@ -491,7 +496,7 @@ class Engines:
             # could overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, docs/benchmarks.md);
             # two sets of one ONNX Runtime context: its run holds the host launching kernels while the other set's
             # batch computes (map 0.73-1.07x the loop), so only two contexts pipeline there
-            if getattr(context, "launches_on_host", False):
+            if self.launches_on_host:
                 return self._max_contexts > 1
             return self._sets > 1
         return (os.cpu_count() or 1) > 1
