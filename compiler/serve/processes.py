@@ -624,7 +624,7 @@ class ProcessBatcher:
                 continue
             batch, finish = running[0]
             if len(running) < self.in_flight and not is_ready(finish):
-                self._read(_NAP)  # look again for a batch to start before the GPU is done (or a request comes)
+                time.sleep(_NAP)  # look again for a batch to start before the GPU is done; one read per nap
                 continue
             failure: str | None
             try:  # the answers go from the context's buffers straight into the slots
