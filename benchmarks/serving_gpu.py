@@ -178,9 +178,11 @@ class CountingEngines:
     def launches_on_host(self) -> bool:
         return bool(self._engines.launches_on_host)
 
-    def start_parts(self, calls: Any) -> Any:
+    def start_parts(self, calls: Any, wait: bool = True) -> Any:
         start = time.perf_counter()
-        finish = self._engines.start_parts(calls)
+        finish = self._engines.start_parts(calls, wait=wait)
+        if finish is None:  # no buffer set free
+            return None
         rows = sum(c.rows for c in calls)
 
         def done(read: Any = None) -> Any:
@@ -218,7 +220,7 @@ class InstantEngines:
 
     queues_on_gpu = False
 
-    def start_parts(self, calls: Any) -> Any:
+    def start_parts(self, calls: Any, wait: bool = True) -> Any:
         rows = sum(c.rows for c in calls)
         outputs = {name: out[:rows] for name, out in self._outputs.items()}
         return lambda read=None: outputs if read is None else read(outputs)

@@ -46,10 +46,10 @@ class Recording:
     def queues_on_gpu(self) -> bool:
         return self.engines.queues_on_gpu
 
-    def start_parts(self, calls: Any) -> Any:
+    def start_parts(self, calls: Any, wait: bool = True) -> Any:
         x = {name: np.concatenate([c.arrays[name] for c in calls]) for name in self.input_names}
         self._record(x)
-        return self.engines.start_parts(calls)
+        return self.engines.start_parts(calls, wait=wait)
 
     def __call__(self, x: Any) -> Any:
         x = dict(x)
@@ -339,9 +339,9 @@ def test_on_a_gpu_the_next_batch_starts_before_asyncio_callers_are_answered(engi
     class OnGpu(Recording):
         queues_on_gpu = True  # type: ignore[assignment]  # CPU engines, as a GPU's would be driven
 
-        def start_parts(self, calls: Any) -> Any:
+        def start_parts(self, calls: Any, wait: bool = True) -> Any:
             events.append(f"start {len(self.batches)}")
-            return super().start_parts(calls)
+            return super().start_parts(calls, wait=wait)
 
     on_gpu = OnGpu(engines, gate)
 
@@ -392,16 +392,19 @@ def test_on_a_gpu_with_two_buffer_sets_a_worker_queues_the_next_batch_before_it_
         queues_on_gpu = True  # type: ignore[assignment]  # CPU engines, as a GPU's would be driven
         buffer_sets = 2
 
-        def start_parts(self, calls: Any) -> Any:
+        def start_parts(self, calls: Any, wait: bool = True) -> Any:
             number = len(self.batches)
             events.append(f"start {number}")
-            finish = super().start_parts(calls)
+            finish = super().start_parts(calls, wait=wait)
 
             def held(read: Any = None) -> Any:
-                if number == 0:
-                    assert release.wait(10), "the test never released batch 0"
-                events.append(f"finish {number}")
-                return finish()
+                try:
+                    if number == 0:
+                        assert release.wait(10), "the test never released batch 0"
+                    events.append(f"finish {number}")
+                finally:
+                    answer = finish()  # the buffer set goes back even when the test fails
+                return answer
 
             return held
 
@@ -411,8 +414,9 @@ def test_on_a_gpu_with_two_buffer_sets_a_worker_queues_the_next_batch_before_it_
         deadline = time.monotonic() + 5
         while "start 1" not in events and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert events == ["start 0", "start 1"]  # batch 1 queued while batch 0 runs
+        started = list(events)
         release.set()
+        assert started == ["start 0", "start 1"]  # batch 1 queued while batch 0 runs
         results = [f.result(timeout=10) for f in futures]
     assert events == ["start 0", "start 1", "finish 0", "finish 1"]
     for i, out in enumerate(results):
@@ -436,3 +440,40 @@ def test_the_ceiling_benchmark_runs(tmp_path: Path) -> None:
     assert report["kind"] == "trtc-batcher-ceiling" and set(report["median"]) == {
         "threads", "asyncio", "processes", "processes-asyncio"}
     assert all(len(runs) == 1 and runs[0] > 0 for runs in report["requests_per_s"].values())
+
+
+def test_two_batchers_on_one_engines_never_wait_for_each_others_buffer_sets(engines: Engines) -> None:
+    """Two batchers of two batches in flight each, sharing engines of two buffer sets: a worker that holds one set
+    never waits for another (each would hold one and wait for the other's); every request is answered."""
+    from compiler.serve.engines import Started
+
+    class GpuLike(Recording):
+        queues_on_gpu = True  # type: ignore[assignment]  # CPU engines, driven as a GPU's would be
+        buffer_sets = 2
+        launches_on_host = False
+
+        def start_parts(self, calls: Any, wait: bool = True) -> Any:
+            started = super().start_parts(calls, wait=wait)
+            if started is None:
+                return None
+            done_at = time.monotonic() + 0.01  # "running on the GPU" for 10 ms
+            return Started(started.finish, lambda: time.monotonic() > done_at)
+
+    gpu_like = GpuLike(engines)
+    first = DynamicBatcher(gpu_like, max_batch=4, max_wait_ms=1, workers=1, timeout=20)  # type: ignore[arg-type]
+    second = DynamicBatcher(gpu_like, max_batch=4, max_wait_ms=1, workers=1, timeout=20)  # type: ignore[arg-type]
+    answers: list[Any] = []
+
+    def client(batcher: DynamicBatcher, i: int) -> None:
+        for _ in range(25):
+            answers.append((i, batcher.submit(rows(i), timeout=20)))
+
+    threads = [threading.Thread(target=client, args=(b, i)) for i, b in enumerate([first, second] * 4)]
+    for t in threads:
+        t.start()
+    join_all(threads, timeout=60)
+    first.close()
+    second.close()
+    assert len(answers) == 200
+    for i, out in answers:
+        np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)

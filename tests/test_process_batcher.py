@@ -168,12 +168,12 @@ class Slow(Recording):
         super().__init__(engines)
         self.hold, self.fail = hold, fail
 
-    def start_parts(self, calls: Any) -> Any:
+    def start_parts(self, calls: Any, wait: bool = True) -> Any:
         self.entered.set()
         assert self.hold.wait(timeout=10)
         if self.fail:
             raise RuntimeError("CUDA out of memory (injected)")
-        return self.engines.start_parts(calls)
+        return self.engines.start_parts(calls, wait=wait)
 
 
 class FirstPositives:
@@ -338,6 +338,8 @@ def test_closed_batcher_refuses_requests_and_leaves_no_file(engines: Engines, tm
 
 def test_in_flight_beyond_the_buffer_sets_is_refused(engines: Engines) -> None:
     assert engines.buffer_sets == 2  # two CPU contexts, one set each
+    with ProcessBatcher(engines, capacity=1) as batcher:
+        assert batcher.in_flight == 1  # on the CPU a batch runs in start_parts: a second would delay the answers
     with pytest.raises(InputError, match=r"in_flight=3 but the engines have 2 buffer set\(s\) \(2 context"):
         ProcessBatcher(engines, in_flight=3)
     with ProcessBatcher(engines, capacity=1) as batcher, pytest.raises(InputError, match="slots=0: a client needs"):
@@ -409,19 +411,23 @@ def test_the_next_batch_starts_while_the_last_one_runs(engines: Engines) -> None
     release = threading.Event()
 
     class Slow(Recording):
+        queues_on_gpu = True  # type: ignore[assignment]  # CPU engines, driven as a GPU's would be
         buffer_sets = 2
 
-        def start_parts(self, calls: Any) -> Any:
+        def start_parts(self, calls: Any, wait: bool = True) -> Any:
             number = len(self.batches)
             events.append(f"start {number}")
-            finish = super().start_parts(calls)
+            finish = super().start_parts(calls, wait=wait)
             if number != 1:  # batch 0 is the batcher's probe of the output sizes (``engines(x)``)
                 return finish
 
             def held(read: Any = None) -> Any:
-                assert release.wait(10), "the test never released batch 1"
-                events.append("finish 1")
-                return finish(read)
+                try:
+                    assert release.wait(10), "the test never released batch 1"
+                    events.append("finish 1")
+                finally:
+                    answer = finish(read)  # the buffer set goes back even when the test fails
+                return answer
 
             return Started(held, release.is_set)
 

@@ -661,3 +661,18 @@ def test_pack_puts_every_part_at_its_offset(threads: int, monkeypatch: pytest.Mo
     out32 = np.zeros((18, 7), np.int32)
     contexts._pack(ids, out32)
     np.testing.assert_array_equal(out32, np.concatenate(ids))
+
+
+def test_start_parts_without_waiting_gives_none_while_every_buffer_set_is_taken(mlp_engines: runtime.Engines) -> None:
+    x = np.ones((2, 64), np.float32)
+    calls = [mlp_engines.check(x)]
+    started = [mlp_engines.start_parts(calls) for _ in range(mlp_engines.buffer_sets)]
+    assert mlp_engines.start_parts(calls, wait=False) is None
+    first = started.pop()
+    assert first is not None and first.ready()
+    np.testing.assert_allclose(first()["out"], mlp_engines(x), rtol=1e-6)
+    again = mlp_engines.start_parts(calls, wait=False)  # the set given back is free again
+    assert again is not None
+    for finish in [*started, again]:
+        assert finish is not None
+        finish()

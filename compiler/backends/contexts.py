@@ -72,16 +72,18 @@ def as_kind(outputs: dict[str, np.ndarray], call: CheckedFeed) -> dict[str, Any]
 # --- what backends provide ----------------------------------------------------------------------------------------
 
 class _Context(Protocol):
-    """One execution context with input and output buffers for every bucket; one caller at a time.
+    """One buffer set of an execution context (``buffer_sets``), with input and output buffers for every bucket;
+    one caller at a time.
 
     ``run`` copies rows ``start:stop`` of the call into the bucket's buffers and starts the work
     (asynchronous on a GPU: copies and compute are queued on the context's stream); ``wait`` blocks
-    until it is done. ``run`` is ``upload``, ``compute`` and ``download`` in one call: the three
-    are separate so that ``trtc bench`` times the served path itself (device time around
-    ``compute``, end to end around all three). ``outputs`` are views of the last run's real rows:
-    host numpy arrays when ``run`` was asked for ``host`` outputs (valid after ``wait``), else
-    device tensors usable on the context's stream. ``execute`` is the bare model run on buffers
-    already filled. ``stream``: the CUDA stream the context's work is queued on (None on the CPU).
+    until it is done, ``ready`` says whether it is. ``run`` is ``upload``, ``compute`` and
+    ``download`` in one call: the three are separate so that ``trtc bench`` times the served path
+    itself (device time around ``compute``, end to end around all three). ``outputs`` are the last
+    run's real rows: views of this buffer set's host arrays when ``run`` was asked for ``host``
+    outputs (valid after ``wait``), else new device tensors for the caller's stream. ``execute`` is
+    the bare model run on buffers already filled. ``stream``: the CUDA stream the context's work is
+    queued on (None on the CPU).
     ``overlaps``: whether the host is free while the model runs (``map`` pipelines only then).
     ``hold`` keeps the context to the caller across ``upload``, ``compute`` and ``download`` (other
     buffer sets of the same context wait to queue their work meanwhile).
@@ -479,10 +481,10 @@ class _GpuContext:
                 staged[name] = pinned.numpy()
             self._last = staged
         else:
-            with torch.cuda.stream(caller):  # allocated on the caller's stream, which uses and frees them
-                copies = {name: torch.empty_like(out) for name, out in self._computed.items()}
+            copies = {name: torch.empty_like(out) for name, out in self._computed.items()}  # on our stream
             for name, out in self._computed.items():
                 copies[name].copy_(out, non_blocking=True)
+                copies[name].record_stream(caller)  # the caller's stream uses them: freed, they wait for it
             self._last = copies
         self._done.record(self.stream)
 
@@ -518,9 +520,10 @@ class _GpuContext:
         return {name: view.copy() for name, view in self._last.items()}
 
     def copy_outputs_on_device(self) -> dict[str, Any]:
-        """The last run's device outputs, in fresh tensors the caller's stream owns (``_download``); waits for them."""
+        """The last run's device outputs, copied at run time into fresh tensors (``_download``); waits for them."""
         self._done.synchronize()
-        return self._last
+        last, self._last = self._last, {}  # the caller's now: this set does not keep them alive
+        return last
 
     def close(self) -> None:
         """Free the context: called on the context itself, never on its lanes (``Engines`` drops those)."""

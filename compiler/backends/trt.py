@@ -149,9 +149,9 @@ class _TensorRTContext(_GpuContext):
     """One IExecutionContext per bucket with its optimization profile; addresses bound once, at creation.
 
     The bucket contexts share one USER_MANAGED activation buffer (``backend.scratch_bytes``). Warm-up and
-    graph capture run under the backend's compute order, like every run: a context made on demand (the
-    pool's second) must not run a profile while another context runs it (``NvInferRuntime.h``: concurrent
-    contexts with dynamic shapes need separate profiles).
+    graph capture run under the backend's compute order, like every run: a context made while another one
+    serves must not run a profile while the other runs it (``NvInferRuntime.h``: concurrent contexts with
+    dynamic shapes need separate profiles).
     """
 
     def __init__(self, backend: _TensorRTBackend) -> None:

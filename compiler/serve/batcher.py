@@ -71,7 +71,7 @@ class _Engines(Protocol):
     @property
     def queues_on_gpu(self) -> bool: ...
 
-    def start_parts(self, calls: Sequence[CheckedFeed]) -> Callable[..., Any]: ...
+    def start_parts(self, calls: Sequence[CheckedFeed], *, wait: bool = True) -> Callable[..., Any] | None: ...
 
     def __call__(self, x: Any) -> Any: ...
 
@@ -179,6 +179,13 @@ def _resolve(future: Any, value: Any, error: BaseException | None) -> None:
 
 
 _POLL = 0.0001  # seconds a batcher sleeps between looks for a ready batch while its last one runs on the GPU
+
+
+class _NoSet:
+    """What ``DynamicBatcher._start`` returns when no buffer set was free."""
+
+
+_NO_SET = _NoSet()
 
 
 def is_ready(finish: Callable[..., Any]) -> bool:
@@ -336,38 +343,51 @@ class DynamicBatcher:
         # callers wait took ONNX Runtime's CNN rows from 7-26 % of the bound to 3-8 % on an H200 (the GIL)
         depth = 2 if (overlap and getattr(self.engines, "buffer_sets", 1) >= 2 * self._workers
                       and not getattr(self.engines, "launches_on_host", False)) else 1
+        waiting: list[_Request] | None = None  # a batch taken when no buffer set was free: started first
         while True:
             if not running:
-                answers = _Answers()
-                batch = self._next_batch(answers)
-                answers.send()  # requests that timed out in the queue
-                if batch is None:
-                    return
-                self._start_into(running, batch)
+                if waiting is None:
+                    answers = _Answers()
+                    batch = self._next_batch(answers)
+                    answers.send()  # requests that timed out in the queue
+                    if batch is None:
+                        return
+                else:
+                    batch, waiting = waiting, None
+                self._start_into(running, batch)  # holds no buffer set: may wait for one
                 continue
             if len(running) < depth:
-                answers = _Answers()
-                follow = self._ready_batch(answers)
-                answers.send()
-                if follow:
-                    self._start_into(running, follow)
-                    continue
+                if waiting is None:
+                    answers = _Answers()
+                    waiting = self._ready_batch(answers) or None
+                    answers.send()
+                if waiting is not None:
+                    waiting = self._start_into(running, waiting)
+                    if waiting is None:
+                        continue
                 if not is_ready(running[0][1]):  # look again for a batch to queue before the GPU is done
                     time.sleep(_POLL)
                     continue
             batch, finish = running.popleft()
             answers = self._finish(batch, finish)
-            if overlap and len(running) < depth and all(request.loop is not None for request in batch):
+            if overlap and len(running) < depth and waiting is None and all(r.loop is not None for r in batch):
                 follow = self._ready_batch(answers)
                 if follow:
-                    self._start_into(running, follow)
+                    waiting = self._start_into(running, follow)
             answers.send()
 
     def _start_into(self, running: collections.deque[tuple[list[_Request], Callable[[], dict[str, Any]]]],
-                    batch: list[_Request]) -> None:
-        started = self._start(batch) if batch else None
-        if started is not None:
+                    batch: list[_Request]) -> list[_Request] | None:
+        """Start ``batch`` behind ``running``; the batch back when ``running`` holds a buffer set and no other is
+        free (waiting for one then could deadlock with another batcher on the same engines, each holding one)."""
+        if not batch:
+            return None
+        started = self._start(batch, wait=not running)
+        if started is _NO_SET:
+            return batch
+        if isinstance(started, tuple):
             running.append(started)
+        return None
 
     def _next_batch(self, answers: _Answers) -> list[_Request] | None:
         """Wait for requests and take one batch of them; None when closed and empty."""
@@ -426,10 +446,14 @@ class DynamicBatcher:
             self._cond.notify()
         return batch
 
-    def _start(self, batch: list[_Request]) -> tuple[list[_Request], Callable[[], dict[str, Any]]] | None:
-        """Queue the batch on the engines; None when that failed (its callers have been told why)."""
+    def _start(self, batch: list[_Request], wait: bool = True,
+               ) -> tuple[list[_Request], Callable[[], dict[str, Any]]] | _NoSet | None:
+        """Queue the batch on the engines; None when that failed (its callers have been told why), ``_NO_SET``
+        when ``wait`` is False and no buffer set was free."""
+        calls = [r.call for r in batch]
         try:
-            return batch, self.engines.start_parts([r.call for r in batch])
+            started = self.engines.start_parts(calls) if wait else self.engines.start_parts(calls, wait=False)
+            return _NO_SET if started is None else (batch, started)
         except BaseException as err:  # every caller of the batch learns why; the worker keeps serving
             answers = _Answers()
             for request in batch:

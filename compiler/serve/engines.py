@@ -235,24 +235,38 @@ class Engines:
         rows than the largest bucket, are joined (inputs without a batch dimension taken from the
         first part) and run as one ``engines(...)`` call.
         """
-        return self.start_parts(calls)()
+        started = self.start_parts(calls)
+        assert started is not None  # it waits for a buffer set
+        return started()
 
-    def start_parts(self, calls: Sequence[CheckedFeed]) -> Started:
+    def start_parts(self, calls: Sequence[CheckedFeed], *, wait: bool = True) -> Started | None:
         """``run_parts`` in two steps: queue the batch on a buffer set (copies and compute; on a GPU this returns
         while they run) and return the ``Started`` batch: calling it waits for the batch, gives the set back and
         returns the outputs. Call it exactly once. ``finish(read)`` instead returns ``read(outputs)`` with the
         outputs as views of the set's host buffers, valid only during that call: one copy fewer for a caller
         that copies them on anyway (the process batcher into its shared memory). ``finish.ready()`` says
-        whether the call would return at once (the batchers start the next batch meanwhile)."""
+        whether the call would return at once (the batchers start the next batch meanwhile).
+
+        ``wait=False``: None at once when no buffer set is free. A caller that holds a started batch
+        already passes it: two batchers sharing these engines would otherwise each hold a set and
+        wait for the other's."""
         rows = sum(call.rows for call in calls)
+        free: _Context | None = None
+        if not wait:
+            try:
+                free = self._idle.get_nowait()
+            except queue.Empty:
+                return None
         if rows > self._largest or any(call.on_device for call in calls):
+            if free is not None:
+                self._idle.put(free)  # ``_run`` takes one itself (and may wait for it, as ``engines(x)`` does)
             first = calls[0].arrays
             joined = {c.name: _concatenate([call.arrays[c.name] for call in calls]) if c.batched else first[c.name]
                       for c in self._checks}
             outputs = self._run(self.check(joined))
             return Started(lambda read=None: outputs if read is None else read(outputs), lambda: True)
         bucket = self._route[rows]
-        context = self._acquire()
+        context = free if free is not None else self._acquire()
         try:
             context.start(bucket, calls)
         except BaseException:
@@ -275,8 +289,9 @@ class Engines:
 
     @property
     def launches_on_host(self) -> bool:
-        """Whether a run holds the host launching every kernel (ONNX Runtime on a GPU: no CUDA graphs)."""
-        return bool(getattr(self._contexts[0], "launches_on_host", False))
+        """Whether a run holds the host launching every kernel (no CUDA graphs: ONNX Runtime on a GPU, eager torch)."""
+        context = self._contexts[0]
+        return bool(getattr(context, "launches_on_host", False)) or not context.overlaps
 
     def check(self, x: Any) -> CheckedFeed:
         """Check a feed (one array or a dict by input name) against the spec; raises ``FeedError``.
@@ -409,39 +424,44 @@ class Engines:
             return
         ready: queue.Queue[tuple[Any, ...]] = queue.Queue()
         in_flight = threading.Semaphore(depth)
+        on_stream = self._callers_stream()  # device outputs are made for the consumer's stream
         stop = threading.Event()
         gate = threading.Lock()  # after the consumer stops (under it), no context enters ``ready``
         largest = self.buckets[-1]
 
         def submit() -> None:
             try:
-                for batch in batches:
-                    while not in_flight.acquire(timeout=0.05):
-                        if stop.is_set():
-                            return
-                    if stop.is_set():
-                        return
-                    single = not isinstance(batch, Mapping)
-                    call = self.check(batch)
-                    if call.rows > largest:  # chunked: runs whole, outputs copied out
-                        ready.put(("done", self._run(call), call, single))
-                        continue
-                    context = self._acquire()
-                    try:
-                        context.run(self._route[call.rows], call, 0, call.rows,
-                                    not (call.on_device and context.on_gpu))
-                    except BaseException:
-                        self._release(context)
-                        raise
-                    with gate:
-                        if stop.is_set():
-                            context.wait()
-                            self._release(context)
-                            return
-                        ready.put(("context", context, call, single))
-                ready.put(("end",))
+                with on_stream():
+                    submit_all()
             except BaseException as err:  # handed to the consumer, raised there in order
                 ready.put(("error", err))
+
+        def submit_all() -> None:
+            for batch in batches:
+                while not in_flight.acquire(timeout=0.05):
+                    if stop.is_set():
+                        return
+                if stop.is_set():
+                    return
+                single = not isinstance(batch, Mapping)
+                call = self.check(batch)
+                if call.rows > largest:  # chunked: runs whole, outputs copied out
+                    ready.put(("done", self._run(call), call, single))
+                    continue
+                context = self._acquire()
+                try:
+                    context.run(self._route[call.rows], call, 0, call.rows,
+                                not (call.on_device and context.on_gpu))
+                except BaseException:
+                    self._release(context)
+                    raise
+                with gate:
+                    if stop.is_set():
+                        context.wait()
+                        self._release(context)
+                        return
+                    ready.put(("context", context, call, single))
+            ready.put(("end",))
 
         worker = threading.Thread(target=submit, name="trtc-map-submit", daemon=True)
         worker.start()
@@ -484,6 +504,14 @@ class Engines:
             if worker.is_alive():
                 log.debug("map: the batch iterator is still producing; its thread ends with it")
 
+
+    def _callers_stream(self) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        """What makes another thread queue on this thread's current CUDA stream (a no-op off the GPU)."""
+        if not self._contexts[0].on_gpu:
+            return contextlib.nullcontext
+        torch = sys.modules["torch"]  # a GPU backend imported it
+        stream = torch.cuda.current_stream(self._backend.device)
+        return lambda: torch.cuda.stream(stream)
 
     def _can_overlap(self) -> bool:
         """Whether pipelining can win: the host is free while a context computes, and on the CPU there is a second

@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 _OK, _FAILED, _EXPIRED, _CLOSED = 1, 2, 3, 4  # a slot's status after its answer
 _ERROR_BYTES = 480  # room for the message of a failed request
 _ALIGN = 64
-_NAP = 0.0001  # seconds the reader sleeps after each read of the pipe
+_NAP = 0.0001  # seconds the thread sleeps after each read of the pipe, and between looks for a batch to start
 _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
 _GONE = "the batcher is closed, or its process ended; restart the server"
 _GRACE = 1.0  # seconds a caller waits past its timeout for a batch that started just before it
@@ -480,8 +480,8 @@ class ProcessBatcher:
 
     ``capacity``: slots in all (each holds one request in flight); ``slot_rows``: rows a request may
     have. ``max_batch``, ``max_wait_ms`` and ``timeout`` as for ``DynamicBatcher``. ``in_flight``:
-    batches queued on the engines at once, at most their ``buffer_sets``; default 2 where they have
-    two (a GPU: the next batch is copied in while one runs), else 1. One thread does all
+    batches queued on the engines at once, at most their ``buffer_sets``; default 2 on a GPU (the next
+    batch is copied in while one runs), 1 on the CPU. One thread does all
     of the batcher's work: it reads the requests, starts batches and answers them, so no second
     thread of this process ever waits for the GIL behind it (two workers and a reader thread spent
     up to half of each batch's time handing the GIL around, on an H200).
@@ -496,8 +496,8 @@ class ProcessBatcher:
             raise InputError(f"capacity={capacity}, slot_rows={slot_rows}: both must be at least 1")
         check_settings(max_batch, max_wait_ms, timeout)
         sets = getattr(engines, "buffer_sets", None)
-        if in_flight is None:
-            in_flight = min(2, sets or 1)
+        if in_flight is None:  # on the CPU a batch runs in start_parts: a second one would only delay the answers
+            in_flight = 2 if getattr(engines, "queues_on_gpu", False) and (sets or 1) >= 2 else 1
         if in_flight < 1:
             raise InputError(f"in_flight={in_flight}: the batcher runs at least one batch at a time")
         if sets is not None and in_flight > sets:  # its one thread would wait for a buffer set it holds itself
@@ -526,6 +526,7 @@ class ProcessBatcher:
         self._handed = 0  # slots given to handles so far
         self._feeds: list[dict[tuple[int, tuple[int, ...]], Any]] = [{} for _ in range(capacity)]
         self._pending: list[_Pending] = []  # requests read from the pipe and not yet in a batch, oldest first
+        self._waiting: list[_Pending] | None = None  # a batch taken when no buffer set was free: started next
         self._pending_rows = 0
         self._closed = False
         self._drain = True
@@ -598,7 +599,9 @@ class ProcessBatcher:
                     finish()
             with contextlib.suppress(Exception):
                 self._read()
-            self._reply([r[0] for batch, _ in running for r in batch] + [r[0] for r in self._pending], _FAILED, text)
+            waiting = [r[0] for r in self._waiting or []]
+            self._reply([r[0] for batch, _ in running for r in batch] + [r[0] for r in self._pending] + waiting,
+                        _FAILED, text)
             self._pending.clear()
             self._hang_up()
 
@@ -617,9 +620,11 @@ class ProcessBatcher:
                     break
                 if not batch:
                     break
-                started = self._start(batch)
+                started = self._start(batch, wait=not running)
                 if started is not None:
                     running.append(started)
+                elif self._waiting is not None:
+                    break
             if not running:
                 continue
             batch, finish = running[0]
@@ -635,7 +640,7 @@ class ProcessBatcher:
             if len(running) < self.in_flight:
                 follow = self._next_batch(block=False)
                 if follow:
-                    started = self._start(follow)
+                    started = self._start(follow, wait=not running)
                     if started is not None:
                         running.append(started)
             if failure is None:
@@ -686,6 +691,9 @@ class ProcessBatcher:
     def _next_batch(self, block: bool) -> list[_Pending] | None:
         """The requests of the next batch: a full one, or the oldest request's window is over; an empty list when
         ``block`` is False and none is ready; None when closed and nothing is left."""
+        if self._waiting is not None:
+            batch, self._waiting = self._waiting, None
+            return batch
         while True:
             self._read()
             pending = self._pending
@@ -737,13 +745,19 @@ class ProcessBatcher:
         self._reply(expired, _EXPIRED, f"the request waited in the queue over its timeout: {_OVERLOADED}")
         return batch
 
-    def _start(self, batch: list[_Pending]) -> tuple[list[_Pending], Callable[..., Any]] | None:
-        """Queue the batch on the engines. None when that failed (its callers have been told why)."""
+    def _start(self, batch: list[_Pending], wait: bool) -> tuple[list[_Pending], Callable[..., Any]] | None:
+        """Queue the batch on the engines. None when that failed (its callers have been told why), or when
+        ``wait`` is False and no buffer set was free (it is ``_waiting`` then: ``_next_batch`` gives it first)."""
+        feeds = [r[5] for r in batch]
         try:
-            return batch, self.engines.start_parts([r[5] for r in batch])
+            started = self.engines.start_parts(feeds) if wait else self.engines.start_parts(feeds, wait=False)
         except Exception as err:
             self._reply([r[0] for r in batch], _FAILED, f"the batch failed: {err}")
             return None
+        if started is None:
+            self._waiting = batch
+            return None
+        return batch, started
 
     def _write(self, batch: list[_Pending], outputs: Mapping[str, Any]) -> str | None:
         """Every request's rows of every output into its slot, and its status; the reason when they do not fit."""
