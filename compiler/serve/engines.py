@@ -507,7 +507,7 @@ class Engines:
 
     def _callers_stream(self) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """What makes another thread queue on this thread's current CUDA stream (a no-op off the GPU)."""
-        if not self._contexts[0].on_gpu:
+        if not str(self._backend.device).startswith("cuda"):
             return contextlib.nullcontext
         torch = sys.modules["torch"]  # a GPU backend imported it
         stream = torch.cuda.current_stream(self._backend.device)
