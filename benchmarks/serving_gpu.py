@@ -162,21 +162,8 @@ class CountingEngines:
         self._count(len(next(iter(x.values())) if isinstance(x, dict) else x), start)
         return out
 
-    @property
-    def queues_on_gpu(self) -> bool:
-        return bool(self._engines.queues_on_gpu)
-
-    @property
-    def contexts(self) -> int:
-        return int(self._engines.contexts)
-
-    @property
-    def buffer_sets(self) -> int:
-        return int(self._engines.buffer_sets)
-
-    @property
-    def launches_on_host(self) -> bool:
-        return bool(self._engines.launches_on_host)
+    def __getattr__(self, name: str) -> Any:  # what the batchers ask of the engines (queues_on_gpu, buffer_sets, ...)
+        return getattr(self._engines, name)
 
     def start_parts(self, calls: Any, wait: bool = True) -> Any:
         start = time.perf_counter()

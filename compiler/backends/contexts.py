@@ -92,12 +92,11 @@ class _Context(Protocol):
     on_gpu: bool
     stream: Any
     overlaps: bool
+    launches_on_host: bool
 
     def run(self, bucket: int, call: CheckedFeed, start: int, stop: int, host: bool) -> None: ...
 
     def upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None: ...
-
-    def upload_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> None: ...
 
     def start(self, bucket: int, calls: Sequence[CheckedFeed]) -> None: ...
 
@@ -156,6 +155,7 @@ class _HostContext:
     on_gpu = False
     stream = None
     overlaps = True  # ONNX Runtime and torch release the GIL while they compute
+    launches_on_host = False
 
     def __init__(self, spec: ModelSpec, buckets: Sequence[int]) -> None:
         self._spec = spec
@@ -312,7 +312,6 @@ class _GpuContext:
         self._done = torch.cuda.Event()
         self._batched = {i.name: bool(i.dims) and i.dims[0] == BATCH_DIM for i in spec.inputs}
         self._queueing = threading.RLock()  # shared by the lanes: one run at a time is queued on the stream
-        self._lane_of: _GpuContext = self  # the context whose device buffers and model this set uses
         self._device_flat: dict[tuple[int, str], torch.Tensor] = {}
         for b in buckets:
             values = _max_values(spec, b)
@@ -389,13 +388,6 @@ class _GpuContext:
             with self._torch.cuda.stream(self.stream):
                 self._upload(bucket, call, start, stop)
 
-    def upload_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
-        """Each host feed's rows into this set's pinned staging at its offset (``_pack``), then one copy to the
-        device."""
-        views = self._pack_parts(bucket, calls)
-        with self._queueing, self._torch.cuda.stream(self.stream):
-            self._copy_parts(views)
-
     def compute(self, bucket: int, call: CheckedFeed) -> None:
         with self._queueing, self._torch.cuda.stream(self.stream):
             self._compute(bucket, call)
@@ -406,7 +398,8 @@ class _GpuContext:
             self._download(host, caller)
 
     def start(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
-        """``upload_parts``, ``compute`` and ``download(True)`` with no other set's run queued between them: what
+        """Each host feed's rows into this set's pinned staging at its offset (``_pack``), one copy to the device,
+        ``compute`` and ``download(True)``, with no other set's run queued between them: what
         ``Engines.start_parts`` runs. The packing into this set's staging needs no lock: only the queueing waits
         for another set's."""
         torch = self._torch

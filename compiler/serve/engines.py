@@ -291,7 +291,7 @@ class Engines:
     def launches_on_host(self) -> bool:
         """Whether a run holds the host launching every kernel (no CUDA graphs: ONNX Runtime on a GPU, eager torch)."""
         context = self._contexts[0]
-        return bool(getattr(context, "launches_on_host", False)) or not context.overlaps
+        return context.launches_on_host or not context.overlaps
 
     def check(self, x: Any) -> CheckedFeed:
         """Check a feed (one array or a dict by input name) against the spec; raises ``FeedError``.
