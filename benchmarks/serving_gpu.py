@@ -29,7 +29,9 @@ contexts (batcher workers = contexts):
 
 ``--ort-cuda-option KEY=VALUE`` overrides the runtime's ONNX Runtime CUDA options, to compare
 (e.g. ``cudnn_conv_algo_search=EXHAUSTIVE``, ONNX Runtime's default); the JSON records whether each
-ONNX Runtime context's session computes on the context's own stream.
+ONNX Runtime context's session computes on the context's own stream; ``--no-cuda-graphs`` loads
+every backend without CUDA graphs (the JSON records per run whether a run launched its kernels from
+the host, ``launches_on_host``).
 
 Writes one JSON (``--out``) and prints a table. ``--smoke`` runs tiny sizes on the CPU in seconds
 (the test suite runs it). On an H200 (about 5 minutes):
@@ -415,6 +417,9 @@ def main() -> None:
     parser.add_argument("--ort-ordered", action="store_true",
                         help="ONNX Runtime CUDA contexts run one after the other on the GPU instead of side by side "
                              "(compiler.backends.onnxrt.ORDER_RUNS = True), to compare.")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="Load every backend with cuda_graphs=False (to compare: ONNX Runtime launches every "
+                             "kernel from the host then).")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="The batcher's window (default 5).")
     parser.add_argument("--seconds", type=float, help="Seconds per engines(x) throughput (default 2; 0.2 smoke).")
     parser.add_argument("--map-batches", type=int, help="Batches per map run (default 200; 8 with --smoke).")
@@ -465,8 +470,9 @@ def main() -> None:
         for backend, precision in configs:
             for contexts in (1, 2):
                 engines = load(dirs[precision], backend=backend, contexts=contexts, device=device,
-                               ort_cuda_options=ort_options or None)
+                               ort_cuda_options=ort_options or None, cuda_graphs=not args.no_cuda_graphs)
                 on_own_stream = [getattr(c, "_on_our_stream", None) for c in engines._contexts]
+                launches_on_host = engines.launches_on_host  # False where every run is a CUDA graph's replay
                 largest = engines.buckets[-1]
                 one = feed_of(engines, model, largest, seed=1)
                 bound = throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest, seconds)
@@ -518,6 +524,7 @@ def main() -> None:
                              "ort_session_on_context_stream": on_own_stream if backend == "onnxruntime" else None,
                              "ort_runs_ordered": args.ort_ordered if backend == "onnxruntime" else None,
                              "buffer_sets": engines.buffer_sets,
+                             "launches_on_host": launches_on_host,
                              **{("batcher" if mode == "threads" else f"batcher_{mode}"): result
                                 for mode, result in modes.items()},
                              "map": mapped, "targets": targets})
@@ -561,6 +568,7 @@ def main() -> None:
                            "max_wait_ms": args.max_wait_ms,
                            "seconds": seconds, "map_batches": map_batches, "map_batch": map_batch,
                            "backends": wanted, "ort_cuda_options": ort_options,
+                           "cuda_graphs": not args.no_cuda_graphs,
                            "switch_interval_ms": sys.getswitchinterval() * 1000},
               "seconds": round(time.perf_counter() - started, 1), "runs": runs, "batcher_ceiling": ceilings,
               "all_targets_met": all(all(r["targets"].values()) for r in runs)}

@@ -587,7 +587,7 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
     with one set)."""
     with _one_context_on_cuda(backend, tmp_path) as engines:
         assert (engines.contexts, engines.buffer_sets) == (1, 2)
-        assert engines._can_overlap() == (backend == "torch")  # ONNX Runtime's run holds the host
+        assert not engines.launches_on_host and engines._can_overlap()  # both replay CUDA graphs
         rng = np.random.default_rng(11)
         a, b = (rng.standard_normal((n, 64)).astype(np.float32) for n in (16, 9))
         finish_a = engines.start_parts([engines.check(a)])
@@ -606,6 +606,71 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
         sums = list(engines.map(inputs[:12], postprocess=lambda out: out.sum(axis=1)))
         for total, x in zip(sums, inputs[:12]):
             np.testing.assert_allclose(total, eager("mlp", {"x": x}).sum(axis=1), rtol=1e-3, atol=1e-3)
+
+
+def per_position() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+
+
+@pytest.mark.gpu
+def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime's runs as CUDA graphs: one per bucket at load for a fixed-shape model, one per bucket and sequence
+    length at first use for a dynamic one, each giving the eager model's outputs; without graphs (not asked for,
+    refused by ONNX Runtime, or a graph that does not reproduce its run) the run launches its kernels from the host
+    and still answers right."""
+    if not _ort_cuda_available():
+        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
+    from compiler.backends.onnxrt import _OrtCudaContext
+
+    rng = np.random.default_rng(5)
+    mlp = build_directory(tmp_path / "mlp", "mlp")
+    with load(mlp, backend="onnxruntime", device="cuda", contexts=1) as engines:
+        context = engines._contexts[0]
+        assert set(context._graphs) == {(b, ()) for b in BUCKETS}  # type: ignore[attr-defined]
+        assert all(g is not None for g in context._graphs.values())  # type: ignore[attr-defined]
+        assert not engines.launches_on_host
+        for rows in (1, 3, 16, 21):
+            x = rng.standard_normal((rows, 64)).astype(np.float32)
+            np.testing.assert_allclose(engines(x), eager("mlp", {"x": x}), rtol=1e-3, atol=1e-3)
+    with load(mlp, backend="onnxruntime", device="cuda", contexts=1, cuda_graphs=False) as engines:
+        assert engines.launches_on_host and not engines._contexts[0]._graphs  # type: ignore[attr-defined]
+        x = rng.standard_normal((5, 64)).astype(np.float32)
+        np.testing.assert_allclose(engines(x), eager("mlp", {"x": x}), rtol=1e-3, atol=1e-3)
+
+    # a sequence model ONNX Runtime can capture (its TorchScript export has no shape arithmetic on the host)
+    monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
+    sequences = build_directory(tmp_path / "per_position", "per_position")
+    with load(sequences, backend="onnxruntime", device="cuda", contexts=1) as engines:
+        context = engines._contexts[0]
+        assert not context._graphs and not engines.launches_on_host  # type: ignore[attr-defined]
+        for rows, length in ((3, 8), (3, 8), (16, 32), (2, 5)):
+            x = rng.standard_normal((rows, length, 16)).astype(np.float32)
+            np.testing.assert_allclose(engines(x), eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
+        assert set(context._graphs) == {(4, (8,)), (16, (32,)), (4, (5,))}  # type: ignore[attr-defined]
+        assert all(g is not None for g in context._graphs.values())  # type: ignore[attr-defined]
+
+    import compiler.core.onnx_io as onnx_io
+
+    def refuses_graphs(path: Any, providers: Any, **kwargs: Any) -> Any:
+        if any(isinstance(p, tuple) and p[1].get("enable_cuda_graph") == "1" for p in providers):
+            raise RuntimeError("all compute graph nodes have not been partitioned to the CUDA EP")
+        return session(path, providers, **kwargs)
+
+    session = onnx_io.ort_session
+    monkeypatch.setattr(onnx_io, "ort_session", refuses_graphs)
+    with load(sequences, backend="onnxruntime", device="cuda", contexts=2) as engines:
+        assert engines.launches_on_host and engines._backend.graphs_refused  # type: ignore[attr-defined]
+        x = rng.standard_normal((6, 12, 16)).astype(np.float32)
+        np.testing.assert_allclose(engines(x), eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
+    monkeypatch.setattr(onnx_io, "ort_session", session)
+
+    monkeypatch.setattr(_OrtCudaContext, "_replays", lambda self, key, graph: False)
+    with load(mlp, backend="onnxruntime", device="cuda", contexts=1) as engines:
+        assert engines.launches_on_host
+        assert all(g is None for g in engines._contexts[0]._graphs.values())  # type: ignore[attr-defined]
+        x = rng.standard_normal((7, 64)).astype(np.float32)
+        np.testing.assert_allclose(engines(x), eager("mlp", {"x": x}), rtol=1e-3, atol=1e-3)
 
 
 def test_serving_sessions_do_not_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

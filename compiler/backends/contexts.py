@@ -556,8 +556,9 @@ def _pack(parts: list[np.ndarray], out: np.ndarray) -> None:
 def _capture(stream: Any, launch: Callable[[], Any], what: str) -> tuple[Any, Any] | None:
     """Warm up ``launch`` on ``stream``, then capture it in a CUDA graph: (graph, what launch returned).
 
-    None when capture fails (an op that cannot be captured): the caller runs without a graph.
-    Capture is thread-local, so other threads may use the GPU meanwhile.
+    None when capture fails (an op that cannot be captured, or a library call that synchronizes; ONNX
+    Runtime raises its own exception types): the caller runs without a graph. Capture is thread-local,
+    so other threads may use the GPU meanwhile.
     """
     import torch
 
@@ -569,7 +570,8 @@ def _capture(stream: Any, launch: Callable[[], Any], what: str) -> tuple[Any, An
     try:
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             result = launch()
-    except RuntimeError as err:
-        log.info("%s: CUDA graph capture failed (%s); running without a graph", what, str(err).splitlines()[0])
+    except Exception as err:
+        log.info("%s: CUDA graph capture failed (%s); running without a graph", what,
+                 str(err).splitlines()[0] if str(err) else type(err).__name__)
         return None
     return graph, result

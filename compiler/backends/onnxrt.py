@@ -9,10 +9,22 @@ arena or cuDNN handles (with one shared session, concurrent runs of an H200 took
 instead of 7). cuDNN picks convolution algorithms by heuristic unless ``cuda_options`` says
 otherwise (ONNX Runtime's default, an exhaustive search, runs per new shape and stalls the first
 calls). TF32 follows ``tf32`` (``use_tf32``), one policy with the other backends.
+
+With ``cuda_graphs``, each context's run of a bucket (and of each shape of the other dynamic
+dimensions, at its first use) is captured in a CUDA graph by torch, around ONNX Runtime's run
+on the context's stream, and replayed from then on: without one, the run holds the calling
+thread while it launches every kernel (on an H200 about as long as the GPU computes them), so a
+second buffer set had little to overlap. The session is made with ``enable_cuda_graph`` so that
+ONNX Runtime checks the model can be captured (every compute node on CUDA, no copies between host
+and device inside the run) and frees its host scratch buffers without host callbacks, which a graph
+would replay; its own capture is off (``gpu_graph_id`` -1): its replay waits for the GPU on the
+host. A model it refuses, or a capture that fails or does not reproduce the run it was captured
+from, runs without graphs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -26,6 +38,7 @@ from compiler.backends.contexts import (
     _NUMPY_DTYPES,
     CheckedFeed,
     _call_values,
+    _capture,
     _ComputeOrder,
     _Context,
     _GpuContext,
@@ -55,10 +68,12 @@ class _OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, path: Path, spec: ModelSpec, buckets: Sequence[int], device: str | None, threads: int,
-                 tf32: bool = True, cuda_options: Mapping[str, str] | None = None) -> None:
+                 tf32: bool = True, cuda_options: Mapping[str, str] | None = None, cuda_graphs: bool = True) -> None:
         from compiler.core.onnx_io import ort_session, usable_providers
 
         self.spec = spec
+        self.cuda_graphs = cuda_graphs
+        self.graphs_refused = False  # ONNX Runtime refused graph capture for this model (said once)
         self.buckets = tuple(buckets)
         self.path = path
         self.threads = threads
@@ -101,20 +116,24 @@ class _OrtBackend:
             isinstance(d, int) or d in known for dims in self._output_dims.values() for d in dims) and all(
             dims and dims[0] == BATCH_DIM for dims in self._output_dims.values())
 
-    def _providers(self, first: str, stream: Any) -> list[Any]:
-        """The providers for a session: CUDA with this backend's options (and ``stream`` as its compute stream)."""
+    def _providers(self, first: str, stream: Any, graphs: bool = False) -> list[Any]:
+        """The providers for a session: CUDA with this backend's options (and ``stream`` as its compute stream,
+        ``graphs``: checked for graph capture)."""
         if first != "CUDAExecutionProvider":
             return ["CPUExecutionProvider"]
         options = dict(self.cuda_options)
         if stream is not None:
             options["user_compute_stream"] = str(stream.cuda_stream)
+        if graphs:
+            options["enable_cuda_graph"] = "1"
         return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
-    def context_session(self, stream: Any) -> tuple[Any, bool]:
-        """A CUDA session of its own for one context, computing on ``stream``: (session, whether it does).
+    def context_session(self, stream: Any) -> tuple[Any, bool, bool]:
+        """A CUDA session of its own for one context, computing on ``stream``: (session, whether it does, whether
+        its runs may be captured in CUDA graphs).
 
         An ONNX Runtime that refuses ``user_compute_stream`` gets a session on its own stream; the
-        context then waits for its copies on the host before each run.
+        context then waits for its copies on the host before each run, and captures no graphs.
         """
         from compiler.core.onnx_io import ort_session
 
@@ -122,18 +141,31 @@ class _OrtBackend:
         # the GPU, and a pool per context of one thread per core, spinning after each CPU node, took the cores from
         # the server's threads (the batcher's workers waited for the GIL behind them).
         threads = self.threads or 1
+        session = None
+        graphs = self.cuda_graphs and self.outputs_resolvable and not self.graphs_refused
+        if graphs:
+            try:
+                session = ort_session(self.path, self._providers(self.provider, stream, graphs=True), threads=threads,
+                                      spinning=False)
+            except Exception as err:  # onnxruntime's pybind errors share no narrower base class
+                self.graphs_refused = True
+                log.info("ONNX Runtime cannot capture %s in CUDA graphs (%s); its runs launch every kernel from "
+                         "the host", self.path.name, _first_line(err))
+                graphs = False
         try:
-            session, own = ort_session(self.path, self._providers(self.provider, stream), threads=threads,
-                                       spinning=False), True
-        except Exception as err:  # onnxruntime's pybind errors share no narrower base class
+            if session is None:
+                session = ort_session(self.path, self._providers(self.provider, stream), threads=threads,
+                                      spinning=False)
+            own = True
+        except Exception as err:
             log.warning("ONNX Runtime does not take the context's CUDA stream (%s); its runs wait for the copies "
-                        "on the host", str(err).splitlines()[0] if str(err) else type(err).__name__)
-            session, own = ort_session(self.path, self._providers(self.provider, None), threads=threads,
-                                       spinning=False), False
+                        "on the host", _first_line(err))
+            session, own, graphs = ort_session(self.path, self._providers(self.provider, None), threads=threads,
+                                               spinning=False), False, False
         if session.get_providers()[0] != "CUDAExecutionProvider":
             raise InputError(f"{self.path}: ONNX Runtime could not start its CUDA provider (see its log above); "
                              "check the CUDA and cuDNN libraries onnxruntime-gpu needs, or load with device='cpu'")
-        return session, own
+        return session, own, graphs
 
     def output_shape(self, name: str, values: dict[str, int]) -> tuple[int, ...]:
         return tuple(d if isinstance(d, int) else values[str(d)] for d in self._output_dims[name])
@@ -151,6 +183,10 @@ class _OrtBackend:
 
     def close(self) -> None:
         self.session = None
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 @dataclass
@@ -239,16 +275,19 @@ class _OrtCudaContext(_GpuContext):
     """ONNX Runtime's CUDA provider on device buffers bound by pointer, in a session of the context's own that
     computes on the context's stream. Its run only queues the kernels (no synchronization at the end of the
     run) when the session computes on our stream into our buffers; otherwise it returns when the stream is
-    done. The contexts' runs are not ordered (see ``ORDER_RUNS``); the GPU interleaves them."""
+    done. With CUDA graphs (the module docstring) a run is a replay: one graph per bucket captured at load
+    for a model whose only dynamic dimension is the batch, else one per bucket and shape captured at its
+    first run and kept for the last ``_BINDING_CACHE`` shapes. The contexts' runs are not ordered (see
+    ``ORDER_RUNS``); the GPU interleaves them."""
 
-    launches_on_host = True  # no CUDA graph: its run launches every kernel
+    launches_on_host = True  # without CUDA graphs its run launches every kernel; set per context below
 
     def __init__(self, backend: _OrtBackend) -> None:
         import torch
 
         super().__init__(backend.spec, backend.buckets, backend.device, None, None)
         self._backend = backend
-        self._session, self._on_our_stream = backend.context_session(self.stream)
+        self._session, self._on_our_stream, graphs = backend.context_session(self.stream)
         self._out_flat: dict[tuple[int, str], torch.Tensor] = {}
         if backend.outputs_resolvable:
             for b in backend.buckets:
@@ -265,11 +304,24 @@ class _OrtCudaContext(_GpuContext):
 
             self._queue_only = ort.RunOptions()
             self._queue_only.add_run_config_entry("disable_synchronize_execution_providers", "1")
+            if graphs:  # ONNX Runtime's own capture stays off: torch captures the run (the module docstring)
+                self._queue_only.add_run_config_entry("gpu_graph_id", "-1")
             self._order = backend.order  # None unless ORDER_RUNS
+        # (bucket, sizes of the other dynamic dims) -> the run's graph, or None where it could not be captured
+        self._graphs: dict[tuple[int, tuple[int, ...]], Any] = {}
+        graphs = graphs and self._queue_only is not None
+        self._on_demand = graphs and bool(backend.spec.dims)
+        if graphs and not backend.spec.dims:
+            for b in backend.buckets:
+                self._graphs[b, ()] = self._captured(b, CheckedFeed("numpy", {}, b, {}, ()))
+            for key, graph in self._graphs.items():  # each still replays its own run after the later captures
+                if graph is not None and not self._replays(key, graph):
+                    self._graphs[key] = None
+        self.launches_on_host = not (self._on_demand or (
+            bool(self._graphs) and all(g is not None for g in self._graphs.values())))
 
-    def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
-        import torch
-
+    def _binding(self, bucket: int, call: CheckedFeed) -> tuple[Any, dict[str, Any] | None]:
+        """The IOBinding of the bucket's buffers at the call's shape, and the output views it writes."""
         backend = self._backend
         entry = self._bindings.get((bucket, call.key))
         if entry is None:
@@ -292,7 +344,55 @@ class _OrtCudaContext(_GpuContext):
                     binding.bind_output(name, "cuda", index)
             entry = (binding, outputs)
             _remember(self._bindings, (bucket, call.key), entry)
-        binding, outputs = entry
+        return entry
+
+    def _captured(self, bucket: int, call: CheckedFeed) -> Any:
+        """The run of ``bucket`` at the call's shape, warmed up and captured in a CUDA graph that reproduces it; None
+        when it cannot be."""
+        binding, _ = self._binding(bucket, call)
+        what = f"{self._backend.path.name}: bucket {bucket}" + (f" at {call.dims}" if call.dims else "")
+        captured = _capture(self.stream, functools.partial(self._session.run_with_iobinding, binding,
+                                                           self._queue_only), what)
+        if captured is None:
+            return None
+        graph = captured[0]
+        return graph if self._replays((bucket, call.key), graph) else None
+
+    def _replays(self, key: tuple[int, tuple[int, ...]], graph: Any) -> bool:
+        """Whether ``graph`` computes what ONNX Runtime's run computes on the inputs in the buffers now (a graph
+        that read host memory ONNX Runtime has since reused would not)."""
+        import torch
+
+        binding, outputs = self._bindings[key]
+        assert outputs is not None
+        with torch.cuda.stream(self.stream):
+            self._session.run_with_iobinding(binding, self._queue_only)
+            expected = {name: out.clone() for name, out in outputs.items()}
+            for name, out in outputs.items():  # what the replay must overwrite
+                out.copy_(~expected[name] if out.dtype == torch.bool else expected[name] + 1)
+            graph.replay()
+        self.stream.synchronize()
+        for name, out in outputs.items():
+            if not torch.allclose(out, expected[name], rtol=1e-3, atol=1e-5, equal_nan=True):
+                log.info("%s: bucket %d: the CUDA graph's output %r differs from ONNX Runtime's run; running "
+                         "without a graph", self._backend.path.name, key[0], name)
+                return False
+        return True
+
+    def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
+        import torch
+
+        key = (bucket, call.key)
+        if self._on_demand and key not in self._graphs:
+            # the inputs are already queued on our stream: the capture's warm-up reads them, then the graph replays
+            # below like every later call of this shape
+            _remember(self._graphs, key, self._captured(bucket, call))
+        binding, outputs = self._binding(bucket, call)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()  # on the current stream: run() has made it the context's
+            assert outputs is not None
+            return outputs
         if not self._on_our_stream:
             self.stream.synchronize()  # the inputs were copied on our stream; ONNX Runtime reads them on its own
         if self._queue_only is not None:
@@ -302,10 +402,11 @@ class _OrtCudaContext(_GpuContext):
         if outputs is not None:
             return outputs
         return {name: torch.from_numpy(a).to(self.device)
-                for name, a in zip(backend.output_names, binding.copy_outputs_to_cpu())}
+                for name, a in zip(self._backend.output_names, binding.copy_outputs_to_cpu())}
 
     def close(self) -> None:
         super().close()
+        self._graphs.clear()
         self._bindings.clear()
         self._out_flat.clear()
         self._session = None

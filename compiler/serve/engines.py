@@ -17,7 +17,7 @@ contexts are in ``compiler.backends.contexts``), one module each:
   it was captured with).
 * ``onnxruntime`` (``compiler.backends.onnxrt``): the build's ONNX for the manifest's
   precision (``model.int8.onnx`` for ``precision: int8``), CUDA or CPU, through an IOBinding on
-  the preallocated buffers.
+  the preallocated buffers; on CUDA its runs replayed as CUDA graphs where ONNX Runtime allows it.
 * ``torch`` (``compiler.backends.pytorch``): the source model in eager PyTorch, with a CUDA graph per
   bucket on a GPU. For nodes with neither TensorRT nor a usable ONNX, and to measure the runtime
   itself.
@@ -625,8 +625,10 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
     ``trtc check`` does; a stale or missing engine raises ``EnginesNotRunnable`` naming
     ``trtc rebuild``, a missing TensorRT ``TensorRTNotInstalled``. ``device``: ``cpu``, ``cuda``
     or ``cuda:N``; None picks the GPU when the backend can use one. ``contexts``: how many callers
-    run at once (each context holds buffers for every bucket). ``cuda_graphs``: capture one graph
-    per bucket on a GPU (fixed-shape models only). ``threads``: ONNX Runtime's intra-op threads
+    run at once (each context holds buffers for every bucket). ``cuda_graphs``: replay CUDA graphs
+    on a GPU: one per bucket, captured at load, for a model whose only dynamic dimension is the
+    batch; for other models one per bucket and shape, captured at its first run (torch and ONNX
+    Runtime; TensorRT runs those without graphs). ``threads``: ONNX Runtime's intra-op threads
     (0: its default). ``trust_pickle``: let the torch backend load a pickled model file. ``tf32``:
     whether ONNX Runtime's CUDA provider may use TF32 for FP32 math (default: the manifest's
     ``build.tf32``, else True, as the TensorRT engines were built); the torch backend follows
@@ -652,7 +654,8 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
         impl = _tensorrt_backend(directory, manifest, spec, device, cuda_graphs)
     elif chosen == "onnxruntime":
         ort_backend = _OrtBackend(onnx_for_precision(directory, manifest, precision), spec, buckets, device, threads,
-                                  tf32=tf32_policy(manifest) if tf32 is None else tf32, cuda_options=ort_cuda_options)
+                                  tf32=tf32_policy(manifest) if tf32 is None else tf32, cuda_options=ort_cuda_options,
+                                  cuda_graphs=cuda_graphs)
         if backend == "auto":
             _log_fallback_once(directory, ort_backend)
         impl = ort_backend
