@@ -167,9 +167,9 @@ class CountingEngines:
     def __getattr__(self, name: str) -> Any:  # what the batchers ask of the engines (queues_on_gpu, buffer_sets, ...)
         return getattr(self._engines, name)
 
-    def start_parts(self, calls: Any, wait: bool = True) -> Any:
+    def start_parts(self, calls: Any, wait: bool = True, out: Any = None) -> Any:
         start = time.perf_counter()
-        finish = self._engines.start_parts(calls, wait=wait)
+        finish = self._engines.start_parts(calls, wait=wait, **({"out": out} if out is not None else {}))
         if finish is None:  # no buffer set free
             return None
         rows = sum(c.rows for c in calls)
@@ -192,12 +192,19 @@ class CountingEngines:
 
 class InstantEngines:
     """The engines' interface answering at once from one stored batch: the batcher's own ceiling on this host
-    (its Python per-request cost with these client threads), with no model behind it."""
+    (its Python per-request cost with these client threads), with no model behind it. It says what the GPU
+    engines say (``queues_on_gpu``, ``buffer_sets``, ``launches_on_host``), so the batchers run as they do with
+    them, and it answers a batch given results areas (``out``) with views of them, as if the GPU had copied
+    the outputs there (the answers' values are not checked in this run)."""
 
     def __init__(self, engines: Any, outputs: dict[str, np.ndarray]) -> None:
         self._engines = engines
         self.buckets, self.input_names, self.output_names = engines.buckets, engines.input_names, engines.output_names
         self.spec = engines.spec
+        self.queues_on_gpu = engines.queues_on_gpu
+        self.buffer_sets = engines.buffer_sets
+        self.launches_on_host = engines.launches_on_host
+        self.contexts = engines.contexts
         self._outputs = outputs
 
     def check(self, x: Any) -> Any:
@@ -207,11 +214,11 @@ class InstantEngines:
         rows = len(next(iter(x.values())) if isinstance(x, dict) else x)
         return {name: out[:rows] for name, out in self._outputs.items()}
 
-    queues_on_gpu = False
-
-    def start_parts(self, calls: Any, wait: bool = True) -> Any:
+    def start_parts(self, calls: Any, wait: bool = True, out: Any = None) -> Any:
         rows = sum(c.rows for c in calls)
-        outputs = {name: out[:rows] for name, out in self._outputs.items()}
+        outputs = {name: a[:rows] for name, a in self._outputs.items()}
+        if out is not None:
+            outputs = {name: out[name][:a.size].reshape(a.shape) for name, a in outputs.items()}
         return lambda read=None: outputs if read is None else read(outputs)
 
 

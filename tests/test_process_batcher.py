@@ -459,3 +459,118 @@ def test_the_next_batch_starts_while_the_last_one_runs(engines: Engines) -> None
     assert events == ["start 1", "start 2", "finish 1"]
     for i in range(8):
         np.testing.assert_allclose(answers[i], engines(rows(i)), rtol=1e-5, atol=1e-6)
+
+
+class IntoAreas(Recording):
+    """CPU engines driven as a GPU's: the outputs of a batch given results areas (``out``) are copied there, as the
+    GPU's copy would put them, and read from there."""
+
+    queues_on_gpu = True  # type: ignore[assignment]
+    buffer_sets = 2
+
+    def start_parts(self, calls: Any, wait: bool = True, out: Any = None) -> Any:
+        from compiler.serve.engines import Started
+
+        started = super().start_parts(calls, wait=wait)
+        if out is None or started is None:
+            return started
+        self.into_areas += 1
+
+        def copy(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            views = {name: out[name][:a.size].reshape(a.shape) for name, a in outputs.items()}
+            for name, a in outputs.items():
+                views[name][...] = a
+            return views
+
+        return Started(lambda read=None: started(lambda o: copy(o) if read is None else read(copy(o))), started.ready)
+
+    into_areas = 0
+
+
+def test_on_a_gpu_answers_are_read_where_the_gpu_copied_them(engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch's outputs go into a results area of the shared memory (page-locked on a real GPU) instead of being
+    written into every slot; each client copies its rows from there and marks them taken, and an area serves the
+    next batches only once every answer in it was taken, or its requests' time is over. A client whose area was
+    reused before it read it gets an error, never another request's rows."""
+    import compiler.serve.processes as processes
+
+    monkeypatch.setattr(processes, "_page_lock", lambda areas: [1])  # the CUDA call; the protocol is what is tested
+    monkeypatch.setattr(processes, "_page_unlock", lambda addresses: None)
+    into = IntoAreas(engines)
+    requests = [rows(i, 1 + i % 2) for i in range(60)]
+    answers: dict[int, Any] = {}
+    with ProcessBatcher(into, capacity=8, slot_rows=2, max_batch=4, max_wait_ms=2) as batcher:
+        assert batcher.in_flight == 2 and len(batcher._results) == 4
+        client = batcher.client_handle(8).connect()
+
+        def one(first: int) -> None:
+            for i in range(first, len(requests), 8):
+                answers[i] = client.submit(requests[i], timeout=20)
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        join_all(threads, timeout=60)
+        assert into.into_areas > len(batcher._results)  # the areas served again once read
+        arrays = batcher._arrays
+        answered = arrays["where"][:, 0] >= 0
+        assert answered.any() and (arrays["taken"][answered] == arrays["answered"][answered]).all()
+
+        # an area whose readers never took their answers is not reused until their time is over
+        area = 2
+        batcher._readers = [(np.array([0]), np.array([-5]), time.monotonic() + 60)] * 4
+        assert batcher._free_area() is None
+        batcher._readers[area] = (np.array([0]), np.array([-5]), time.monotonic() - 1)
+        assert batcher._free_area() == area
+        batcher._readers = [None] * 4
+
+        # a client reading an area that was given to another batch meanwhile fails its request
+        generation = arrays["generation"]
+        real_read = client._answer
+
+        def stalled(slot: int, number: int, rows_: int, single: bool) -> Any:
+            generation[arrays["where"][slot, 0]] += 1  # the batcher reused the area while this process stalled
+            return real_read(slot, number, rows_, single)
+
+        client._answer = stalled  # type: ignore[method-assign]
+        with pytest.raises(RequestFailed, match="overwritten before this client read it"):
+            client.submit(rows(3), timeout=20)
+        client._answer = real_read  # type: ignore[method-assign]
+        np.testing.assert_allclose(client.submit(rows(4), timeout=20), engines(rows(4)), rtol=1e-5, atol=1e-6)
+        client.close()
+    for i, x in enumerate(requests):
+        np.testing.assert_allclose(answers[i], engines(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_on_a_real_gpu_the_outputs_are_copied_into_the_page_locked_results_areas() -> None:
+    """Torch's CUDA graphs behind the batcher: the shared memory's results areas are page-locked, the GPU copies
+    each batch's outputs there, and every caller (threads of a spawned client process) reads its own rows."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False here")
+    from compiler.serve.engines import engines_from_module
+    from examples import models
+
+    rng = np.random.default_rng(2)
+    requests = [[rng.standard_normal((1, 64)).astype(np.float32) for _ in range(16)] for _ in range(2)]
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    with engines_from_module(models.mlp(), ["x:Bx64"], buckets=(1, 4, 8), device="cuda", contexts=1) as engines, \
+            ProcessBatcher(engines, capacity=32, max_wait_ms=2) as batcher:
+        assert batcher._locked and len(batcher._results) == batcher.in_flight + 2 == 4
+        workers = [spawn.Process(target=_client_process, args=(batcher.client_handle(16), requests[p], results))
+                   for p in range(2)]
+        for worker in workers:
+            worker.start()
+        answers = [results.get(timeout=120) for _ in workers]
+        for worker in workers:
+            worker.join(timeout=30)
+        arrays = batcher._arrays
+        assert (arrays["where"][:32, 0] >= 0).any()  # answered from the areas
+        assert (arrays["taken"] == arrays["answered"])[arrays["where"][:, 0] >= 0].all()
+        for answer in answers:
+            p = next(p for p in range(2) if np.allclose(answer[0], engines(requests[p][0]), atol=1e-3))
+            for i in range(16):
+                np.testing.assert_allclose(answer[i], engines(requests[p][i]), rtol=1e-3, atol=1e-3)

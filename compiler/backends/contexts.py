@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -98,7 +98,7 @@ class _Context(Protocol):
 
     def upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None: ...
 
-    def start(self, bucket: int, calls: Sequence[CheckedFeed]) -> None: ...
+    def start(self, bucket: int, calls: Sequence[CheckedFeed], out: Mapping[str, np.ndarray] | None = None) -> None: ...
 
     def compute(self, bucket: int, call: CheckedFeed) -> None: ...
 
@@ -218,7 +218,8 @@ class _HostContext:
     def download(self, host: bool) -> None:
         pass  # the outputs are host arrays already
 
-    def start(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
+    def start(self, bucket: int, calls: Sequence[CheckedFeed], out: Mapping[str, np.ndarray] | None = None) -> None:
+        """``upload_parts`` and ``compute``; the outputs are the backend's own host arrays (``out`` is for GPUs)."""
         self.upload_parts(bucket, calls)
         self.compute(bucket, calls[0])
 
@@ -397,18 +398,18 @@ class _GpuContext:
         with self._queueing, self._torch.cuda.stream(self.stream):
             self._download(host, caller)
 
-    def start(self, bucket: int, calls: Sequence[CheckedFeed]) -> None:
+    def start(self, bucket: int, calls: Sequence[CheckedFeed], out: Mapping[str, np.ndarray] | None = None) -> None:
         """Each host feed's rows into this set's pinned staging at its offset (``_pack``), one copy to the device,
-        ``compute`` and ``download(True)``, with no other set's run queued between them: what
-        ``Engines.start_parts`` runs. The packing into this set's staging needs no lock: only the queueing waits
-        for another set's."""
+        ``compute`` and ``download(True)`` (into ``out``'s page-locked arrays where given), with no other set's run
+        queued between them: what ``Engines.start_parts`` runs. The packing into this set's staging needs no
+        lock: only the queueing waits for another set's."""
         torch = self._torch
         caller = torch.cuda.current_stream(self.device)
         views = self._pack_parts(bucket, calls)
         with self._queueing, torch.cuda.stream(self.stream):
             self._copy_parts(views)
             self._compute(bucket, calls[0])
-            self._download(True, caller)
+            self._download(True, caller, out)
 
     def _pack_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> dict[str, tuple[Any, Any, np.ndarray]]:
         """The feeds' rows one after the other into this set's staging; its views (``_input_views``)."""
@@ -462,14 +463,23 @@ class _GpuContext:
             self._computed = {name: out[:rows] for name, out in self.execute(bucket, call).items()}
             order.done.record(self.stream)
 
-    def _download(self, host: bool, caller: Any) -> None:
-        """Queue the outputs' copy to this set's pinned host memory (``host``), or to new device tensors that the
-        ``caller`` stream owns (the context's own outputs are the next run's, perhaps another set's)."""
+    def _download(self, host: bool, caller: Any, into: Mapping[str, np.ndarray] | None = None) -> None:
+        """Queue the outputs' copy to this set's pinned host memory (``host``; or to the flat page-locked arrays of
+        ``into`` that have room), or to new device tensors that the ``caller`` stream owns (the context's own
+        outputs are the next run's, perhaps another set's)."""
         torch = self._torch
         if host:
             staged = {}
             for name, out in self._computed.items():
-                pinned = self._pinned_output(name, out.numel(), out.dtype)[:out.numel()].view(out.shape)
+                target = into.get(name) if into else None
+                pinned = None
+                if target is not None and target.size >= out.numel():
+                    pinned = torch.from_numpy(target[:out.numel()])
+                    if pinned.dtype != out.dtype:
+                        pinned = None
+                if pinned is None:
+                    pinned = self._pinned_output(name, out.numel(), out.dtype)[:out.numel()]
+                pinned = pinned.view(out.shape)
                 pinned.copy_(out, non_blocking=True)
                 staged[name] = pinned.numpy()
             self._last = staged

@@ -239,7 +239,8 @@ class Engines:
         assert started is not None  # it waits for a buffer set
         return started()
 
-    def start_parts(self, calls: Sequence[CheckedFeed], *, wait: bool = True) -> Started | None:
+    def start_parts(self, calls: Sequence[CheckedFeed], *, wait: bool = True,
+                    out: Mapping[str, np.ndarray] | None = None) -> Started | None:
         """``run_parts`` in two steps: queue the batch on a buffer set (copies and compute; on a GPU this returns
         while they run) and return the ``Started`` batch: calling it waits for the batch, gives the set back and
         returns the outputs. Call it exactly once. ``finish(read)`` instead returns ``read(outputs)`` with the
@@ -249,7 +250,13 @@ class Engines:
 
         ``wait=False``: None at once when no buffer set is free. A caller that holds a started batch
         already passes it: two batchers sharing these engines would otherwise each hold a set and
-        wait for the other's."""
+        wait for the other's.
+
+        ``out``: per output, a flat array of page-locked host memory (``cudaHostRegister``) with room for
+        the batch at its largest shape: on a GPU the outputs are copied there instead of into the set's
+        own buffers, and ``read`` gets views of it (the process batcher passes a region of its shared
+        memory, where its clients read their answers). Ignored on the CPU, and for an output it has no
+        room for."""
         rows = sum(call.rows for call in calls)
         free: _Context | None = None
         if not wait:
@@ -268,7 +275,7 @@ class Engines:
         bucket = self._route[rows]
         context = free if free is not None else self._acquire()
         try:
-            context.start(bucket, calls)
+            context.start(bucket, calls, out)
         except BaseException:
             self._idle.put(context)
             raise

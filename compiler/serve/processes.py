@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 _OK, _FAILED, _EXPIRED, _CLOSED = 1, 2, 3, 4  # a slot's status after its answer
 _ERROR_BYTES = 480  # room for the message of a failed request
 _ALIGN = 64
+_PAGE = 4096  # the results areas start on a page: the GPU copies into them (cudaHostRegister)
 _NAP = 0.0001  # seconds the thread sleeps after each read of the pipe, and between looks for a batch to start
 _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
 _GONE = "the batcher is closed, or its process ended; restart the server"
@@ -106,10 +107,14 @@ class _Layout:
     size: int
 
     @staticmethod
-    def of(arrays: Sequence[tuple[str, str, tuple[int, ...]]]) -> _Layout:
+    def of(arrays: Sequence[tuple[str, str, tuple[int, ...]] | tuple[str, str, tuple[int, ...], int]]) -> _Layout:
+        """Fields one after the other, each at a multiple of ``_ALIGN`` bytes (or of its own alignment, a fourth
+        element: a page for memory the GPU writes into)."""
         fields = []
         offset = 0
-        for name, dtype, shape in arrays:
+        for name, dtype, shape, *align in arrays:
+            step = align[0] if align else _ALIGN
+            offset = -(-offset // step) * step
             fields.append(_Field(name, dtype, shape, offset))
             offset += -(-fields[-1].nbytes // _ALIGN) * _ALIGN
         return _Layout(tuple(fields), max(offset, _ALIGN))
@@ -139,15 +144,23 @@ class _Model:
     slot_rows: int
 
 
-def _regions(model: _Model, slots: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    regions = [(f"in:{io.name}", io.dtype, (slots, model.slot_rows, *io.largest)) for io in model.inputs]
+def _regions(model: _Model, slots: int, results: int, max_batch: int) -> list[Any]:
+    """The shared memory's fields: per slot its request and answer; ``results`` areas of ``max_batch`` rows of every
+    output, where the GPU copies a batch's outputs and the clients read them (``where``: area, first row and the
+    area's generation per answered slot; ``taken``: the answer number a client has read)."""
+    regions: list[Any] = [(f"in:{io.name}", io.dtype, (slots, model.slot_rows, *io.largest)) for io in model.inputs]
     regions += [(f"out:{io.name}", io.dtype, (slots, model.slot_rows, *io.largest)) for io in model.outputs]
     ranks = max([len(io.largest) for io in model.outputs] + [1])
     regions += [("rows", "int64", (slots,)), ("dims", "int64", (slots, max(1, len(model.dim_names)))),
                 ("asked", "int64", (slots,)), ("answered", "int64", (slots,)), ("status", "int64", (slots,)),
                 ("out_shapes", "int64", (slots, len(model.outputs), ranks)),
                 ("submitted", "float64", (slots,)), ("deadline", "float64", (slots,)),
-                ("error", "uint8", (slots, _ERROR_BYTES)), ("closed", "int64", (1,))]
+                ("error", "uint8", (slots, _ERROR_BYTES)), ("closed", "int64", (1,)),
+                ("where", "int64", (slots, 3)), ("taken", "int64", (slots,)),
+                ("generation", "int64", (max(1, results),))]
+    if results:
+        regions += [(f"res:{io.name}", io.dtype, (results, max_batch * math.prod(io.largest)), _PAGE)
+                    for io in model.outputs]
     return regions
 
 
@@ -204,6 +217,7 @@ class BatcherClient:
         self._arrays = handle.layout.views(self._map)
         self._inputs = [self._arrays[f"in:{io.name}"] for io in self._model.inputs]  # the slots' input areas
         self._outputs = [(io, self._arrays[f"out:{io.name}"]) for io in self._model.outputs]
+        self._results = [self._arrays.get(f"res:{io.name}") for io in self._model.outputs]  # see ``_regions``
         self._fd = handle.writer.fileno()
         self._ready = {slot: threading.Lock() for slot in handle.slots}  # released when the slot's answer is in
         for lock in self._ready.values():
@@ -433,10 +447,21 @@ class BatcherClient:
                 raise BatcherClosed(text)
             raise RequestFailed(text)
         shapes = arrays["out_shapes"][slot]
+        results, first, generation = arrays["where"][slot].tolist()
         outputs = {}
         for j, (io, area) in enumerate(self._outputs):
             shape = tuple(int(n) for n in shapes[j, :len(io.largest)])
-            outputs[io.name] = np.array(area[_region(area, slot, rows, shape)])
+            if results < 0:  # the batcher wrote the answer into the slot
+                outputs[io.name] = np.array(area[_region(area, slot, rows, shape)])
+                continue
+            size = math.prod(shape)
+            flat = self._results[j][results]  # type: ignore[index]
+            outputs[io.name] = flat[first * size:(first + rows) * size].reshape(rows, *shape).copy()
+        if results >= 0:
+            arrays["taken"][slot] = number  # the batcher may copy the next batch into the area once all are read
+            if int(arrays["generation"][results]) != generation:
+                raise RequestFailed("the answer was overwritten before this client read it: its process stalled "
+                                    "for over its timeout after the answer came; raise the timeout")
         if single and len(outputs) == 1:
             return next(iter(outputs.values()))
         return outputs
@@ -471,6 +496,8 @@ def _as_array(value: Any, name: str) -> np.ndarray:
 
 
 _Pending = tuple[int, int, tuple[int, ...], float, float, Any]  # slot, rows, dims, deadline, submitted, feed
+_Running = tuple[list[_Pending], Callable[..., Any], int | None]  # a started batch, its finish, its results area
+_FILLING = "filling"  # a results area a started batch copies its outputs into
 
 
 # --- the batcher's side ----------------------------------------------------------------------------------------------
@@ -509,11 +536,25 @@ class ProcessBatcher:
         self.max_wait = max_wait_ms / 1000.0
         self.timeout = timeout
         self._model = _model_of(engines, slot_rows)
-        self._layout = _Layout.of(_regions(self._model, capacity))
+        # on a GPU the outputs are copied into results areas of the shared memory: one per batch in flight, and two
+        # whose clients are still reading
+        areas = in_flight + 2 if getattr(engines, "queues_on_gpu", False) else 0
+        self._layout = _Layout.of(_regions(self._model, capacity, areas, self.max_batch))
         self._memory, self._map = _shared_memory(self._layout.size, shm_dir)
         self._arrays = self._layout.views(self._map)
         self._in = [(io, self._arrays[f"in:{io.name}"]) for io in self._model.inputs]
         self._out = [(io, self._arrays[f"out:{io.name}"]) for io in self._model.outputs]
+        # per results area: {output: its flat area}, and who reads it: None (free), _FILLING (a batch copies into it)
+        # or (slots, their answer numbers, when the area is free even if some never read it)
+        self._results: list[dict[str, np.ndarray]] = []
+        self._readers: list[Any] = []
+        self._locked: list[int] = []  # addresses of the page-locked areas
+        if areas:
+            fields = {io.name: self._arrays[f"res:{io.name}"] for io in self._model.outputs}
+            self._locked = _page_lock(list(fields.values()))
+            if self._locked:
+                self._results = [{name: field[a] for name, field in fields.items()} for a in range(areas)]
+                self._readers = [None] * areas
         spawn = multiprocessing.get_context("spawn")
         self._reader, self._writer = spawn.Pipe(duplex=False)
         self._owner = [-1] * capacity  # the handle each slot belongs to
@@ -578,6 +619,8 @@ class ProcessBatcher:
         spawned clients' waiting callers learn it (their pipes end)."""
         for end in (self._reader, self._writer, self._memory, *self._wakers):
             end.close()
+        _page_unlock(self._locked)
+        self._locked = []
         with contextlib.suppress(BufferError):  # views still held elsewhere keep the mapping
             self._map.close()
 
@@ -586,7 +629,7 @@ class ProcessBatcher:
     def _serve(self) -> None:
         """``_run``, and when it fails (a bug, not a failed batch: those are answered), fail every request instead of
         leaving the clients to their timeouts."""
-        running: collections.deque[tuple[list[_Pending], Callable[..., Any]]] = collections.deque()
+        running: collections.deque[_Running] = collections.deque()
         try:
             self._run(running)
         except BaseException as err:
@@ -594,18 +637,18 @@ class ProcessBatcher:
             self._arrays["closed"][0] = 1
             self._closed = True
             text = f"the batcher stopped: {type(err).__name__}: {err}"
-            for _, finish in running:  # give the contexts back to the engines
+            for _, finish, _ in running:  # give the contexts back to the engines
                 with contextlib.suppress(Exception):
                     finish()
             with contextlib.suppress(Exception):
                 self._read()
             waiting = [r[0] for r in self._waiting or []]
-            self._reply([r[0] for batch, _ in running for r in batch] + [r[0] for r in self._pending] + waiting,
+            self._reply([r[0] for batch, _, _ in running for r in batch] + [r[0] for r in self._pending] + waiting,
                         _FAILED, text)
             self._pending.clear()
             self._hang_up()
 
-    def _run(self, running: collections.deque[tuple[list[_Pending], Callable[..., Any]]]) -> None:
+    def _run(self, running: collections.deque[_Running]) -> None:
         """Read requests, start batches (up to ``in_flight`` at once) and answer them, oldest first. While there is
         room for another batch, the thread looks for one until the oldest is done instead of waiting for the GPU
         (with 128 clients and two CNN batches in flight, waiting left the GPU idle until the next batch was
@@ -627,15 +670,17 @@ class ProcessBatcher:
                     break
             if not running:
                 continue
-            batch, finish = running[0]
+            batch, finish, area = running[0]
             if len(running) < self.in_flight and not is_ready(finish):
                 time.sleep(_NAP)  # look again for a batch to start before the GPU is done; one read per nap
                 continue
             failure: str | None
-            try:  # the answers go from the context's buffers straight into the slots
-                failure = finish(lambda outputs, batch=batch: self._write(batch, outputs))
+            try:  # the answers are in a results area already, or go from the context's buffers into the slots
+                failure = finish(lambda outputs, batch=batch, area=area: self._write(batch, outputs, area))
             except Exception as err:  # every caller of the batch learns why; the batcher keeps serving
                 failure = f"the batch failed: {err}"
+            if failure is not None and area is not None:
+                self._readers[area] = None
             running.popleft()
             if len(running) < self.in_flight:
                 follow = self._next_batch(block=False)
@@ -745,25 +790,53 @@ class ProcessBatcher:
         self._reply(expired, _EXPIRED, f"the request waited in the queue over its timeout: {_OVERLOADED}")
         return batch
 
-    def _start(self, batch: list[_Pending], wait: bool) -> tuple[list[_Pending], Callable[..., Any]] | None:
-        """Queue the batch on the engines. None when that failed (its callers have been told why), or when
-        ``wait`` is False and no buffer set was free (it is ``_waiting`` then: ``_next_batch`` gives it first)."""
+    def _start(self, batch: list[_Pending], wait: bool) -> _Running | None:
+        """Queue the batch on the engines, its outputs copied into a free results area when there is one. None when
+        that failed (its callers have been told why), or when ``wait`` is False and no buffer set was free (it is
+        ``_waiting`` then: ``_next_batch`` gives it first)."""
         feeds = [r[5] for r in batch]
+        area = self._free_area()
         try:
-            started = self.engines.start_parts(feeds) if wait else self.engines.start_parts(feeds, wait=False)
+            if area is None:
+                started = self.engines.start_parts(feeds) if wait else self.engines.start_parts(feeds, wait=False)
+            else:
+                self._arrays["generation"][area] += 1  # a client still reading the area's last batch learns it
+                started = self.engines.start_parts(feeds, wait=wait, out=self._results[area])
         except Exception as err:
             self._reply([r[0] for r in batch], _FAILED, f"the batch failed: {err}")
             return None
         if started is None:
             self._waiting = batch
             return None
-        return batch, started
+        if area is not None:
+            self._readers[area] = _FILLING
+        return batch, started, area
 
-    def _write(self, batch: list[_Pending], outputs: Mapping[str, Any]) -> str | None:
-        """Every request's rows of every output into its slot, and its status; the reason when they do not fit."""
+    def _free_area(self) -> int | None:
+        """A results area no client reads any more: each read its answer, or the last one's timeout is over."""
+        taken = self._arrays["taken"]
+        for area, readers in enumerate(self._readers):
+            if readers is None:
+                return area
+            if readers is _FILLING:
+                continue
+            slots, numbers, until = readers
+            if (taken[slots] == numbers).all() or time.monotonic() > until:
+                self._readers[area] = None
+                return area
+        return None
+
+    def _write(self, batch: list[_Pending], outputs: Mapping[str, Any], results: int | None = None) -> str | None:
+        """Every request's rows of every output into its slot, and its status; the reason when they do not fit.
+        Outputs the GPU copied into results area ``results`` stay there: each slot then says where its rows are."""
         arrays = self._arrays
         slots = np.fromiter((r[0] for r in batch), np.int64, len(batch))
         rows = np.fromiter((r[1] for r in batch), np.int64, len(batch))
+        if results is not None:
+            if self._in_area(outputs, results):
+                return self._point(batch, slots, rows, outputs, results)
+            self._readers[results] = None  # the engines ran it elsewhere (more rows than a bucket, say)
+        arrays["where"][slots, 0] = -1
         singles = bool((rows == 1).all())
         for j, (io, area) in enumerate(self._out):
             out = np.asarray(outputs[io.name])
@@ -784,6 +857,35 @@ class ProcessBatcher:
             arrays["out_shapes"][slots, j, :len(shape)] = shape
         arrays["status"][slots] = _OK
         arrays["answered"][slots] = arrays["asked"][slots]
+        return None
+
+    def _in_area(self, outputs: Mapping[str, Any], area: int) -> bool:
+        """Whether every output is a view at the start of its results area (where ``_download`` copied it)."""
+        for name, field in self._results[area].items():
+            out = outputs[name]
+            if not isinstance(out, np.ndarray) or out.__array_interface__["data"][0] != field.__array_interface__[
+                    "data"][0]:
+                return False
+        return True
+
+    def _point(self, batch: list[_Pending], slots: np.ndarray, rows: np.ndarray, outputs: Mapping[str, Any],
+               area: int) -> str | None:
+        """Answer a batch whose outputs are in results ``area``: each slot gets the area, its first row and the area's
+        generation (its client copies the rows out and marks them taken)."""
+        arrays = self._arrays
+        for j, (io, _) in enumerate(self._out):
+            shape = outputs[io.name].shape[1:]
+            if len(shape) != len(io.largest):
+                return f"output {io.name!r} has shape {outputs[io.name].shape}, not {len(io.largest) + 1} dimensions"
+            arrays["out_shapes"][slots, j, :len(shape)] = shape
+        where = arrays["where"]
+        where[slots, 0] = area
+        where[slots, 1] = np.cumsum(rows) - rows
+        where[slots, 2] = arrays["generation"][area]
+        numbers = arrays["asked"][slots]
+        arrays["status"][slots] = _OK
+        arrays["answered"][slots] = numbers
+        self._readers[area] = (slots, numbers, max(r[3] for r in batch) + 2 * _GRACE)
         return None
 
     def _reply(self, slots: Sequence[int], status: int, text: str) -> None:
@@ -835,6 +937,37 @@ def _model_of(engines: Any, slot_rows: int) -> _Model:
     outputs = tuple(_Io(name, str(np.asarray(probe[name]).dtype), tuple(np.asarray(probe[name]).shape[1:]),
                         tuple(np.asarray(probe[name]).shape[1:])) for name in engines.output_names)
     return _Model(tuple(inputs), outputs, tuple(spec.dims), dict(spec.dims), tuple(checks_for(spec)), slot_rows)
+
+
+def _page_lock(areas: list[np.ndarray]) -> list[int]:
+    """Page-lock the results areas (``cudaHostRegister``) so that the GPU copies into them at full speed and
+    without holding the host: their addresses, or none when CUDA refuses (the answers then go through the
+    context's own pinned buffers into the slots)."""
+    import torch
+
+    if not torch.cuda.is_available():  # engines that say they queue on a GPU, on a machine without one (tests)
+        return []
+    cudart = torch.cuda.cudart()
+    locked: list[int] = []
+    for area in areas:
+        address = area.__array_interface__["data"][0]
+        error = cudart.cudaHostRegister(address, area.nbytes, 0)
+        if int(getattr(error, "value", error)) != 0:
+            log.info("CUDA cannot page-lock the batcher's results areas (%s); answers are copied into the slots",
+                     error)
+            _page_unlock(locked)
+            return []
+        locked.append(address)
+    return locked
+
+
+def _page_unlock(addresses: list[int]) -> None:
+    if addresses:
+        import torch
+
+        cudart = torch.cuda.cudart()
+        for address in addresses:
+            cudart.cudaHostUnregister(address)
 
 
 def _shared_memory(size: int, directory: str | None) -> tuple[Any, mmap.mmap]:
