@@ -613,24 +613,65 @@ def per_position() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
 
 
+def conv_relu(bias: bool) -> Callable[[], torch.nn.Module]:
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, bias=bias), torch.nn.ReLU())
+
+    return make
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_onnxruntime_graphs_only_where_no_run_frees_what_another_buckets_graph_reads(
+        bias: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA graphs for ONNX Runtime: models whose only dynamic dimension is the batch, with outputs in our buffers;
+    a convolution without a bias (ONNX Runtime reallocates a zero bias per input shape) only with one bucket."""
+    from compiler.backends.onnxrt import _OrtBackend
+
+    monkeypatch.setitem(MODELS, "conv", (conv_relu(bias), ["x:Bx3x8x8"], {}))
+    directory = build_directory(tmp_path / "conv", "conv")
+    spec = ModelSpec((parse_input_spec("x:Bx3x8x8"),), {})
+    assert _OrtBackend(directory / "model.onnx", spec, (1, 4), "cpu", 0).capturable == bias
+    assert _OrtBackend(directory / "model.onnx", spec, (4,), "cpu", 0).capturable
+    assert not _OrtBackend(directory / "model.onnx", spec, (4,), "cpu", 0, cuda_graphs=False).capturable
+    with load(directory, backend="onnxruntime", device="cpu") as engines:  # the CPU runs it either way
+        x = np.random.default_rng(0).standard_normal((3, 3, 8, 8)).astype(np.float32)
+        np.testing.assert_allclose(engines(x), eager("conv", {"x": x}), rtol=1e-4, atol=1e-5)
+    sequences = ModelSpec((parse_input_spec("x:BxSx16"),), dict([parse_dim_range("S=1:16:32")]))
+    monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
+    path = build_directory(tmp_path / "per_position", "per_position") / "model.onnx"
+    assert not _OrtBackend(path, sequences, (1, 4), "cpu", 0).capturable  # a shape per call: no graphs
+
+
 @pytest.mark.gpu
 def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ONNX Runtime's runs as CUDA graphs: one per bucket at load for a fixed-shape model, one per bucket and sequence
-    length at first use for a dynamic one, each giving the eager model's outputs; without graphs (not asked for,
-    refused by ONNX Runtime, or a graph that does not reproduce its run) the run launches its kernels from the host
-    and still answers right."""
+    """ONNX Runtime's runs as CUDA graphs, one per bucket captured at load (40 buckets too), each giving the eager
+    model's outputs, and a graph that does not write a bucket's outputs fails the check; without graphs (not asked
+    for, a dynamic sequence length, or refused by ONNX Runtime) the run launches its kernels from the host and still
+    answers right."""
     if not _ort_cuda_available():
         pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
-    from compiler.backends.onnxrt import _OrtCudaContext
-
     rng = np.random.default_rng(5)
     mlp = build_directory(tmp_path / "mlp", "mlp")
-    with load(mlp, backend="onnxruntime", device="cuda", contexts=1) as engines:
-        context = engines._contexts[0]
-        assert set(context._graphs) == {(b, ()) for b in BUCKETS}  # type: ignore[attr-defined]
-        assert all(g is not None for g in context._graphs.values())  # type: ignore[attr-defined]
+    with load(mlp, backend="onnxruntime", device="cuda", contexts=2) as engines:
+        for context in engines._contexts:
+            assert sorted(context._graphs) == BUCKETS  # type: ignore[attr-defined]
         assert not engines.launches_on_host
         for rows in (1, 3, 16, 21):
+            x = rng.standard_normal((rows, 64)).astype(np.float32)
+            np.testing.assert_allclose(engines(x), eager("mlp", {"x": x}), rtol=1e-3, atol=1e-3)
+        context = engines._contexts[0]
+        graph, outputs = context._graphs[4]  # type: ignore[attr-defined]
+        with torch.cuda.stream(context.stream):
+            graph.replay()
+            expected = {name: out.clone() for name, out in outputs.items()}
+        assert context._replays(graph, outputs, expected)  # type: ignore[attr-defined]
+        other = context._graphs[8][0]  # type: ignore[attr-defined]  # writes bucket 8's outputs, not these
+        assert not context._replays(other, outputs, expected)  # type: ignore[attr-defined]
+    many = build_directory(tmp_path / "many", "mlp", buckets=list(range(1, 41)))
+    with load(many, backend="onnxruntime", device="cuda", contexts=1) as engines:
+        assert len(engines._contexts[0]._graphs) == 40 and not engines.launches_on_host  # type: ignore[attr-defined]
+        for rows in (1, 7, 33, 40):
             x = rng.standard_normal((rows, 64)).astype(np.float32)
             np.testing.assert_allclose(engines(x), eager("mlp", {"x": x}), rtol=1e-3, atol=1e-3)
     with load(mlp, backend="onnxruntime", device="cuda", contexts=1, cuda_graphs=False) as engines:
@@ -638,17 +679,13 @@ def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, mo
         x = rng.standard_normal((5, 64)).astype(np.float32)
         np.testing.assert_allclose(engines(x), eager("mlp", {"x": x}), rtol=1e-3, atol=1e-3)
 
-    # a sequence model ONNX Runtime can capture (its TorchScript export has no shape arithmetic on the host)
     monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
     sequences = build_directory(tmp_path / "per_position", "per_position")
     with load(sequences, backend="onnxruntime", device="cuda", contexts=1) as engines:
-        context = engines._contexts[0]
-        assert not context._graphs and not engines.launches_on_host  # type: ignore[attr-defined]
-        for rows, length in ((3, 8), (3, 8), (16, 32), (2, 5)):
+        assert engines.launches_on_host and not engines._contexts[0]._graphs  # type: ignore[attr-defined]
+        for rows, length in ((3, 8), (16, 32), (3, 8)):
             x = rng.standard_normal((rows, length, 16)).astype(np.float32)
             np.testing.assert_allclose(engines(x), eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
-        assert set(context._graphs) == {(4, (8,)), (16, (32,)), (4, (5,))}  # type: ignore[attr-defined]
-        assert all(g is not None for g in context._graphs.values())  # type: ignore[attr-defined]
 
     import compiler.core.onnx_io as onnx_io
 
@@ -659,17 +696,9 @@ def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, mo
 
     session = onnx_io.ort_session
     monkeypatch.setattr(onnx_io, "ort_session", refuses_graphs)
-    with load(sequences, backend="onnxruntime", device="cuda", contexts=2) as engines:
+    with load(mlp, backend="onnxruntime", device="cuda", contexts=2) as engines:
         assert engines.launches_on_host and engines._backend.graphs_refused  # type: ignore[attr-defined]
-        x = rng.standard_normal((6, 12, 16)).astype(np.float32)
-        np.testing.assert_allclose(engines(x), eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
-    monkeypatch.setattr(onnx_io, "ort_session", session)
-
-    monkeypatch.setattr(_OrtCudaContext, "_replays", lambda self, key, graph: False)
-    with load(mlp, backend="onnxruntime", device="cuda", contexts=1) as engines:
-        assert engines.launches_on_host
-        assert all(g is None for g in engines._contexts[0]._graphs.values())  # type: ignore[attr-defined]
-        x = rng.standard_normal((7, 64)).astype(np.float32)
+        x = rng.standard_normal((6, 64)).astype(np.float32)
         np.testing.assert_allclose(engines(x), eager("mlp", {"x": x}), rtol=1e-3, atol=1e-3)
 
 

@@ -567,21 +567,27 @@ def _capture(stream: Any, launch: Callable[[], Any], what: str) -> tuple[Any, An
     """Warm up ``launch`` on ``stream``, then capture it in a CUDA graph: (graph, what launch returned).
 
     None when capture fails (an op that cannot be captured, or a library call that synchronizes; ONNX
-    Runtime raises its own exception types): the caller runs without a graph. Capture is thread-local,
-    so other threads may use the GPU meanwhile.
+    Runtime raises its own exception types): the caller runs without a graph. Capture is thread-local
+    and one at a time (``_CAPTURE_LOCK``): other threads may queue work on their own streams meanwhile.
     """
     import torch
 
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # first runs allocate workspaces and pick kernels; a graph must not capture that
-            launch()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            result = launch()
-    except Exception as err:
-        log.info("%s: CUDA graph capture failed (%s); running without a graph", what,
-                 str(err).splitlines()[0] if str(err) else type(err).__name__)
-        return None
+    with _CAPTURE_LOCK:
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # first runs allocate workspaces and pick kernels; a graph must not capture that
+                launch()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                result = launch()
+        except Exception as err:
+            log.info("%s: CUDA graph capture failed (%s); running without a graph", what,
+                     str(err).splitlines()[0] if str(err) else type(err).__name__)
+            return None
     return graph, result
+
+
+# One capture at a time in the process: ``torch.cuda.graph`` synchronizes the device as it starts, which is invalid
+# while another thread's stream is capturing (two contexts meeting a new shape at once).
+_CAPTURE_LOCK = threading.Lock()

@@ -10,16 +10,21 @@ instead of 7). cuDNN picks convolution algorithms by heuristic unless ``cuda_opt
 otherwise (ONNX Runtime's default, an exhaustive search, runs per new shape and stalls the first
 calls). TF32 follows ``tf32`` (``use_tf32``), one policy with the other backends.
 
-With ``cuda_graphs``, each context's run of a bucket (and of each shape of the other dynamic
-dimensions, at its first use) is captured in a CUDA graph by torch, around ONNX Runtime's run
-on the context's stream, and replayed from then on: without one, the run holds the calling
-thread while it launches every kernel (on an H200 about as long as the GPU computes them), so a
-second buffer set had little to overlap. The session is made with ``enable_cuda_graph`` so that
-ONNX Runtime checks the model can be captured (every compute node on CUDA, no copies between host
-and device inside the run) and frees its host scratch buffers without host callbacks, which a graph
-would replay; its own capture is off (``gpu_graph_id`` -1): its replay waits for the GPU on the
-host. A model it refuses, or a capture that fails or does not reproduce the run it was captured
-from, runs without graphs.
+With ``cuda_graphs``, on CUDA, each context's run of every bucket is captured at load in a CUDA
+graph by torch, around ONNX Runtime's run on the context's stream, and replayed from then on:
+without one, the run holds the calling thread while it launches every kernel (on an H200 about as
+long as the GPU computes them), so a second buffer set had little to overlap. The session is made
+with ``enable_cuda_graph``, so that ONNX Runtime checks the model can be captured (every compute
+node on CUDA, no copies between host and device in the graph) and frees its host scratch buffers
+without host callbacks, which a graph would replay; its own capture stays off (``gpu_graph_id``
+-1): its replay waits for the GPU on the host. Only models whose only dynamic dimension is the batch
+are captured, and all of a context's buckets or none: ONNX Runtime's kernels keep device state
+between runs that the next shape's run may free or rewrite (its fused convolution without a bias
+reallocates a zero bias per input shape), so after load nothing but the graphs may run on the
+session, and a model with such a convolution is captured only with one bucket. Every graph is
+checked at the end of the load by replaying it alone against the outputs of ONNX Runtime's own
+run; a model ONNX Runtime refuses, or a capture that fails or does not reproduce its run, runs
+without graphs (in a session made without ``enable_cuda_graph``).
 """
 
 from __future__ import annotations
@@ -72,7 +77,6 @@ class _OrtBackend:
         from compiler.core.onnx_io import ort_session, usable_providers
 
         self.spec = spec
-        self.cuda_graphs = cuda_graphs
         self.graphs_refused = False  # ONNX Runtime refused graph capture for this model (said once)
         self.buckets = tuple(buckets)
         self.path = path
@@ -115,6 +119,10 @@ class _OrtBackend:
         self.outputs_resolvable = all(
             isinstance(d, int) or d in known for dims in self._output_dims.values() for d in dims) and all(
             dims and dims[0] == BATCH_DIM for dims in self._output_dims.values())
+        # what CUDA graphs need (the module docstring): fixed shapes per bucket, outputs in our buffers, and no
+        # kernel whose device state one bucket's run frees under another's graph
+        self.capturable = (cuda_graphs and self.outputs_resolvable and not spec.dims
+                           and (len(self.buckets) == 1 or not _conv_without_bias(graph)))
 
     def _providers(self, first: str, stream: Any, graphs: bool = False) -> list[Any]:
         """The providers for a session: CUDA with this backend's options (and ``stream`` as its compute stream,
@@ -128,9 +136,10 @@ class _OrtBackend:
             options["enable_cuda_graph"] = "1"
         return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
-    def context_session(self, stream: Any) -> tuple[Any, bool, bool]:
+    def context_session(self, stream: Any, graphs: bool | None = None) -> tuple[Any, bool, bool]:
         """A CUDA session of its own for one context, computing on ``stream``: (session, whether it does, whether
-        its runs may be captured in CUDA graphs).
+        its runs may be captured in CUDA graphs). ``graphs=False``: a session made without graph capture in mind
+        (the context's captures failed).
 
         An ONNX Runtime that refuses ``user_compute_stream`` gets a session on its own stream; the
         context then waits for its copies on the host before each run, and captures no graphs.
@@ -142,15 +151,16 @@ class _OrtBackend:
         # the server's threads (the batcher's workers waited for the GIL behind them).
         threads = self.threads or 1
         session = None
-        graphs = self.cuda_graphs and self.outputs_resolvable and not self.graphs_refused
+        if graphs is None:
+            graphs = self.capturable and not self.graphs_refused
         if graphs:
             try:
                 session = ort_session(self.path, self._providers(self.provider, stream, graphs=True), threads=threads,
                                       spinning=False)
             except Exception as err:  # onnxruntime's pybind errors share no narrower base class
                 self.graphs_refused = True
-                log.info("ONNX Runtime cannot capture %s in CUDA graphs (%s); its runs launch every kernel from "
-                         "the host", self.path.name, _first_line(err))
+                log.info("ONNX Runtime made no session for CUDA graph capture of %s (%s); its runs launch every "
+                         "kernel from the host", self.path.name, _first_line(err))
                 graphs = False
         try:
             if session is None:
@@ -187,6 +197,13 @@ class _OrtBackend:
 
 def _first_line(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def _conv_without_bias(graph: Any) -> bool:
+    """Whether a convolution has no bias input: ONNX Runtime's CUDA kernel for it fused with its activation
+    allocates a zero bias per input shape, freeing the last one (``cudaFree``), which a graph captured at another
+    shape still reads."""
+    return any(n.op_type in ("Conv", "ConvTranspose") and (len(n.input) < 3 or not n.input[2]) for n in graph.node)
 
 
 @dataclass
@@ -275,10 +292,8 @@ class _OrtCudaContext(_GpuContext):
     """ONNX Runtime's CUDA provider on device buffers bound by pointer, in a session of the context's own that
     computes on the context's stream. Its run only queues the kernels (no synchronization at the end of the
     run) when the session computes on our stream into our buffers; otherwise it returns when the stream is
-    done. With CUDA graphs (the module docstring) a run is a replay: one graph per bucket captured at load
-    for a model whose only dynamic dimension is the batch, else one per bucket and shape captured at its
-    first run and kept for the last ``_BINDING_CACHE`` shapes. The contexts' runs are not ordered (see
-    ``ORDER_RUNS``); the GPU interleaves them."""
+    done. With CUDA graphs (the module docstring) a run is a replay of the bucket's graph. The contexts' runs
+    are not ordered (see ``ORDER_RUNS``); the GPU interleaves them."""
 
     launches_on_host = True  # without CUDA graphs its run launches every kernel; set per context below
 
@@ -295,30 +310,31 @@ class _OrtCudaContext(_GpuContext):
                     dtype = torch.from_numpy(np.empty(0, np_dtype)).dtype
                     self._out_flat[b, name] = torch.empty(numel, dtype=dtype, device=self.device)
         self._bindings: dict[tuple[int, tuple[int, ...]], tuple[Any, dict[str, Any] | None]] = {}
-        # On our stream with outputs in our own buffers, the run only queues its kernels: ONNX Runtime does not
-        # wait for the stream at the end of the run, so the host is free while the GPU computes (map overlaps the
-        # next batch's copy with this one's compute) and ``wait`` is the one synchronization, as with TensorRT.
-        self._queue_only: Any = None
-        if self._on_our_stream and backend.outputs_resolvable:
-            import onnxruntime as ort
+        self._queue_only = self._run_options(graphs)
+        self._order = backend.order  # None unless ORDER_RUNS
+        self._graphs: dict[int, tuple[Any, dict[str, Any]]] = {}  # bucket -> (its run's graph, outputs); all or none
+        if graphs and self._queue_only is not None:
+            self._graphs = self._captured_all()
+            if not self._graphs:  # a session that captures nothing should not pay for graph capture in its runs
+                self._session, self._on_our_stream, _ = backend.context_session(self.stream, graphs=False)
+                self._bindings.clear()
+                self._queue_only = self._run_options(False)
+        self.launches_on_host = not self._graphs
 
-            self._queue_only = ort.RunOptions()
-            self._queue_only.add_run_config_entry("disable_synchronize_execution_providers", "1")
-            if graphs:  # ONNX Runtime's own capture stays off: torch captures the run (the module docstring)
-                self._queue_only.add_run_config_entry("gpu_graph_id", "-1")
-            self._order = backend.order  # None unless ORDER_RUNS
-        # (bucket, sizes of the other dynamic dims) -> the run's graph, or None where it could not be captured
-        self._graphs: dict[tuple[int, tuple[int, ...]], Any] = {}
-        graphs = graphs and self._queue_only is not None
-        self._on_demand = graphs and bool(backend.spec.dims)
-        if graphs and not backend.spec.dims:
-            for b in backend.buckets:
-                self._graphs[b, ()] = self._captured(b, CheckedFeed("numpy", {}, b, {}, ()))
-            for key, graph in self._graphs.items():  # each still replays its own run after the later captures
-                if graph is not None and not self._replays(key, graph):
-                    self._graphs[key] = None
-        self.launches_on_host = not (self._on_demand or (
-            bool(self._graphs) and all(g is not None for g in self._graphs.values())))
+    def _run_options(self, graphs: bool) -> Any:
+        """On our stream with outputs in our own buffers, the run only queues its kernels: ONNX Runtime does not
+        wait for the stream at the end of the run, so the host is free while the GPU computes (map overlaps the
+        next batch's copy with this one's compute) and ``wait`` is the one synchronization, as with TensorRT.
+        None otherwise (the run returns when the stream is done)."""
+        if not (self._on_our_stream and self._backend.outputs_resolvable):
+            return None
+        import onnxruntime as ort
+
+        options = ort.RunOptions()
+        options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        if graphs:  # ONNX Runtime's own capture stays off: torch captures the run (the module docstring)
+            options.add_run_config_entry("gpu_graph_id", "-1")
+        return options
 
     def _binding(self, bucket: int, call: CheckedFeed) -> tuple[Any, dict[str, Any] | None]:
         """The IOBinding of the bucket's buffers at the call's shape, and the output views it writes."""
@@ -327,8 +343,9 @@ class _OrtCudaContext(_GpuContext):
         if entry is None:
             binding = self._session.io_binding()
             index = self.device.index or 0
+            inputs = self.device_inputs(bucket, call)
             for i in backend.spec.inputs:
-                view = self.device_inputs(bucket, call)[i.name]
+                view = inputs[i.name]
                 binding.bind_input(i.name, "cuda", index, _NUMPY_DTYPES[i.dtype], tuple(view.shape), view.data_ptr())
             outputs: dict[str, Any] | None = None
             if backend.outputs_resolvable:
@@ -346,53 +363,59 @@ class _OrtCudaContext(_GpuContext):
             _remember(self._bindings, (bucket, call.key), entry)
         return entry
 
-    def _captured(self, bucket: int, call: CheckedFeed) -> Any:
-        """The run of ``bucket`` at the call's shape, warmed up and captured in a CUDA graph that reproduces it; None
-        when it cannot be."""
-        binding, _ = self._binding(bucket, call)
-        what = f"{self._backend.path.name}: bucket {bucket}" + (f" at {call.dims}" if call.dims else "")
-        captured = _capture(self.stream, functools.partial(self._session.run_with_iobinding, binding,
-                                                           self._queue_only), what)
-        if captured is None:
-            return None
-        graph = captured[0]
-        return graph if self._replays((bucket, call.key), graph) else None
-
-    def _replays(self, key: tuple[int, tuple[int, ...]], graph: Any) -> bool:
-        """Whether ``graph`` computes what ONNX Runtime's run computes on the inputs in the buffers now (a graph
-        that read host memory ONNX Runtime has since reused would not)."""
+    def _captured_all(self) -> dict[int, tuple[Any, dict[str, Any]]]:
+        """Every bucket's run captured in a CUDA graph (warmed up first), then each graph replayed alone, newest
+        first, against the outputs of ONNX Runtime's own run before its capture: the graphs, or none when one
+        capture fails or a replay does not reproduce its run."""
         import torch
 
-        binding, outputs = self._bindings[key]
-        assert outputs is not None
+        name = self._backend.path.name
+        captured: list[tuple[int, Any, dict[str, Any], dict[str, Any]]] = []
+        for bucket in self._backend.buckets:
+            binding, outputs = self._binding(bucket, CheckedFeed("numpy", {}, bucket, {}, ()))
+            assert outputs is not None  # ``capturable``: the outputs are our buffers
+            capture = _capture(self.stream, functools.partial(self._session.run_with_iobinding, binding,
+                                                              self._queue_only), f"{name}: bucket {bucket}")
+            if capture is None:
+                return {}
+            with torch.cuda.stream(self.stream):  # capture runs nothing: the outputs are the last warm-up's
+                expected = {key: out.clone() for key, out in outputs.items()}
+            captured.append((bucket, capture[0], outputs, expected))
+        for bucket, graph, outputs, expected in reversed(captured):
+            if not self._replays(graph, outputs, expected):
+                log.warning("%s: bucket %d: the CUDA graph does not reproduce ONNX Runtime's run; running without "
+                            "graphs", name, bucket)
+                return {}
+        return {bucket: (graph, outputs) for bucket, graph, outputs, _ in captured}
+
+    def _replays(self, graph: Any, outputs: dict[str, Any], expected: dict[str, Any]) -> bool:
+        """Whether replaying ``graph`` alone writes ``expected`` into ``outputs`` (overwritten first with every
+        byte inverted, so that an output the graph does not write fails). Outputs that are not all finite cannot
+        be told apart from garbage: they fail too."""
+        import torch
+
         with torch.cuda.stream(self.stream):
-            self._session.run_with_iobinding(binding, self._queue_only)
-            expected = {name: out.clone() for name, out in outputs.items()}
-            for name, out in outputs.items():  # what the replay must overwrite
-                out.copy_(~expected[name] if out.dtype == torch.bool else expected[name] + 1)
+            for out in outputs.values():
+                out.view(torch.uint8).bitwise_not_()
             graph.replay()
         self.stream.synchronize()
-        for name, out in outputs.items():
-            if not torch.allclose(out, expected[name], rtol=1e-3, atol=1e-5, equal_nan=True):
-                log.info("%s: bucket %d: the CUDA graph's output %r differs from ONNX Runtime's run; running "
-                         "without a graph", self._backend.path.name, key[0], name)
+        for key, out in outputs.items():
+            want = expected[key]
+            if want.is_floating_point():
+                if not bool(torch.isfinite(want).all()) or not torch.allclose(out, want, rtol=1e-3, atol=1e-5):
+                    return False
+            elif not torch.equal(out, want):
                 return False
         return True
 
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
         import torch
 
-        key = (bucket, call.key)
-        if self._on_demand and key not in self._graphs:
-            # the inputs are already queued on our stream: the capture's warm-up reads them, then the graph replays
-            # below like every later call of this shape
-            _remember(self._graphs, key, self._captured(bucket, call))
+        captured = self._graphs.get(bucket)
+        if captured is not None:
+            captured[0].replay()  # on the current stream: run() has made it the context's
+            return captured[1]
         binding, outputs = self._binding(bucket, call)
-        graph = self._graphs.get(key)
-        if graph is not None:
-            graph.replay()  # on the current stream: run() has made it the context's
-            assert outputs is not None
-            return outputs
         if not self._on_our_stream:
             self.stream.synchronize()  # the inputs were copied on our stream; ONNX Runtime reads them on its own
         if self._queue_only is not None:

@@ -296,9 +296,9 @@ class Engines:
 
     @property
     def launches_on_host(self) -> bool:
-        """Whether a run holds the host launching every kernel (no CUDA graphs: ONNX Runtime on a GPU, eager torch)."""
-        context = self._contexts[0]
-        return context.launches_on_host or not context.overlaps
+        """Whether a run holds the host launching every kernel (no CUDA graphs: eager torch, ONNX Runtime where its
+        runs could not be captured), in any context."""
+        return any(c.launches_on_host or not c.overlaps for c in self._contexts)
 
     def check(self, x: Any) -> CheckedFeed:
         """Check a feed (one array or a dict by input name) against the spec; raises ``FeedError``.
