@@ -20,12 +20,15 @@ How a request travels: every request has a slot in one shared-memory file (room 
 rows of every input at the model's largest sizes, for the outputs, and a few numbers). The client
 checks its arrays, copies them into its slot and writes the slot's number (4 bytes) into a pipe.
 The batcher reads many numbers per read, copies the slots' rows straight into the pinned input
-buffers of a context (``Engines.start_parts``), runs the bucket, writes all answers of the batch
-into their slots with one numpy assignment per output, and wakes each client process with one
-write of its slots' numbers into the process's own pipe (a thread there wakes the callers). So the
-batcher spends a few microseconds of Python per request, and the clients' own work runs in their
-processes under their own GILs. (A semaphore per slot cost the batcher a wake-up system call per
-request: 5-20 microseconds of its GIL each, the largest part of its time.)
+buffers of a context (``Engines.start_parts``), runs the bucket, and wakes each client process with
+one write of its slots' numbers into the process's own pipe (a thread there wakes the callers). On
+a GPU the batch's outputs are copied by the GPU into a page-locked results area of the shared
+memory, and each client copies its rows from there (an area serves the next batches once all its
+answers are read, or their time is over); on the CPU the batcher writes all answers of the batch
+into their slots with one numpy assignment per output. So the batcher spends a few microseconds of
+Python per request, and the clients' own work runs in their processes under their own GILs. (A
+semaphore per slot cost the batcher a wake-up system call per request: 5-20 microseconds of its GIL
+each, the largest part of its time.)
 
 Why not ``multiprocessing.Queue``: it pickles every array and wakes a feeder thread per message,
 tens of microseconds per request on the GPU process's one GIL.
@@ -513,7 +516,8 @@ class ProcessBatcher:
     thread of this process ever waits for the GIL behind it (two workers and a reader thread spent
     up to half of each batch's time handing the GIL around, on an H200).
     The shared memory is ``capacity x slot_rows`` rows of every input and output at their largest
-    sizes; it is reserved at once, so a too-small ``/dev/shm`` fails here (not with a crash later).
+    sizes, and on a GPU ``in_flight + 2`` results areas of ``max_batch`` rows of every output; it is
+    reserved at once, so a too-small ``/dev/shm`` fails here (not with a crash later).
     """
 
     def __init__(self, engines: Any, *, capacity: int = 256, slot_rows: int = 1, max_batch: int | None = None,
