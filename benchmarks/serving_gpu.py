@@ -240,6 +240,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     inputs_of = [r if len(r) > 1 else next(iter(r.values())) for r in requests_of]
     names = engines.output_names
     processes = in_flight = None
+    areas: dict[str, int] = {}
     if mode.startswith("processes"):
         from compiler.serve.processes import ProcessBatcher
 
@@ -251,6 +252,9 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
                                       kind="asyncio" if mode == "processes-asyncio" else "threads")
         seconds, latencies, answers, lost = ran["seconds"], ran["latencies"].tolist(), ran["answers"], ran["lost"]
         processes = ran["processes"]
+        # batches answered from a page-locked results area (GPU), and through the slots
+        areas = {"batches_in_areas": process_batcher.batches_in_areas,
+                 "batches_in_slots": process_batcher.batches_in_slots}
     else:
         batcher = DynamicBatcher(counting, max_wait_ms=max_wait_ms, workers=workers,  # type: ignore[arg-type]
                                  timeout=30.0)
@@ -277,7 +281,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
             "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
             "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None,
             "batches": counting.batches, "mean_batch_rows": counting.rows / max(1, counting.batches),
-            "mean_batch_ms": 1e3 * counting.seconds / max(1, counting.batches)}
+            "mean_batch_ms": 1e3 * counting.seconds / max(1, counting.batches), **areas}
 
 
 def in_threads(target: Any, count: int) -> float:

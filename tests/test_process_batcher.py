@@ -515,12 +515,16 @@ def test_on_a_gpu_answers_are_read_where_the_gpu_copied_them(engines: Engines, m
         arrays = batcher._arrays
         answered = arrays["where"][:, 0] >= 0
         assert answered.any() and (arrays["taken"][answered] == arrays["answered"][answered]).all()
+        assert batcher.batches_in_areas == into.into_areas and batcher.batches_in_slots <= into.into_areas // 4
+        for readers in batcher._readers:  # every answer read: no area is held
+            assert readers is None or (arrays["taken"][readers[0]] >= readers[1]).all()
 
         # an area whose readers never took their answers is not reused until their time is over
         area = 2
-        batcher._readers = [(np.array([0]), np.array([-5]), time.monotonic() + 60)] * 4
+        unread = np.array([10**9])  # an answer number slot 0 has not read
+        batcher._readers = [(np.array([0]), unread, time.monotonic() + 60)] * 4
         assert batcher._free_area() is None
-        batcher._readers[area] = (np.array([0]), np.array([-5]), time.monotonic() - 1)
+        batcher._readers[area] = (np.array([0]), unread, time.monotonic() - 1)
         assert batcher._free_area() == area
         batcher._readers = [None] * 4
 
@@ -540,6 +544,35 @@ def test_on_a_gpu_answers_are_read_where_the_gpu_copied_them(engines: Engines, m
         client.close()
     for i, x in enumerate(requests):
         np.testing.assert_allclose(answers[i], engines(x), rtol=1e-5, atol=1e-6)
+
+    # an answer nobody reads (its caller gave up, or the client closed) does not hold its area
+    gate = threading.Event()
+    gated = IntoAreas(engines)
+    with ProcessBatcher(gated, capacity=2, max_wait_ms=0) as batcher:
+        gated.gate = gate  # after the batcher's probe of the output sizes
+        client = batcher.client_handle(1).connect()
+        with pytest.raises(RequestTimeout):
+            client.submit(rows(1), timeout=0.1)
+        gate.set()  # its batch runs into an area; the slot is taken again below without reading it
+        np.testing.assert_allclose(client.submit(rows(2), timeout=20), engines(rows(2)), rtol=1e-5, atol=1e-6)
+        other = batcher.client_handle(1).connect()
+        np.testing.assert_allclose(other.submit(rows(3), timeout=20), engines(rows(3)), rtol=1e-5, atol=1e-6)
+        other.close()
+        taken = batcher._arrays["taken"]
+        assert batcher.batches_in_areas == 3
+        assert all(r is None or (taken[r[0]] >= r[1]).all() for r in batcher._readers)
+        client.close()
+
+    class NoOut(Recording):  # engines that queue on a GPU but copy into no results area
+        queues_on_gpu = True  # type: ignore[assignment]
+        buffer_sets = 2
+
+    with ProcessBatcher(NoOut(engines), capacity=2, max_wait_ms=0) as batcher:
+        assert not batcher._results
+        client = batcher.client_handle(2).connect()
+        np.testing.assert_allclose(client.submit(rows(5), timeout=20), engines(rows(5)), rtol=1e-5, atol=1e-6)
+        assert (batcher.batches_in_areas, batcher.batches_in_slots) == (0, 1)
+        client.close()
 
 
 @pytest.mark.gpu
@@ -569,6 +602,7 @@ def test_on_a_real_gpu_the_outputs_are_copied_into_the_page_locked_results_areas
             worker.join(timeout=30)
         arrays = batcher._arrays
         assert (arrays["where"][:32, 0] >= 0).any()  # answered from the areas
+        assert batcher.batches_in_areas > 0 and batcher.batches_in_slots <= batcher.batches_in_areas // 4
         assert (arrays["taken"] == arrays["answered"])[arrays["where"][:, 0] >= 0].all()
         for answer in answers:
             p = next(p for p in range(2) if np.allclose(answer[0], engines(requests[p][0]), atol=1e-3))

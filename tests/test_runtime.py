@@ -687,6 +687,18 @@ def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, mo
             x = rng.standard_normal((rows, length, 16)).astype(np.float32)
             np.testing.assert_allclose(engines(x), eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
 
+    import compiler.backends.onnxrt as onnxrt
+
+    with monkeypatch.context() as patch:  # a capture that fails: a session made without graph capture, no graphs
+        patch.setattr(onnxrt, "_capture", lambda stream, launch, what: None)
+        with load(mlp, backend="onnxruntime", device="cuda", contexts=1) as engines:
+            context = engines._contexts[0]
+            assert engines.launches_on_host and not context._graphs  # type: ignore[attr-defined]
+            with pytest.raises(RuntimeError, match="does not have configuration"):
+                context._queue_only.get_run_config_entry("gpu_graph_id")  # type: ignore[attr-defined]
+            x = rng.standard_normal((6, 64)).astype(np.float32)
+            np.testing.assert_allclose(engines(x), eager("mlp", {"x": x}), rtol=1e-3, atol=1e-3)
+
     import compiler.core.onnx_io as onnx_io
 
     def refuses_graphs(path: Any, providers: Any, **kwargs: Any) -> Any:

@@ -98,7 +98,8 @@ class _OrtBackend:
         import onnx
         from onnx.helper import tensor_dtype_to_np_dtype
 
-        graph = onnx.load(str(path), load_external_data=False).graph
+        model = onnx.load(str(path), load_external_data=False)
+        graph = model.graph
         initializers = {i.name for i in graph.initializer}
         names = [i.name for i in graph.input if i.name not in initializers]
         if sorted(names) != sorted(spec.input_names):
@@ -122,7 +123,7 @@ class _OrtBackend:
         # what CUDA graphs need (the module docstring): fixed shapes per bucket, outputs in our buffers, and no
         # kernel whose device state one bucket's run frees under another's graph
         self.capturable = (cuda_graphs and self.outputs_resolvable and not spec.dims
-                           and (len(self.buckets) == 1 or not _conv_without_bias(graph)))
+                           and (len(self.buckets) == 1 or not _conv_without_bias(model)))
 
     def _providers(self, first: str, stream: Any, graphs: bool = False) -> list[Any]:
         """The providers for a session: CUDA with this backend's options (and ``stream`` as its compute stream,
@@ -199,11 +200,24 @@ def _first_line(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
-def _conv_without_bias(graph: Any) -> bool:
-    """Whether a convolution has no bias input: ONNX Runtime's CUDA kernel for it fused with its activation
-    allocates a zero bias per input shape, freeing the last one (``cudaFree``), which a graph captured at another
-    shape still reads."""
-    return any(n.op_type in ("Conv", "ConvTranspose") and (len(n.input) < 3 or not n.input[2]) for n in graph.node)
+def _conv_without_bias(model: Any) -> bool:
+    """Whether a convolution has no bias input, in the graph, its subgraphs or its functions: ONNX Runtime's CUDA
+    kernel for it fused with its activation allocates a zero bias per input shape, freeing the last one
+    (``cudaFree``), which a graph captured at another shape still reads."""
+    import onnx
+
+    def nodes(graph: Any) -> Any:
+        for node in graph.node:
+            yield node
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    yield from nodes(attribute.g)
+                elif attribute.type == onnx.AttributeProto.GRAPHS:
+                    for sub in attribute.graphs:
+                        yield from nodes(sub)
+
+    every = [*nodes(model.graph), *(n for f in model.functions for n in f.node)]
+    return any(n.op_type in ("Conv", "ConvTranspose") and (len(n.input) < 3 or not n.input[2]) for n in every)
 
 
 @dataclass

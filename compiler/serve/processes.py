@@ -76,7 +76,8 @@ log = logging.getLogger(__name__)
 _OK, _FAILED, _EXPIRED, _CLOSED = 1, 2, 3, 4  # a slot's status after its answer
 _ERROR_BYTES = 480  # room for the message of a failed request
 _ALIGN = 64
-_PAGE = 4096  # the results areas start on a page: the GPU copies into them (cudaHostRegister)
+_PAGE = mmap.PAGESIZE  # the results areas start on a page: the GPU copies into them (cudaHostRegister)
+_UNREAD_HOLD = 10.0  # seconds an area waits for unread answers of requests without a timeout
 _NAP = 0.0001  # seconds the thread sleeps after each read of the pipe, and between looks for a batch to start
 _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
 _GONE = "the batcher is closed, or its process ended; restart the server"
@@ -297,6 +298,8 @@ class BatcherClient:
                 with self._lock:
                     self._futures.pop(slot, None)
                     if number < 0 or int(self._arrays["answered"][slot]) == number:  # never sent, or answered
+                        if number >= 0:
+                            self._arrays["taken"][slot] = number  # never read: its results area may serve again
                         self._free.put(slot)
                     else:
                         self._abandoned.add(slot)  # its answer will release the slot's lock, as for ``submit``
@@ -399,6 +402,7 @@ class BatcherClient:
                 # this request's answer releases it
                 if self._ready[slot].acquire(False) and slots["asked"][slot] == slots["answered"][slot]:
                     self._abandoned.discard(slot)
+                    slots["taken"][slot] = slots["answered"][slot]  # never read: its results area may serve again
                     return slot
         return None
 
@@ -462,6 +466,8 @@ class BatcherClient:
             outputs[io.name] = flat[first * size:(first + rows) * size].reshape(rows, *shape).copy()
         if results >= 0:
             arrays["taken"][slot] = number  # the batcher may copy the next batch into the area once all are read
+            # (an area is given to another batch before all are read only after their time is over; the check
+            # below relies on x86's ordering of the copy's loads before this one)
             if int(arrays["generation"][results]) != generation:
                 raise RequestFailed("the answer was overwritten before this client read it: its process stalled "
                                     "for over its timeout after the answer came; raise the timeout")
@@ -471,6 +477,9 @@ class BatcherClient:
 
     def close(self) -> None:
         """Detach from the shared memory (the batcher keeps running); later calls raise ``BatcherClosed``."""
+        if self._arrays:
+            slots = list(self._ready)
+            self._arrays["taken"][slots] = self._arrays["answered"][slots]  # none of them is read any more
         self._arrays = {}
         self._inputs, self._outputs = [], []
         with contextlib.suppress(BufferError):  # a view still held by a caller keeps the mapping alive
@@ -541,8 +550,8 @@ class ProcessBatcher:
         self.timeout = timeout
         self._model = _model_of(engines, slot_rows)
         # on a GPU the outputs are copied into results areas of the shared memory: one per batch in flight, and two
-        # whose clients are still reading
-        areas = in_flight + 2 if getattr(engines, "queues_on_gpu", False) else 0
+        # whose clients are still reading (engines that take ``start_parts(out=...)``)
+        areas = in_flight + 2 if getattr(engines, "queues_on_gpu", False) and _takes_out(engines) else 0
         self._layout = _Layout.of(_regions(self._model, capacity, areas, self.max_batch))
         self._memory, self._map = _shared_memory(self._layout.size, shm_dir)
         self._arrays = self._layout.views(self._map)
@@ -553,6 +562,9 @@ class ProcessBatcher:
         self._results: list[dict[str, np.ndarray]] = []
         self._readers: list[Any] = []
         self._locked: list[int] = []  # addresses of the page-locked areas
+        self._arrays["where"][:, 0] = -1  # no answer in an area yet
+        self.batches_in_areas = 0  # batches answered from a results area, and through the slots
+        self.batches_in_slots = 0
         if areas:
             fields = {io.name: self._arrays[f"res:{io.name}"] for io in self._model.outputs}
             self._locked = _page_lock(list(fields.values()))
@@ -825,7 +837,7 @@ class ProcessBatcher:
             if readers is _FILLING:
                 continue
             slots, numbers, until = readers
-            if (taken[slots] == numbers).all() or time.monotonic() > until:
+            if (taken[slots] >= numbers).all() or time.monotonic() > until:  # a slot's next answer counts too
                 self._readers[area] = None
                 return area
         return None
@@ -841,6 +853,7 @@ class ProcessBatcher:
                 return self._point(batch, slots, rows, outputs, results)
             self._readers[results] = None  # the engines ran it elsewhere (more rows than a bucket, say)
         arrays["where"][slots, 0] = -1
+        self.batches_in_slots += 1
         singles = bool((rows == 1).all())
         for j, (io, area) in enumerate(self._out):
             out = np.asarray(outputs[io.name])
@@ -879,8 +892,10 @@ class ProcessBatcher:
         arrays = self._arrays
         for j, (io, _) in enumerate(self._out):
             shape = outputs[io.name].shape[1:]
-            if len(shape) != len(io.largest):
-                return f"output {io.name!r} has shape {outputs[io.name].shape}, not {len(io.largest) + 1} dimensions"
+            if len(shape) != len(io.largest) or any(n > room for n, room in zip(shape, io.largest, strict=True)):
+                self._readers[area] = None
+                return (f"output {io.name!r} has shape {outputs[io.name].shape}; a slot holds {io.largest} per row "
+                        "(sized by a run at the largest input sizes): this model's output sizes depend on its data")
             arrays["out_shapes"][slots, j, :len(shape)] = shape
         where = arrays["where"]
         where[slots, 0] = area
@@ -889,7 +904,11 @@ class ProcessBatcher:
         numbers = arrays["asked"][slots]
         arrays["status"][slots] = _OK
         arrays["answered"][slots] = numbers
-        self._readers[area] = (slots, numbers, max(r[3] for r in batch) + 2 * _GRACE)
+        # free once all are read, or past their callers' time (a caller that gave up never reads), and at most
+        # ``_UNREAD_HOLD`` from now: a reader later than that gets an error (the generation), not a held area
+        self._readers[area] = (slots, numbers, min(max(r[3] for r in batch) + 2 * _GRACE,
+                                                   time.monotonic() + _UNREAD_HOLD))
+        self.batches_in_areas += 1
         return None
 
     def _reply(self, slots: Sequence[int], status: int, text: str) -> None:
@@ -944,25 +963,30 @@ def _model_of(engines: Any, slot_rows: int) -> _Model:
 
 
 def _page_lock(areas: list[np.ndarray]) -> list[int]:
-    """Page-lock the results areas (``cudaHostRegister``) so that the GPU copies into them at full speed and
-    without holding the host: their addresses, or none when CUDA refuses (the answers then go through the
-    context's own pinned buffers into the slots)."""
+    """Page-lock the results areas (``cudaHostRegister``, one range: they are the last fields of the layout, from a
+    page on) so that the GPU copies into them at full speed and without holding the host: the range's address, or
+    none when CUDA refuses (the answers then go through the context's own pinned buffers into the slots). From a
+    thread of its own: a refusal leaves CUDA's last error set on the calling thread, where torch's next check of a
+    kernel launch would report it."""
     import torch
 
     if not torch.cuda.is_available():  # engines that say they queue on a GPU, on a machine without one (tests)
         return []
-    cudart = torch.cuda.cudart()
-    locked: list[int] = []
-    for area in areas:
-        address = area.__array_interface__["data"][0]
-        error = cudart.cudaHostRegister(address, area.nbytes, 0)
-        if int(getattr(error, "value", error)) != 0:
-            log.info("CUDA cannot page-lock the batcher's results areas (%s); answers are copied into the slots",
-                     error)
-            _page_unlock(locked)
-            return []
-        locked.append(address)
-    return locked
+    start = min(a.__array_interface__["data"][0] for a in areas)
+    end = max(a.__array_interface__["data"][0] + a.nbytes for a in areas)
+    result: list[Any] = []
+
+    def register() -> None:
+        result.append(torch.cuda.cudart().cudaHostRegister(start, end - start, 1))  # 1: portable
+
+    thread = threading.Thread(target=register, name="trtc-page-lock")
+    thread.start()
+    thread.join()
+    error = result[0] if result else "no answer (see the thread's exception above)"
+    if getattr(error, "value", error) != 0:
+        log.info("CUDA cannot page-lock the batcher's results areas (%s); answers are copied into the slots", error)
+        return []
+    return [start]
 
 
 def _page_unlock(addresses: list[int]) -> None:
@@ -972,6 +996,16 @@ def _page_unlock(addresses: list[int]) -> None:
         cudart = torch.cuda.cudart()
         for address in addresses:
             cudart.cudaHostUnregister(address)
+
+
+def _takes_out(engines: Any) -> bool:
+    """Whether ``engines.start_parts`` takes ``out`` (results areas to copy the outputs into)."""
+    import inspect
+
+    try:
+        return "out" in inspect.signature(engines.start_parts).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _shared_memory(size: int, directory: str | None) -> tuple[Any, mmap.mmap]:
