@@ -428,6 +428,9 @@ def main() -> None:
     parser.add_argument("--ort-ordered", action="store_true",
                         help="ONNX Runtime CUDA contexts run one after the other on the GPU instead of side by side "
                              "(compiler.backends.onnxrt.ORDER_RUNS = True), to compare.")
+    parser.add_argument("--no-results-areas", action="store_true",
+                        help="ProcessBatcher writes every answer into its slot instead of the GPU copying the outputs "
+                             "into results areas (compiler.serve.processes.RESULTS_AREAS = False), to compare.")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="Load every backend with cuda_graphs=False (to compare: ONNX Runtime launches every "
                              "kernel from the host then).")
@@ -442,6 +445,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
+    if args.no_results_areas:
+        import compiler.serve.processes
+
+        compiler.serve.processes.RESULTS_AREAS = False
     if args.ort_ordered:
         import compiler.backends.onnxrt
 
@@ -579,7 +586,7 @@ def main() -> None:
                            "max_wait_ms": args.max_wait_ms,
                            "seconds": seconds, "map_batches": map_batches, "map_batch": map_batch,
                            "backends": wanted, "ort_cuda_options": ort_options,
-                           "cuda_graphs": not args.no_cuda_graphs,
+                           "cuda_graphs": not args.no_cuda_graphs, "results_areas": not args.no_results_areas,
                            "switch_interval_ms": sys.getswitchinterval() * 1000},
               "seconds": round(time.perf_counter() - started, 1), "runs": runs, "batcher_ceiling": ceilings,
               "all_targets_met": all(all(r["targets"].values()) for r in runs)}

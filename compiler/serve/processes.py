@@ -1,9 +1,9 @@
 """A dynamic batcher for requests from other processes, through shared memory: ``ProcessBatcher``.
 
-One Python process answers 11-14 k requests a second from 64 threads and 36-60 k from asyncio
+One Python process answers 11-14 k requests a second from 64 threads and 35-60 k from asyncio
 coroutines on an H200 host (its GIL; docs/benchmarks.md), while one GPU runs a small transformer at
-61-98 k rows a second. A server with several worker processes (one per core, as web servers run) sends their
-requests to the one process that owns the GPU:
+60-101 k rows a second. A server with several worker processes (one per core, as web servers run)
+sends their requests to the one process that owns the GPU:
 
     # the process that owns the GPU
     batcher = ProcessBatcher(compiler.load("build/m"), max_wait_ms=5)
@@ -78,6 +78,9 @@ _ERROR_BYTES = 480  # room for the message of a failed request
 _ALIGN = 64
 _PAGE = mmap.PAGESIZE  # the results areas start on a page: the GPU copies into them (cudaHostRegister)
 _UNREAD_HOLD = 10.0  # seconds an area waits for unread answers of requests without a timeout
+# Whether a GPU's outputs go into results areas (False: the batcher writes every answer into its slot);
+# ``benchmarks/serving_gpu.py --no-results-areas`` compares.
+RESULTS_AREAS = True
 _NAP = 0.0001  # seconds the thread sleeps after each read of the pipe, and between looks for a batch to start
 _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
 _GONE = "the batcher is closed, or its process ended; restart the server"
@@ -551,7 +554,8 @@ class ProcessBatcher:
         self._model = _model_of(engines, slot_rows)
         # on a GPU the outputs are copied into results areas of the shared memory: one per batch in flight, and two
         # whose clients are still reading (engines that take ``start_parts(out=...)``)
-        areas = in_flight + 2 if getattr(engines, "queues_on_gpu", False) and _takes_out(engines) else 0
+        areas = in_flight + 2 if RESULTS_AREAS and getattr(engines, "queues_on_gpu", False) and _takes_out(
+            engines) else 0
         self._layout = _Layout.of(_regions(self._model, capacity, areas, self.max_batch))
         self._memory, self._map = _shared_memory(self._layout.size, shm_dir)
         self._arrays = self._layout.views(self._map)
