@@ -57,20 +57,27 @@ def _client_process(handle: ClientHandle, requests: list[Any], results: Any) -> 
     results.put(answers)
 
 
+def from_client_processes(batcher: ProcessBatcher, requests: list[list[Any]], timeout: float) -> list[dict[int, Any]]:
+    """Each list of requests from a spawned client process of its own (a thread per request): their answers by index,
+    one dict per process, in the order the processes finished."""
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    workers = [spawn.Process(target=_client_process, args=(batcher.client_handle(len(mine)), mine, results))
+               for mine in requests]
+    for worker in workers:
+        worker.start()
+    answers = [results.get(timeout=timeout) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=30)
+    return answers
+
+
 def test_requests_from_two_processes_each_get_their_own_rows(engines: Engines) -> None:
     recording = Recording(engines)
     rng = np.random.default_rng(0)
     requests = [[rng.standard_normal((1, 64)).astype(np.float32) for _ in range(4)] for _ in range(2)]
-    spawn = multiprocessing.get_context("spawn")
-    results = spawn.Queue()
     with ProcessBatcher(recording, capacity=8, max_wait_ms=20) as batcher:
-        workers = [spawn.Process(target=_client_process, args=(batcher.client_handle(4), requests[p], results))
-                   for p in range(2)]
-        for worker in workers:
-            worker.start()
-        answers = [results.get(timeout=60) for _ in workers]
-        for worker in workers:
-            worker.join(timeout=30)
+        answers = from_client_processes(batcher, requests, timeout=60)
     assert [sorted(a) for a in answers] == [[0, 1, 2, 3]] * 2
     for p in range(2):  # each process's answers, matched to its requests by value
         process_answers = next(a for a in answers if np.allclose(a[0], engines(requests[p][0]), atol=1e-5))
@@ -588,18 +595,10 @@ def test_on_a_real_gpu_the_outputs_are_copied_into_the_page_locked_results_areas
 
     rng = np.random.default_rng(2)
     requests = [[rng.standard_normal((1, 64)).astype(np.float32) for _ in range(16)] for _ in range(2)]
-    spawn = multiprocessing.get_context("spawn")
-    results = spawn.Queue()
     with engines_from_module(models.mlp(), ["x:Bx64"], buckets=(1, 4, 8), device="cuda", contexts=1) as engines, \
             ProcessBatcher(engines, capacity=32, max_wait_ms=2) as batcher:
         assert batcher._locked and len(batcher._results) == batcher.in_flight + 2 == 4
-        workers = [spawn.Process(target=_client_process, args=(batcher.client_handle(16), requests[p], results))
-                   for p in range(2)]
-        for worker in workers:
-            worker.start()
-        answers = [results.get(timeout=120) for _ in workers]
-        for worker in workers:
-            worker.join(timeout=30)
+        answers = from_client_processes(batcher, requests, timeout=120)
         arrays = batcher._arrays
         assert (arrays["where"][:32, 0] >= 0).any()  # answered from the areas
         assert batcher.batches_in_areas > 0 and batcher.batches_in_slots <= batcher.batches_in_areas // 4
