@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing
 import os
 import threading
@@ -501,8 +502,8 @@ def test_on_a_gpu_answers_are_read_where_the_gpu_copied_them(engines: Engines, m
     reused before it read it gets an error, never another request's rows."""
     import compiler.serve.processes as processes
 
-    monkeypatch.setattr(processes, "_page_lock", lambda areas: [1])  # the CUDA call; the protocol is what is tested
-    monkeypatch.setattr(processes, "_page_unlock", lambda addresses: None)
+    monkeypatch.setattr(processes, "_page_lock", lambda areas, device: [1])  # the CUDA call; the protocol is tested
+    monkeypatch.setattr(processes, "_page_unlock", lambda addresses, device: None)
     into = IntoAreas(engines)
     requests = [rows(i, 1 + i % 2) for i in range(60)]
     answers: dict[int, Any] = {}
@@ -555,19 +556,46 @@ def test_on_a_gpu_answers_are_read_where_the_gpu_copied_them(engines: Engines, m
     # an answer nobody reads (its caller gave up, or the client closed) does not hold its area
     gate = threading.Event()
     gated = IntoAreas(engines)
-    with ProcessBatcher(gated, capacity=2, max_wait_ms=0) as batcher:
+    with ProcessBatcher(gated, capacity=3, max_wait_ms=0, timeout=None) as batcher:
         gated.gate = gate  # after the batcher's probe of the output sizes
+        arrays = batcher._arrays
+
+        def frees(area: int) -> bool:  # whether the batcher would give ``area`` to its next batch
+            others = {i: r for i, r in enumerate(batcher._readers) if i != area}
+            batcher._readers[:] = [batcher._readers[i] if i == area else processes._FILLING for i in range(4)]
+            try:
+                return batcher._free_area() == area
+            finally:
+                for i, r in others.items():
+                    batcher._readers[i] = r
+
         client = batcher.client_handle(1).connect()
         with pytest.raises(RequestTimeout):
-            client.submit(rows(1), timeout=0.1)
-        gate.set()  # its batch runs into an area; the slot is taken again below without reading it
-        np.testing.assert_allclose(client.submit(rows(2), timeout=20), engines(rows(2)), rtol=1e-5, atol=1e-6)
-        other = batcher.client_handle(1).connect()
-        np.testing.assert_allclose(other.submit(rows(3), timeout=20), engines(rows(3)), rtol=1e-5, atol=1e-6)
-        other.close()
-        taken = batcher._arrays["taken"]
-        assert batcher.batches_in_areas == 3
-        assert all(r is None or (taken[r[0]] >= r[1]).all() for r in batcher._readers)
+            client.submit(rows(1), timeout=1.0)
+        gate.set()  # its batch runs into an area; its caller is gone
+        deadline = time.monotonic() + 20
+        while arrays["answered"][0] != arrays["asked"][0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        area = int(arrays["where"][0, 0])
+        assert area >= 0 and arrays["taken"][0] < arrays["answered"][0] and not frees(area)
+        assert client._free_slot() == 0  # the slot serves again, its answer unread: the area is free
+        assert arrays["taken"][0] == arrays["answered"][0] and frees(area)
+        client._free.put(0)
+
+        closing = batcher.client_handle(1).connect()  # an answer still unread when its client closes
+        number = closing._send(1, [rows(2)], 1, [], math.inf)
+        while arrays["answered"][1] != number and time.monotonic() < deadline:
+            time.sleep(0.01)
+        area = int(arrays["where"][1, 0])
+        readers = batcher._readers[area]
+        assert readers is not None and readers[2] <= time.monotonic() + 10  # no timeout: held at most 10 s
+        assert not frees(area)
+        closing.close()
+        assert arrays["taken"][1] == number and frees(area)
+        batcher._readers[area] = (np.array([1]), np.array([number]), math.inf)
+        arrays["taken"][1] = number + 1  # the slot read a later answer: this one counts as read too
+        assert frees(area)
+        np.testing.assert_allclose(client.submit(rows(4), timeout=20), engines(rows(4)), rtol=1e-5, atol=1e-6)
         client.close()
 
     class NoOut(Recording):  # engines that queue on a GPU but copy into no results area
@@ -607,3 +635,23 @@ def test_on_a_real_gpu_the_outputs_are_copied_into_the_page_locked_results_areas
             p = next(p for p in range(2) if np.allclose(answer[0], engines(requests[p][0]), atol=1e-3))
             for i in range(16):
                 np.testing.assert_allclose(answer[i], engines(requests[p][i]), rtol=1e-3, atol=1e-3)
+
+
+def test_an_output_larger_than_its_slot_fails_through_a_results_area_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A results area may have room for an output its slot would not hold; the request fails the same way."""
+    import compiler.serve.processes as processes
+    from compiler.serve.engines import engines_from_module
+
+    monkeypatch.setattr(processes, "_page_lock", lambda areas, device: [1])
+    monkeypatch.setattr(processes, "_page_unlock", lambda addresses, device: None)
+    with engines_from_module(FirstPositives(), ["x:Bx64"], buckets=(1, 4), device="cpu", contexts=1) as engines, \
+            ProcessBatcher(IntoAreas(engines), capacity=1, max_wait_ms=0) as batcher:
+        room = batcher._model.outputs[0].largest[0]
+        assert batcher._results and 4 * room >= 64  # the area holds a row of 64
+        client = batcher.client_handle(1).connect()
+        few = np.where(np.arange(64) < room - 1, 1.0, -1.0).astype(np.float32)[None]
+        np.testing.assert_allclose(client.submit(few), few[:, :room - 1] * 2)
+        assert batcher._arrays["where"][0, 0] >= 0  # answered from the area
+        with pytest.raises(RequestFailed, match=r"output '\w+' has shape \(1, 64\); a slot holds .* its data"):
+            client.submit(np.ones((1, 64), np.float32))
+        client.close()

@@ -643,6 +643,34 @@ def test_onnxruntime_graphs_only_where_no_run_frees_what_another_buckets_graph_r
     assert not _OrtBackend(path, sequences, (1, 4), "cpu", 0).capturable  # a shape per call: no graphs
 
 
+def test_a_convolution_without_a_bias_is_found_in_subgraphs_and_functions() -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    from compiler.backends.onnxrt import _conv_without_bias
+
+    def conv(bias: bool) -> onnx.NodeProto:
+        return helper.make_node("Conv", ["x", "w", "b"] if bias else ["x", "w"], ["y"])
+
+    def branch(bias: bool) -> onnx.GraphProto:
+        return helper.make_graph([conv(bias)], "branch", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                                                                None)])
+
+    def model(nodes: list[onnx.NodeProto], functions: tuple[onnx.FunctionProto, ...] = ()) -> onnx.ModelProto:
+        return helper.make_model(helper.make_graph(nodes, "g", [], []), functions=list(functions))
+
+    def if_node(bias: bool) -> onnx.NodeProto:
+        return helper.make_node("If", ["c"], ["y"], then_branch=branch(bias), else_branch=branch(True))
+
+    def function(inner: onnx.NodeProto) -> onnx.FunctionProto:
+        return helper.make_function("local", "f", ["x", "w", "c"], ["y"], [inner], [helper.make_opsetid("", 17)])
+
+    assert _conv_without_bias(model([conv(False)])) and not _conv_without_bias(model([conv(True)]))
+    assert _conv_without_bias(model([if_node(False)])) and not _conv_without_bias(model([if_node(True)]))
+    assert _conv_without_bias(model([], (function(if_node(False)),)))
+    assert not _conv_without_bias(model([], (function(if_node(True)),)))
+
+
 @pytest.mark.gpu
 def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ONNX Runtime's runs as CUDA graphs, one per bucket captured at load (40 buckets too), each giving the eager

@@ -216,7 +216,7 @@ def _conv_without_bias(model: Any) -> bool:
                     for sub in attribute.graphs:
                         yield from nodes(sub)
 
-    every = [*nodes(model.graph), *(n for f in model.functions for n in f.node)]
+    every = [*nodes(model.graph), *(n for f in model.functions for n in nodes(f))]
     return any(n.op_type in ("Conv", "ConvTranspose") and (len(n.input) < 3 or not n.input[2]) for n in every)
 
 

@@ -484,6 +484,7 @@ class BatcherClient:
             slots = list(self._ready)
             self._arrays["taken"][slots] = self._arrays["answered"][slots]  # none of them is read any more
         self._arrays = {}
+        self._results = []
         self._inputs, self._outputs = [], []
         with contextlib.suppress(BufferError):  # a view still held by a caller keeps the mapping alive
             self._map.close()
@@ -566,12 +567,14 @@ class ProcessBatcher:
         self._results: list[dict[str, np.ndarray]] = []
         self._readers: list[Any] = []
         self._locked: list[int] = []  # addresses of the page-locked areas
+        self._device: Any = None  # the GPU whose context registered them
         self._arrays["where"][:, 0] = -1  # no answer in an area yet
         self.batches_in_areas = 0  # batches answered from a results area, and through the slots
         self.batches_in_slots = 0
         if areas:
             fields = {io.name: self._arrays[f"res:{io.name}"] for io in self._model.outputs}
-            self._locked = _page_lock(list(fields.values()))
+            self._device = getattr(engines, "device", None)  # the GPU whose context registers the areas
+            self._locked = _page_lock(list(fields.values()), self._device)
             if self._locked:
                 self._results = [{name: field[a] for name, field in fields.items()} for a in range(areas)]
                 self._readers = [None] * areas
@@ -639,7 +642,7 @@ class ProcessBatcher:
         spawned clients' waiting callers learn it (their pipes end)."""
         for end in (self._reader, self._writer, self._memory, *self._wakers):
             end.close()
-        _page_unlock(self._locked)
+        _page_unlock(self._locked, self._device)
         self._locked = []
         with contextlib.suppress(BufferError):  # views still held elsewhere keep the mapping
             self._map.close()
@@ -966,12 +969,12 @@ def _model_of(engines: Any, slot_rows: int) -> _Model:
     return _Model(tuple(inputs), outputs, tuple(spec.dims), dict(spec.dims), tuple(checks_for(spec)), slot_rows)
 
 
-def _page_lock(areas: list[np.ndarray]) -> list[int]:
+def _page_lock(areas: list[np.ndarray], device: Any) -> list[int]:
     """Page-lock the results areas (``cudaHostRegister``, one range: they are the last fields of the layout, from a
     page on) so that the GPU copies into them at full speed and without holding the host: the range's address, or
     none when CUDA refuses (the answers then go through the context's own pinned buffers into the slots). From a
     thread of its own: a refusal leaves CUDA's last error set on the calling thread, where torch's next check of a
-    kernel launch would report it."""
+    kernel launch would report it. In ``device``'s context (the engines' GPU; None: the current one)."""
     import torch
 
     if not torch.cuda.is_available():  # engines that say they queue on a GPU, on a machine without one (tests)
@@ -981,7 +984,8 @@ def _page_lock(areas: list[np.ndarray]) -> list[int]:
     result: list[Any] = []
 
     def register() -> None:
-        result.append(torch.cuda.cudart().cudaHostRegister(start, end - start, 1))  # 1: portable
+        with _on(device):  # a new thread's current device is 0
+            result.append(torch.cuda.cudart().cudaHostRegister(start, end - start, 1))  # 1: portable
 
     thread = threading.Thread(target=register, name="trtc-page-lock")
     thread.start()
@@ -993,13 +997,20 @@ def _page_lock(areas: list[np.ndarray]) -> list[int]:
     return [start]
 
 
-def _page_unlock(addresses: list[int]) -> None:
+def _page_unlock(addresses: list[int], device: Any = None) -> None:
     if addresses:
         import torch
 
-        cudart = torch.cuda.cudart()
-        for address in addresses:
-            cudart.cudaHostUnregister(address)
+        with _on(device):
+            for address in addresses:
+                torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _on(device: Any) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.device(device)``, or nothing for None (the current device)."""
+    import torch
+
+    return contextlib.nullcontext() if device is None else torch.cuda.device(device)
 
 
 def _takes_out(engines: Any) -> bool:
