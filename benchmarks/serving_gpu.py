@@ -31,7 +31,9 @@ contexts (batcher workers = contexts):
 (e.g. ``cudnn_conv_algo_search=EXHAUSTIVE``, ONNX Runtime's default); the JSON records whether each
 ONNX Runtime context's session computes on the context's own stream; ``--no-cuda-graphs`` loads
 every backend without CUDA graphs (the JSON records per run whether a run launched its kernels from
-the host, ``launches_on_host``).
+the host, ``launches_on_host``); ``--no-results-areas`` has ``ProcessBatcher`` write every answer into
+its slot instead of the GPU copying the outputs into its shared memory (each process run records how
+many batches went each way).
 
 Writes one JSON (``--out``) and prints a table. ``--smoke`` runs tiny sizes on the CPU in seconds
 (the test suite runs it). On an H200 (about 5 minutes):
@@ -169,7 +171,7 @@ class CountingEngines:
 
     def start_parts(self, calls: Any, wait: bool = True, out: Any = None) -> Any:
         start = time.perf_counter()
-        finish = self._engines.start_parts(calls, wait=wait, **({"out": out} if out is not None else {}))
+        finish = self._engines.start_parts(calls, wait=wait, out=out)
         if finish is None:  # no buffer set free
             return None
         rows = sum(c.rows for c in calls)

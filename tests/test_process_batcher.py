@@ -502,8 +502,8 @@ def test_on_a_gpu_answers_are_read_where_the_gpu_copied_them(engines: Engines, m
     reused before it read it gets an error, never another request's rows."""
     import compiler.serve.processes as processes
 
-    monkeypatch.setattr(processes, "_page_lock", lambda areas, device: [1])  # the CUDA call; the protocol is tested
-    monkeypatch.setattr(processes, "_page_unlock", lambda addresses, device: None)
+    monkeypatch.setattr(processes, "_page_lock", lambda areas, device: 1)  # the CUDA call; the protocol is tested
+    monkeypatch.setattr(processes, "_page_unlock", lambda address, device: None)
     into = IntoAreas(engines)
     requests = [rows(i, 1 + i % 2) for i in range(60)]
     answers: dict[int, Any] = {}
@@ -642,8 +642,8 @@ def test_an_output_larger_than_its_slot_fails_through_a_results_area_too(monkeyp
     import compiler.serve.processes as processes
     from compiler.serve.engines import engines_from_module
 
-    monkeypatch.setattr(processes, "_page_lock", lambda areas, device: [1])
-    monkeypatch.setattr(processes, "_page_unlock", lambda addresses, device: None)
+    monkeypatch.setattr(processes, "_page_lock", lambda areas, device: 1)
+    monkeypatch.setattr(processes, "_page_unlock", lambda address, device: None)
     with engines_from_module(FirstPositives(), ["x:Bx64"], buckets=(1, 4), device="cpu", contexts=1) as engines, \
             ProcessBatcher(IntoAreas(engines), capacity=1, max_wait_ms=0) as batcher:
         room = batcher._model.outputs[0].largest[0]

@@ -327,7 +327,7 @@ class _OrtCudaContext(_GpuContext):
         self._queue_only = self._run_options(graphs)
         self._order = backend.order  # None unless ORDER_RUNS
         self._graphs: dict[int, tuple[Any, dict[str, Any]]] = {}  # bucket -> (its run's graph, outputs); all or none
-        if graphs and self._queue_only is not None:
+        if graphs:  # on our stream into our buffers (``capturable``): its runs only queue their kernels
             self._graphs = self._captured_all()
             if not self._graphs:  # a session that captures nothing should not pay for graph capture in its runs
                 self._session, self._on_our_stream, _ = backend.context_session(self.stream, graphs=False)

@@ -634,8 +634,9 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
     or ``cuda:N``; None picks the GPU when the backend can use one. ``contexts``: how many callers
     run at once (each context holds buffers for every bucket). ``cuda_graphs``: replay CUDA graphs
     on a GPU: one per bucket, captured at load, for a model whose only dynamic dimension is the
-    batch; for other models one per bucket and shape, captured at its first run (torch and ONNX
-    Runtime; TensorRT runs those without graphs). ``threads``: ONNX Runtime's intra-op threads
+    batch (ONNX Runtime: where it allows it, ``compiler.backends.onnxrt``); for other models torch
+    captures one per bucket and shape at its first run, and TensorRT and ONNX Runtime run them
+    without graphs. ``threads``: ONNX Runtime's intra-op threads
     (0: its default). ``trust_pickle``: let the torch backend load a pickled model file. ``tf32``:
     whether ONNX Runtime's CUDA provider may use TF32 for FP32 math (default: the manifest's
     ``build.tf32``, else True, as the TensorRT engines were built); the torch backend follows

@@ -566,8 +566,8 @@ class ProcessBatcher:
         # or (slots, their answer numbers, when the area is free even if some never read it)
         self._results: list[dict[str, np.ndarray]] = []
         self._readers: list[Any] = []
-        self._locked: list[int] = []  # addresses of the page-locked areas
-        self._device: Any = None  # the GPU whose context registered them
+        self._locked: int | None = None  # the address of the page-locked range of the areas
+        self._device: Any = None  # the GPU whose context registered it
         self._arrays["where"][:, 0] = -1  # no answer in an area yet
         self.batches_in_areas = 0  # batches answered from a results area, and through the slots
         self.batches_in_slots = 0
@@ -575,7 +575,7 @@ class ProcessBatcher:
             fields = {io.name: self._arrays[f"res:{io.name}"] for io in self._model.outputs}
             self._device = getattr(engines, "device", None)  # the GPU whose context registers the areas
             self._locked = _page_lock(list(fields.values()), self._device)
-            if self._locked:
+            if self._locked is not None:
                 self._results = [{name: field[a] for name, field in fields.items()} for a in range(areas)]
                 self._readers = [None] * areas
         spawn = multiprocessing.get_context("spawn")
@@ -642,8 +642,9 @@ class ProcessBatcher:
         spawned clients' waiting callers learn it (their pipes end)."""
         for end in (self._reader, self._writer, self._memory, *self._wakers):
             end.close()
-        _page_unlock(self._locked, self._device)
-        self._locked = []
+        if self._locked is not None:
+            _page_unlock(self._locked, self._device)
+            self._locked = None
         with contextlib.suppress(BufferError):  # views still held elsewhere keep the mapping
             self._map.close()
 
@@ -867,9 +868,8 @@ class ProcessBatcher:
             shape = out.shape[1:]
             if shape == io.largest and singles:  # the common case: whole rows, one fancy assignment
                 area[slots, 0] = out
-            elif len(shape) != len(io.largest) or any(n > room for n, room in zip(shape, io.largest, strict=True)):
-                return (f"output {io.name!r} has shape {out.shape}; a slot holds {io.largest} per row (sized by a "
-                        "run at the largest input sizes): this model's output sizes depend on its data")
+            elif why := _outgrows(io, out.shape):
+                return why
             elif singles:
                 index: tuple[Any, ...] = (slots, 0, *(slice(0, n) for n in shape))
                 area[index] = out
@@ -898,12 +898,10 @@ class ProcessBatcher:
         generation (its client copies the rows out and marks them taken)."""
         arrays = self._arrays
         for j, (io, _) in enumerate(self._out):
-            shape = outputs[io.name].shape[1:]
-            if len(shape) != len(io.largest) or any(n > room for n, room in zip(shape, io.largest, strict=True)):
-                self._readers[area] = None
-                return (f"output {io.name!r} has shape {outputs[io.name].shape}; a slot holds {io.largest} per row "
-                        "(sized by a run at the largest input sizes): this model's output sizes depend on its data")
-            arrays["out_shapes"][slots, j, :len(shape)] = shape
+            shape = outputs[io.name].shape
+            if why := _outgrows(io, shape):
+                return why  # the batch failed: ``_run`` frees the area
+            arrays["out_shapes"][slots, j, :len(shape) - 1] = shape[1:]
         where = arrays["where"]
         where[slots, 0] = area
         where[slots, 1] = np.cumsum(rows) - rows
@@ -941,6 +939,15 @@ class ProcessBatcher:
                 os.write(self._wakers[handle].fileno(), np.asarray(mine, "<i4").tobytes())
 
 
+def _outgrows(io: _Io, shape: tuple[int, ...]) -> str | None:
+    """Why a batch's output of ``shape`` does not fit the room each slot has per row, or None when it does."""
+    rows = shape[1:]
+    if len(rows) == len(io.largest) and all(n <= room for n, room in zip(rows, io.largest, strict=True)):
+        return None
+    return (f"output {io.name!r} has shape {shape}; a slot holds {io.largest} per row (sized by a run at the largest "
+            "input sizes): this model's output sizes depend on its data")
+
+
 def _sizes(io: _Io, values: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(d if isinstance(d, int) else values[d] for d in io.dims)
 
@@ -969,16 +976,16 @@ def _model_of(engines: Any, slot_rows: int) -> _Model:
     return _Model(tuple(inputs), outputs, tuple(spec.dims), dict(spec.dims), tuple(checks_for(spec)), slot_rows)
 
 
-def _page_lock(areas: list[np.ndarray], device: Any) -> list[int]:
+def _page_lock(areas: list[np.ndarray], device: Any) -> int | None:
     """Page-lock the results areas (``cudaHostRegister``, one range: they are the last fields of the layout, from a
     page on) so that the GPU copies into them at full speed and without holding the host: the range's address, or
-    none when CUDA refuses (the answers then go through the context's own pinned buffers into the slots). From a
+    None when CUDA refuses (the answers then go through the context's own pinned buffers into the slots). From a
     thread of its own: a refusal leaves CUDA's last error set on the calling thread, where torch's next check of a
     kernel launch would report it. In ``device``'s context (the engines' GPU; None: the current one)."""
     import torch
 
     if not torch.cuda.is_available():  # engines that say they queue on a GPU, on a machine without one (tests)
-        return []
+        return None
     start = min(a.__array_interface__["data"][0] for a in areas)
     end = max(a.__array_interface__["data"][0] + a.nbytes for a in areas)
     result: list[Any] = []
@@ -993,17 +1000,15 @@ def _page_lock(areas: list[np.ndarray], device: Any) -> list[int]:
     error = result[0] if result else "no answer (see the thread's exception above)"
     if getattr(error, "value", error) != 0:
         log.info("CUDA cannot page-lock the batcher's results areas (%s); answers are copied into the slots", error)
-        return []
-    return [start]
+        return None
+    return start
 
 
-def _page_unlock(addresses: list[int], device: Any = None) -> None:
-    if addresses:
-        import torch
+def _page_unlock(address: int, device: Any) -> None:
+    import torch
 
-        with _on(device):
-            for address in addresses:
-                torch.cuda.cudart().cudaHostUnregister(address)
+    with _on(device):
+        torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def _on(device: Any) -> contextlib.AbstractContextManager[Any]:
