@@ -33,6 +33,7 @@ class Recording:
         self.gate = gate
         self.batches: list[np.ndarray] = []  # the first input of every batch
         self.feeds: list[dict[str, Any]] = []
+        self.parts: list[int] = []  # the feeds each batch came in (start_parts)
         self.entered = threading.Event()
         self.buckets = engines.buckets
         self.input_names = engines.input_names
@@ -48,6 +49,7 @@ class Recording:
 
     def start_parts(self, calls: Any, wait: bool = True) -> Any:
         x = {name: np.concatenate([c.arrays[name] for c in calls]) for name in self.input_names}
+        self.parts.append(len(calls))
         self._record(x)
         return self.engines.start_parts(calls, wait=wait)
 

@@ -124,7 +124,15 @@ def test_coroutines_of_one_client_each_get_their_own_rows(engines: Engines) -> N
         np.testing.assert_allclose(answer, engines(x), rtol=1e-5, atol=1e-6)
 
 
-def test_requests_of_other_sequence_lengths_run_in_their_own_batches(transformer: Engines) -> None:
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "feed-per-request"])
+def test_requests_of_other_sequence_lengths_run_in_their_own_batches(transformer: Engines, gather: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each batch's rows reach the engines as one feed gathered from the slots, or (a large batch) a feed per
+    request: both at each request's own sequence length."""
+    import compiler.serve.processes
+
+    if not gather:
+        monkeypatch.setattr(compiler.serve.processes, "_GATHER_BYTES", 0)
     recording = Recording(transformer)
     feeds = [{"input_ids": np.full((1, n), i, np.int64), "attention_mask": np.ones((1, n), np.int64)}
              for i, n in enumerate((4, 4, 9, 4, 9))]
@@ -140,6 +148,7 @@ def test_requests_of_other_sequence_lengths_run_in_their_own_batches(transformer
         assert answers[i]["out"].shape == (1, feed["input_ids"].shape[1], 64)
         np.testing.assert_allclose(answers[i]["out"], transformer(feed)["out"], rtol=1e-5, atol=1e-5)
     assert sorted(tuple(b[:, 0]) for b in recording.batches[1:]) == [(0, 1, 3), (2, 4)]
+    assert recording.parts == ([1, 1] if gather else [len(b) for b in recording.batches[1:]])
     with ProcessBatcher(transformer, capacity=1, max_wait_ms=0) as batcher:  # one slot, its views kept per shape
         client = batcher.client_handle(1).connect()
         for i, feed in enumerate(feeds + feeds[::-1]):
@@ -229,8 +238,10 @@ def test_a_late_answer_times_out_a_coroutine_and_its_slot_serves_again(engines: 
         client = batcher.client_handle(1).connect()
 
         async def main() -> Any:
+            start = time.monotonic()
             with pytest.raises(RequestTimeout, match="no answer within 100 ms"):
                 await client.infer(rows(1), timeout=0.1)
+            assert time.monotonic() - start < 5  # the client's thread fails it (no asyncio timer per request)
             hold.set()
             return await client.infer(rows(2), timeout=10)
 

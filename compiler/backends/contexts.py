@@ -403,13 +403,11 @@ class _GpuContext:
         ``compute`` and ``download(True)`` (into ``out``'s page-locked arrays where given), with no other set's run
         queued between them: what ``Engines.start_parts`` runs. The packing into this set's staging needs no
         lock: only the queueing waits for another set's."""
-        torch = self._torch
-        caller = torch.cuda.current_stream(self.device)
         views = self._pack_parts(bucket, calls)
-        with self._queueing, torch.cuda.stream(self.stream):
+        with self._queueing, self._torch.cuda.stream(self.stream):
             self._copy_parts(views)
             self._compute(bucket, calls[0])
-            self._download(True, caller, out)
+            self._download(True, None, out)  # into host memory: no caller's stream owns the outputs
 
     def _pack_parts(self, bucket: int, calls: Sequence[CheckedFeed]) -> dict[str, tuple[Any, Any, np.ndarray]]:
         """The feeds' rows one after the other into this set's staging; its views (``_input_views``)."""

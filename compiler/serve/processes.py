@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import math
 import mmap
@@ -83,8 +84,13 @@ _UNREAD_HOLD = 10.0  # seconds an area waits for unread answers of requests with
 RESULTS_AREAS = True
 _NAP = 0.0001  # seconds the thread sleeps after each read of the pipe, and between looks for a batch to start
 _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
+# a batch of single-row requests whose inputs are at most this large is gathered from the slots in one numpy call per
+# input (``np.take``) instead of one feed per request: a second copy of a small batch costs less than the per-request
+# Python (about 1.5 us a request, the batcher's thread being the limit for a small transformer on an H200)
+_GATHER_BYTES = 1 << 20
 _GONE = "the batcher is closed, or its process ended; restart the server"
 _GRACE = 1.0  # seconds a caller waits past its timeout for a batch that started just before it
+_SWEEP = 0.1  # seconds between the client's looks for overdue ``infer`` waits while some are pending
 _OVERLOADED = "the server is overloaded; raise the timeout, or add contexts (in_flight) or GPUs"
 
 
@@ -171,7 +177,7 @@ def _regions(model: _Model, slots: int, results: int, max_batch: int) -> list[An
     return regions
 
 
-def _region(area: np.ndarray, slot: int, rows: int, shape: Sequence[int]) -> tuple[Any, ...]:
+def _region(area: np.ndarray, slot: int | slice, rows: int, shape: Sequence[int]) -> tuple[Any, ...]:
     """The index of one request's rows at ``shape`` (its non-batch sizes) in a slot area."""
     return (slot, slice(0, rows), *(slice(0, n) for n in shape))
 
@@ -222,7 +228,7 @@ class BatcherClient:
         self._handle = handle
         self._model = handle.model
         self._arrays = handle.layout.views(self._map)
-        self._inputs = [self._arrays[f"in:{io.name}"] for io in self._model.inputs]  # the slots' input areas
+        self._inputs = [(io, self._arrays[f"in:{io.name}"]) for io in self._model.inputs]  # the slots' input areas
         self._outputs = [(io, self._arrays[f"out:{io.name}"]) for io in self._model.outputs]
         self._results = [self._arrays.get(f"res:{io.name}") for io in self._model.outputs]  # see ``_regions``
         self._fd = handle.writer.fileno()
@@ -238,7 +244,9 @@ class BatcherClient:
                 self._free.put(slot)
             else:  # a request of an earlier process with this handle is still unanswered
                 self._abandoned.add(slot)
-        self._futures: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}  # ``infer``'s waits
+        # ``infer``'s waits: slot -> (its event loop, its future, when it is overdue)
+        self._futures: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None], float]] = {}
+        self._overdue_after = math.inf  # no wait in ``_futures`` is overdue before then
         self._lock = threading.Lock()
         self._answers = handle.answers.fileno()
         self._gone = False  # the batcher's process ended (its end of the answers' pipe closed)
@@ -278,7 +286,9 @@ class BatcherClient:
 
     async def infer(self, x: Any, *, timeout: float | None = None) -> Any:
         """``submit`` for asyncio: ``await client.infer(x)`` in a coroutine; the event loop is never blocked (when
-        every slot is busy, it waits for one in steps of a millisecond)."""
+        every slot is busy, it waits for one in steps of a millisecond). The client's thread that wakes the callers
+        also fails the overdue ones (within ``_SWEEP`` seconds of their time): an asyncio timer per request cost
+        the client process a quarter of its time per request."""
         limit, single, arrays, rows, dims = self._request(x, timeout)
         loop = asyncio.get_running_loop()
         end = time.monotonic() + (limit if limit is not None else math.inf)
@@ -290,13 +300,14 @@ class BatcherClient:
         number = -1
         while True:  # a wake-up is a hint; the slot's answered number says whose answer is in
             future: asyncio.Future[None] = loop.create_future()
-            with self._lock:
-                self._futures[slot] = (loop, future)  # before the request is sent: its answer may come at once
+            with self._lock:  # before the request is sent: its answer may come at once
+                self._futures[slot] = (loop, future, end + _GRACE)
+                if limit is not None:
+                    self._overdue_after = min(self._overdue_after, end + _GRACE)
             try:
                 if number < 0:
                     number = self._send(slot, arrays, rows, dims, end)
-                left = end + _GRACE - time.monotonic()
-                await asyncio.wait_for(future, None if limit is None else max(0.0, left))
+                await future
             except BaseException as err:  # a timeout or the caller's cancellation: the slot is free once answered
                 with self._lock:
                     self._futures.pop(slot, None)
@@ -306,7 +317,7 @@ class BatcherClient:
                         self._free.put(slot)
                     else:
                         self._abandoned.add(slot)  # its answer will release the slot's lock, as for ``submit``
-                if isinstance(err, TimeoutError):
+                if isinstance(err, _Overdue):
                     raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}") from None
                 raise
             if self._gone or int(self._arrays["answered"][slot]) == number:
@@ -333,8 +344,11 @@ class BatcherClient:
         """Copy the request into its slot and announce it; its number (what the answer must carry)."""
         slots = self._arrays
         number = self._number[slot] + 1
-        for area, array in zip(self._inputs, arrays, strict=True):
-            area[_region(area, slot, rows, array.shape[1:])] = array
+        for (io, area), array in zip(self._inputs, arrays, strict=True):
+            if array.shape[1:] == io.largest:  # the common case, quicker than a region's slices
+                area[slot, :rows] = array
+            else:
+                area[_region(area, slot, rows, array.shape[1:])] = array
         slots["rows"][slot] = rows
         if dims:
             slots["dims"][slot, :len(dims)] = dims
@@ -414,9 +428,16 @@ class BatcherClient:
                 "(client_handle(slots=...)), or send fewer requests at once")
 
     def _wake_callers(self) -> None:
-        """The client's thread that reads the numbers of answered slots from its pipe and wakes their callers."""
+        """The client's thread that reads the numbers of answered slots from its pipe and wakes their callers, and
+        fails ``infer``'s overdue waits."""
         ready = self._ready
+        poll = select.poll()
+        poll.register(self._answers, select.POLLIN)
         while True:
+            if time.monotonic() >= self._overdue_after:
+                self._fail_overdue()
+            if not poll.poll(_SWEEP * 1000):  # never blocks for longer: a wait may be added meanwhile
+                continue
             try:
                 data = os.read(self._answers, 1 << 12)
             except OSError:
@@ -443,6 +464,21 @@ class BatcherClient:
             if gone:
                 return
 
+    def _fail_overdue(self) -> None:
+        """Fail the ``infer`` waits past their time (the batcher answers every request by its deadline, so these
+        are only for a batcher that stalled)."""
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        with self._lock:
+            for slot, (loop, future, after) in list(self._futures.items()):
+                if after <= now:
+                    del self._futures[slot]
+                    by_loop.setdefault(loop, []).append(future)
+            self._overdue_after = min((after for _, _, after in self._futures.values()), default=math.inf)
+        for loop, futures in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these
+                loop.call_soon_threadsafe(_settle, futures, _Overdue)
+
     def _answer(self, slot: int, number: int, rows: int, single: bool) -> Any:
         arrays = self._arrays
         if int(arrays["answered"][slot]) != number:
@@ -460,7 +496,7 @@ class BatcherClient:
         results, first, generation = arrays["where"][slot].tolist()
         outputs = {}
         for j, (io, area) in enumerate(self._outputs):
-            shape = tuple(int(n) for n in shapes[j, :len(io.largest)])
+            shape = tuple(shapes[j, :len(io.largest)].tolist())
             if results < 0:  # the batcher wrote the answer into the slot
                 outputs[io.name] = np.array(area[_region(area, slot, rows, shape)])
                 continue
@@ -496,11 +532,19 @@ class BatcherClient:
         self.close()
 
 
-def _settle(futures: list[asyncio.Future[None]]) -> None:
-    """On the event loop: wake the coroutines whose answers are in (unless they stopped waiting)."""
+class _Overdue(Exception):
+    """An ``infer`` wait past its time (``BatcherClient._fail_overdue``)."""
+
+
+def _settle(futures: list[asyncio.Future[None]], error: type[Exception] | None = None) -> None:
+    """On the event loop: wake the coroutines whose answers are in, or fail them with ``error`` (unless they stopped
+    waiting)."""
     for future in futures:
         if not future.done():
-            future.set_result(None)
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error())
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:
@@ -511,8 +555,39 @@ def _as_array(value: Any, name: str) -> np.ndarray:
                         "or a CPU tensor") from None
 
 
-_Pending = tuple[int, int, tuple[int, ...], float, float, Any]  # slot, rows, dims, deadline, submitted, feed
-_Running = tuple[list[_Pending], Callable[..., Any], int | None]  # a started batch, its finish, its results area
+@dataclass(frozen=True)
+class _Requests:
+    """Requests as the batcher's thread holds them, oldest first: an array per field, so that reading, taking a batch
+    and answering it cost a few numpy calls per batch, not Python per request."""
+
+    slots: np.ndarray  # int64
+    rows: np.ndarray  # int64
+    dims: np.ndarray  # int64, (requests, dynamic non-batch dims): the sizes a batch's requests share
+    deadlines: np.ndarray  # float64, monotonic seconds
+    submitted: np.ndarray  # float64, monotonic seconds
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def pick(self, index: Any) -> _Requests:
+        return _Requests(self.slots[index], self.rows[index], self.dims[index], self.deadlines[index],
+                         self.submitted[index])
+
+    def then(self, later: _Requests) -> _Requests:
+        if not len(self):
+            return later
+        return _Requests(*(np.concatenate([a, b]) for a, b in zip(self.fields(), later.fields(), strict=True)))
+
+    def fields(self) -> tuple[np.ndarray, ...]:
+        return self.slots, self.rows, self.dims, self.deadlines, self.submitted
+
+    @staticmethod
+    def none(dims: int) -> _Requests:
+        return _Requests(np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, dims), np.int64),
+                         np.empty(0, np.float64), np.empty(0, np.float64))
+
+
+_Running = tuple[_Requests, Callable[..., Any], int | None]  # a started batch, its finish, its results area
 _FILLING = "filling"  # a results area a started batch copies its outputs into
 
 
@@ -589,13 +664,27 @@ class ProcessBatcher:
         self._capacity = capacity
         self._handed = 0  # slots given to handles so far
         self._feeds: list[dict[tuple[int, tuple[int, ...]], Any]] = [{} for _ in range(capacity)]
-        self._pending: list[_Pending] = []  # requests read from the pipe and not yet in a batch, oldest first
-        self._waiting: list[_Pending] | None = None  # a batch taken when no buffer set was free: started next
+        # requests read from the pipe and not yet in a batch, oldest first
+        self._pending = _Requests.none(len(self._model.dim_names))
+        self._waiting: _Requests | None = None  # a batch taken when no buffer set was free: started next
+        self._owners = np.asarray(self._owner, np.int64)  # ``_owner`` as an array (``_wake``), set by client_handle
         self._pending_rows = 0
         self._closed = False
         self._drain = True
         self._thread = threading.Thread(target=self._serve, name="trtc-process-batcher", daemon=True)
         self._thread.start()
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time the batcher's thread has used so far. All of the batcher's work is on that one thread, so its
+        growth over a span of wall time is how busy the batcher is: near 1.0, the batcher itself is the limit
+        (serve from more GPU processes, or send larger requests); 0.0 once it has stopped."""
+        ident = self._thread.ident
+        if ident is None or not self._thread.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
+            return 0.0
+        with contextlib.suppress(OSError):  # it ended just now
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        return 0.0
 
     def client_handle(self, slots: int = 8) -> ClientHandle:
         """A handle with ``slots`` slots of its own (requests one client process may have in flight at once)."""
@@ -611,6 +700,7 @@ class ProcessBatcher:
         answers, waker = multiprocessing.get_context("spawn").Pipe(duplex=False)
         for slot in mine:
             self._owner[slot] = len(self._wakers)
+        self._owners = np.asarray(self._owner, np.int64)
         self._wakers.append(waker)
         return ClientHandle(self._memory, self._layout, self._model, mine, answers, self._writer, self.timeout)
 
@@ -633,8 +723,8 @@ class ProcessBatcher:
             log.warning("the process batcher did not stop within %.0f s", timeout)
             return
         self._read()  # requests that raced the closing flag
-        self._reply([r[0] for r in self._pending], _CLOSED, "the batcher was closed before this request ran")
-        self._pending.clear()
+        self._reply(self._pending.slots, _CLOSED, "the batcher was closed before this request ran")
+        self._pending = self._pending.pick(slice(0, 0))
         self._hang_up()
 
     def _hang_up(self) -> None:
@@ -666,10 +756,10 @@ class ProcessBatcher:
                     finish()
             with contextlib.suppress(Exception):
                 self._read()
-            waiting = [r[0] for r in self._waiting or []]
-            self._reply([r[0] for batch, _, _ in running for r in batch] + [r[0] for r in self._pending] + waiting,
+            waiting = [self._waiting.slots] if self._waiting is not None else []
+            self._reply(np.concatenate([batch.slots for batch, _, _ in running] + [self._pending.slots] + waiting),
                         _FAILED, text)
-            self._pending.clear()
+            self._pending = self._pending.pick(slice(0, 0))
             self._hang_up()
 
     def _run(self, running: collections.deque[_Running]) -> None:
@@ -713,9 +803,9 @@ class ProcessBatcher:
                     if started is not None:
                         running.append(started)
             if failure is None:
-                self._wake([r[0] for r in batch])
+                self._wake(batch.slots)
             else:
-                self._reply([r[0] for r in batch], _FAILED, failure)
+                self._reply(batch.slots, _FAILED, failure)
 
     def _read(self, timeout: float = 0.0) -> None:
         """Move the requests announced in the pipe to ``_pending``, waiting up to ``timeout`` seconds for one."""
@@ -725,19 +815,12 @@ class ProcessBatcher:
             data = os.read(self._fd, 1 << 16)
         except BlockingIOError:
             return
-        index = np.frombuffer(data, dtype="<i4")
-        new = index.tolist()
+        index = np.frombuffer(data, dtype="<i4").astype(np.int64)
         arrays = self._arrays
-        rows = arrays["rows"][index].tolist()
-        deadlines = arrays["deadline"][index].tolist()
-        submitted = arrays["submitted"][index].tolist()
-        names = self._model.dim_names
-        keys = list(map(tuple, arrays["dims"][index, :len(names)].tolist())) if names else [()] * len(new)
-        feeds = self._feeds
-        self._pending.extend((slot, n, key, deadline, sent, feeds[slot].get((n, key)) or self._feed(slot, n, key))
-                             for slot, n, key, deadline, sent in zip(new, rows, keys, deadlines, submitted,
-                                                                     strict=True))
-        self._pending_rows += sum(rows)
+        new = _Requests(index, arrays["rows"][index], arrays["dims"][index, :len(self._model.dim_names)],
+                        arrays["deadline"][index], arrays["submitted"][index])
+        self._pending = self._pending.then(new)
+        self._pending_rows += int(new.rows.sum())
 
     def _feed(self, slot: int, rows: int, key: tuple[int, ...]) -> Any:
         """One request's rows as the checked feed ``start_parts`` takes: views of its slot (no copy until the pinned
@@ -757,8 +840,24 @@ class ProcessBatcher:
         kept[(rows, key)] = feed
         return feed
 
-    def _next_batch(self, block: bool) -> list[_Pending] | None:
-        """The requests of the next batch: a full one, or the oldest request's window is over; an empty list when
+    def _feeds_of(self, batch: _Requests) -> list[Any]:
+        """The batch's rows as the checked feeds ``start_parts`` takes: for single-row requests of a small batch one
+        feed gathered from the slots (``_GATHER_BYTES``), else one per request (views of its slot)."""
+        from compiler.backends.contexts import CheckedFeed
+
+        key = tuple(batch.dims[0].tolist())
+        sizes = dict(zip(self._model.dim_names, key, strict=True))
+        if batch.rows.max() == 1:
+            regions = [(io, area[_region(area, slice(None), 1, _sizes(io, sizes))][:, 0]) for io, area in self._in]
+            if sum(len(batch) * region[0].nbytes for _, region in regions) <= _GATHER_BYTES:
+                return [CheckedFeed("numpy", {io.name: np.take(region, batch.slots, axis=0) for io, region in regions},
+                                    len(batch), sizes, key)]
+        feeds = self._feeds
+        return [feeds[slot].get((n, key)) or self._feed(slot, n, key)
+                for slot, n in zip(batch.slots.tolist(), batch.rows.tolist(), strict=True)]
+
+    def _next_batch(self, block: bool) -> _Requests | None:
+        """The requests of the next batch: a full one, or the oldest request's window is over; an empty batch when
         ``block`` is False and none is ready; None when closed and nothing is left."""
         if self._waiting is not None:
             batch, self._waiting = self._waiting, None
@@ -770,64 +869,73 @@ class ProcessBatcher:
                 if self._closed:
                     return None
                 if not block:
-                    return []
+                    return pending
                 self._read(0.05)  # wakes up now and then to see the batcher closed
                 continue
             if self._closed and not self._drain:
-                self._reply([p[0] for p in pending], _CLOSED, "the batcher was closed before this request ran")
-                pending.clear()
+                self._reply(pending.slots, _CLOSED, "the batcher was closed before this request ran")
+                self._pending = pending.pick(slice(0, 0))
                 self._pending_rows = 0
                 return None
             now = time.monotonic()
-            window_end = pending[0][4] + self.max_wait
+            window_end = float(pending.submitted[0]) + self.max_wait
             if self._pending_rows >= self.max_batch or now >= window_end or self._closed:
                 batch = self._take(now)
                 if batch or not block:
                     return batch
                 continue
             if not block:
-                return []
+                return pending.pick(slice(0, 0))
             # a nap, not a wake-up per request: every announcement would wake a reader of the pipe
             time.sleep(min(window_end - now, _NAP))
 
-    def _take(self, now: float) -> list[_Pending]:
-        """Pop the requests of one batch (the oldest request's dims, up to ``max_batch`` rows), answering the expired
-        ones on the way."""
-        batch: list[_Pending] = []
-        kept: list[_Pending] = []
-        expired: list[int] = []
-        key = None
-        rows = 0
-        for request in self._pending:
-            if request[3] < now:
-                expired.append(request[0])
-                continue
-            if key is None:
-                key = request[2]
-            if request[2] == key and (rows + request[1] <= self.max_batch or not batch) and rows < self.max_batch:
-                batch.append(request)
-                rows += request[1]
-            else:
-                kept.append(request)
-        self._pending = kept
-        self._pending_rows = sum(r[1] for r in kept)
-        self._reply(expired, _EXPIRED, f"the request waited in the queue over its timeout: {_OVERLOADED}")
-        return batch
+    def _take(self, now: float) -> _Requests:
+        """Pop the requests of one batch (the oldest request's dims, up to ``max_batch`` rows; a request that does not
+        fit leaves room for later smaller ones), answering the expired ones on the way."""
+        pending = self._pending
+        expired = pending.deadlines < now
+        if expired.any():
+            self._reply(pending.slots[expired], _EXPIRED,
+                        f"the request waited in the queue over its timeout: {_OVERLOADED}")
+            pending = pending.pick(~expired)
+        if not pending:
+            self._pending, self._pending_rows = pending, 0
+            return pending
+        same = (pending.dims == pending.dims[0]).all(axis=1)
+        chosen = np.flatnonzero(same)
+        rows = pending.rows[chosen]
+        if (rows == 1).all():
+            chosen = chosen[:self.max_batch]
+        else:  # first fit, in arrival order
+            fits: list[int] = []
+            total = 0
+            for index, n in zip(chosen.tolist(), rows.tolist(), strict=True):
+                if total >= self.max_batch:
+                    break
+                if total + n <= self.max_batch or not fits:
+                    fits.append(index)
+                    total += n
+            chosen = np.asarray(fits, np.int64)
+        taken = np.zeros(len(pending), bool)
+        taken[chosen] = True
+        self._pending = pending.pick(~taken)
+        self._pending_rows = int(self._pending.rows.sum())
+        return pending.pick(chosen)
 
-    def _start(self, batch: list[_Pending], wait: bool) -> _Running | None:
+    def _start(self, batch: _Requests, wait: bool) -> _Running | None:
         """Queue the batch on the engines, its outputs copied into a free results area when there is one. None when
         that failed (its callers have been told why), or when ``wait`` is False and no buffer set was free (it is
         ``_waiting`` then: ``_next_batch`` gives it first)."""
-        feeds = [r[5] for r in batch]
         area = self._free_area()
         try:
+            feeds = self._feeds_of(batch)
             if area is None:
                 started = self.engines.start_parts(feeds) if wait else self.engines.start_parts(feeds, wait=False)
             else:
                 self._arrays["generation"][area] += 1  # a client still reading the area's last batch learns it
                 started = self.engines.start_parts(feeds, wait=wait, out=self._results[area])
         except Exception as err:
-            self._reply([r[0] for r in batch], _FAILED, f"the batch failed: {err}")
+            self._reply(batch.slots, _FAILED, f"the batch failed: {err}")
             return None
         if started is None:
             self._waiting = batch
@@ -850,12 +958,11 @@ class ProcessBatcher:
                 return area
         return None
 
-    def _write(self, batch: list[_Pending], outputs: Mapping[str, Any], results: int | None = None) -> str | None:
+    def _write(self, batch: _Requests, outputs: Mapping[str, Any], results: int | None = None) -> str | None:
         """Every request's rows of every output into its slot, and its status; the reason when they do not fit.
         Outputs the GPU copied into results area ``results`` stay there: each slot then says where its rows are."""
         arrays = self._arrays
-        slots = np.fromiter((r[0] for r in batch), np.int64, len(batch))
-        rows = np.fromiter((r[1] for r in batch), np.int64, len(batch))
+        slots, rows = batch.slots, batch.rows
         if results is not None:
             if self._in_area(outputs, results):
                 return self._point(batch, slots, rows, outputs, results)
@@ -892,7 +999,7 @@ class ProcessBatcher:
                 return False
         return True
 
-    def _point(self, batch: list[_Pending], slots: np.ndarray, rows: np.ndarray, outputs: Mapping[str, Any],
+    def _point(self, batch: _Requests, slots: np.ndarray, rows: np.ndarray, outputs: Mapping[str, Any],
                area: int) -> str | None:
         """Answer a batch whose outputs are in results ``area``: each slot gets the area, its first row and the area's
         generation (its client copies the rows out and marks them taken)."""
@@ -911,32 +1018,33 @@ class ProcessBatcher:
         arrays["answered"][slots] = numbers
         # free once all are read, or past their callers' time (a caller that gave up never reads), and at most
         # ``_UNREAD_HOLD`` from now: a reader later than that gets an error (the generation), not a held area
-        self._readers[area] = (slots, numbers, min(max(r[3] for r in batch) + 2 * _GRACE,
+        self._readers[area] = (slots, numbers, min(float(batch.deadlines.max()) + 2 * _GRACE,
                                                    time.monotonic() + _UNREAD_HOLD))
         self.batches_in_areas += 1
         return None
 
-    def _reply(self, slots: Sequence[int], status: int, text: str) -> None:
+    def _reply(self, slots: np.ndarray, status: int, text: str) -> None:
         """Answer requests without outputs: an error or expiry, with its message."""
-        if not slots:
+        if not len(slots):
             return
         arrays = self._arrays
         message = np.frombuffer(text.encode("utf-8")[:_ERROR_BYTES - 1].ljust(_ERROR_BYTES, b"\0"), np.uint8)
-        for slot in slots:
-            arrays["error"][slot] = message
-            arrays["status"][slot] = status
-            arrays["answered"][slot] = arrays["asked"][slot]
+        arrays["error"][slots] = message
+        arrays["status"][slots] = status
+        arrays["answered"][slots] = arrays["asked"][slots]
         self._wake(slots)
 
-    def _wake(self, slots: Sequence[int]) -> None:
-        """Tell the clients their answers are in: one write of slot numbers per client process."""
-        owner = self._owner
-        by_handle: dict[int, list[int]] = {}
-        for slot in slots:
-            by_handle.setdefault(owner[slot], []).append(slot)
-        for handle, mine in by_handle.items():
+    def _wake(self, slots: np.ndarray) -> None:
+        """Tell the clients their answers are in: one write of slot numbers per client process (its slots in
+        arrival order)."""
+        owners = self._owners[slots]
+        order = np.argsort(owners, kind="stable")
+        owners = owners[order]
+        data = slots[order].astype("<i4").tobytes()
+        cuts = [0, *(np.flatnonzero(owners[1:] != owners[:-1]) + 1).tolist(), len(owners)]
+        for start, end in itertools.pairwise(cuts):
             with contextlib.suppress(OSError):  # a client process that is gone: nobody waits for these
-                os.write(self._wakers[handle].fileno(), np.asarray(mine, "<i4").tobytes())
+                os.write(self._wakers[int(owners[start])].fileno(), data[4 * start:4 * end])
 
 
 def _outgrows(io: _Io, shape: tuple[int, ...]) -> str | None:
