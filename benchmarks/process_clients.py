@@ -35,7 +35,8 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
         kind: str = "threads") -> dict[str, Any]:
     """Run ``len(inputs)`` clients in ``processes`` processes against ``batcher`` until ``requests`` are answered.
 
-    Returns seconds, latencies (s), answers as (client index, first values) and lost requests."""
+    Returns seconds, latencies (s), answers as (client index, first values), lost requests and the CPU time
+    the client processes used while they sent."""
     clients = len(inputs)
     spawn = multiprocessing.get_context("spawn")
     start = spawn.Event()
@@ -61,7 +62,7 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
     answers = [pair for r in reports for pair in r["answers"]]
     return {"seconds": max(r["end"] for r in reports) - min(r["begin"] for r in reports),
             "latencies": latencies, "answers": answers, "lost": sum(r["lost"] for r in reports),
-            "processes": len(workers)}
+            "processes": len(workers), "cpu_seconds": sum(r["cpu"] for r in reports)}
 
 
 def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: int, timeout: float,
@@ -77,14 +78,16 @@ def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: i
     results.put("ready")
     start.wait()
     begin = time.monotonic()
+    cpu = time.process_time()
     if kind == "asyncio":
         loop.in_asyncio(lambda x: client.infer(x, timeout=timeout), inputs, indices)
     else:
         loop.in_threads(lambda x: client.submit(x, timeout=timeout), inputs, indices)
     end = time.monotonic()
+    cpu = time.process_time() - cpu
     client.close()
     results.put({"begin": begin, "end": end, "latencies": np.asarray(loop.latencies), "answers": loop.answers,
-                 "lost": loop.lost})
+                 "lost": loop.lost, "cpu": cpu})
 
 
 class ClosedLoop:

@@ -249,14 +249,24 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
         with ProcessBatcher(counting, capacity=clients, max_wait_ms=max_wait_ms, timeout=30.0) as process_batcher:
             in_flight = process_batcher.in_flight
             counting.reset()  # the batcher's probe of the output sizes is no request
+            batcher_cpu = process_batcher.cpu_seconds
+            server_cpu = time.process_time()
             ran = process_clients.run(process_batcher, inputs_of, requests,
                                       client_processes or process_clients.default_processes(clients),
                                       kind="asyncio" if mode == "processes-asyncio" else "threads")
+            server_cpu = time.process_time() - server_cpu
+            batcher_cpu = process_batcher.cpu_seconds - batcher_cpu
         seconds, latencies, answers, lost = ran["seconds"], ran["latencies"].tolist(), ran["answers"], ran["lost"]
         processes = ran["processes"]
         # batches answered from a page-locked results area (GPU), and through the slots
         areas = {"batches_in_areas": process_batcher.batches_in_areas,
                  "batches_in_slots": process_batcher.batches_in_slots}
+        # where the CPU went: the batcher's one thread (busy near 1.0: it is the limit), this whole process
+        # (with the CUDA runtime's threads and the spawning), the client processes while they sent (cores)
+        areas.update({"batcher_thread_busy": batcher_cpu / seconds if seconds else 0.0,
+                      "batcher_thread_us_per_request": 1e6 * batcher_cpu / max(1, len(latencies)),
+                      "server_cores": server_cpu / seconds if seconds else 0.0,
+                      "client_cores": ran["cpu_seconds"] / seconds if seconds else 0.0})
     else:
         batcher = DynamicBatcher(counting, max_wait_ms=max_wait_ms, workers=workers,  # type: ignore[arg-type]
                                  timeout=30.0)
@@ -524,8 +534,13 @@ def main() -> None:
                         ceilings[model.name][mode] = {k: run[k] for k in ("clients", "requests_per_s", "p50_ms",
                                                                           "p99_ms", "mean_batch_rows",
                                                                           "client_processes")}
+                        ceilings[model.name][mode].update({k: run[k] for k in (
+                            "batcher_thread_busy", "batcher_thread_us_per_request", "server_cores", "client_cores")
+                            if k in run})
                         console.print(f"{model.name}: the batcher's own ceiling here (instant answers, {many} {mode} "
-                                      f"clients) {run['requests_per_s']:,.0f} req/s")
+                                      f"clients) {run['requests_per_s']:,.0f} req/s"
+                                      + (f", batcher thread {run['batcher_thread_busy']:.0%} busy, clients "
+                                         f"{run['client_cores']:.1f} cores" if "client_cores" in run else ""))
                 engines.close()
                 p99_bound = args.max_wait_ms + 2 * bound["batch_ms_mean"]
                 targets = {"map_vs_bound": mapped["map_vs_bound"] >= 0.9,
@@ -555,6 +570,9 @@ def main() -> None:
                                  f"({parallel['batch_ms_mean']:.2f} ms)" if parallel else "")
                               + "".join(f"; {mode} {b['requests_per_s']:,.0f} req/s p99 {b['p99_ms']:.1f} ms "
                                         f"batch {b['mean_batch_rows']:.0f} rows {b['mean_batch_ms']:.1f} ms"
+                                        + (f" batcher thread {b['batcher_thread_busy']:.0%} busy "
+                                           f"({b['batcher_thread_us_per_request']:.1f} us/req), clients "
+                                           f"{b['client_cores']:.1f} cores" if "client_cores" in b else "")
                                         for mode, b in modes.items())
                               + f"; map/bound {mapped['map_vs_bound']:.2f}, "
                                 f"map/loop {mapped['sequential_over_map']:.2f}"
