@@ -421,6 +421,89 @@ def test_close_without_draining_fails_queued_requests(engines: Engines) -> None:
     assert isinstance(results["queued"], BatcherClosed)
 
 
+def _send_all(client: Any, requests: dict[int, tuple[np.ndarray, float]], results: dict[int, Any],
+              pause: float = 0.0) -> list[threading.Thread]:
+    """A thread per request (value, timeout), started ``pause`` seconds apart; each answer or error in ``results``."""
+    def send(i: int) -> None:
+        x, timeout = requests[i]
+        try:
+            results[i] = client.submit(x, timeout=timeout)
+        except Exception as err:
+            results[i] = err
+
+    threads = []
+    for i in requests:
+        threads.append(threading.Thread(target=send, args=(i,)))
+        threads[-1].start()
+        time.sleep(pause)
+    return threads
+
+
+def _gated(engines: Engines) -> tuple[Recording, threading.Event]:
+    """Engines that record each batch and hold it until the gate opens; open for the batcher's probe of the outputs
+    (call ``_close_gate`` once the batcher is made)."""
+    gate = threading.Event()
+    gate.set()
+    return Recording(engines, gate), gate
+
+
+def _close_gate(recording: Recording, gate: threading.Event) -> None:
+    gate.clear()
+    recording.entered.clear()
+    recording.batches.clear()
+
+
+def test_requests_that_expire_in_the_queue_are_answered_and_never_run(engines: Engines) -> None:
+    recording, gate = _gated(engines)
+    with ProcessBatcher(recording, capacity=4, max_wait_ms=0, max_batch=4) as batcher:
+        _close_gate(recording, gate)
+        client = batcher.client_handle(4).connect()
+        results: dict[int, Any] = {}
+        first = _send_all(client, {0: (rows(0), 10)}, results)
+        assert recording.entered.wait(timeout=10)  # batch 0 held at the gate
+        later = _send_all(client, {1: (rows(1), 0.3), 2: (rows(2), 0.3), 3: (rows(3), 10)}, results)
+        time.sleep(0.6)  # 1 and 2 are past their time while batch 0 holds the engines
+        gate.set()
+        join_all(first + later, timeout=20)
+    assert [tuple(b[:, 0]) for b in recording.batches] == [(0.0,), (3.0,)]
+    for i in (1, 2):
+        assert isinstance(results[i], RequestTimeout) and "waited in the queue" in str(results[i])
+    for i in (0, 3):
+        np.testing.assert_allclose(results[i], engines(rows(i)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_request_too_large_for_the_batch_leaves_room_for_a_later_smaller_one(engines: Engines) -> None:
+    recording, gate = _gated(engines)
+    with ProcessBatcher(recording, capacity=4, slot_rows=3, max_wait_ms=0, max_batch=4) as batcher:
+        _close_gate(recording, gate)
+        client = batcher.client_handle(4).connect()
+        results: dict[int, Any] = {}
+        threads = _send_all(client, {0: (rows(0), 10)}, results)
+        assert recording.entered.wait(timeout=10)
+        threads += _send_all(client, {1: (rows(1, 3), 10), 2: (rows(2, 3), 10), 3: (rows(3), 10)}, results,
+                             pause=0.05)
+        time.sleep(0.2)  # all three queued, in that order, while batch 0 holds the engines
+        gate.set()
+        join_all(threads, timeout=20)
+    # first fit in arrival order: 1 (3 rows), 2 does not fit beside it, 3 (1 row) does
+    assert [tuple(b[:, 0]) for b in recording.batches[1:]] == [(1.0, 1.0, 1.0, 3.0), (2.0, 2.0, 2.0)]
+    for i, n in ((1, 3), (2, 3), (3, 1)):
+        np.testing.assert_allclose(results[i], engines(rows(i, n)), rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_seconds_is_the_batcher_threads_work_and_stays_after_it_stops(engines: Engines) -> None:
+    batcher = ProcessBatcher(engines, capacity=4, max_wait_ms=1)
+    client = batcher.client_handle(4).connect()
+    before = batcher.cpu_seconds
+    for i in range(200):  # on the CPU the engines compute on the batcher's thread
+        client.submit(rows(i % 7))
+    busy = batcher.cpu_seconds
+    assert busy > before, "the batcher's thread did the work of 200 batches"
+    batcher.close()
+    assert batcher.cpu_seconds >= busy  # its total, not 0.0, once it stopped
+    assert batcher.cpu_seconds == batcher.cpu_seconds
+
+
 def test_the_next_batch_starts_while_the_last_one_runs(engines: Engines) -> None:
     """With room for a second batch, the batcher's thread does not wait for a running batch (not ``ready``): a batch
     that becomes full meanwhile starts at once, before the first is finished; both answer their own callers."""

@@ -19,8 +19,9 @@ sends their requests to the one process that owns the GPU:
 How a request travels: every request has a slot in one shared-memory file (room for ``slot_rows``
 rows of every input at the model's largest sizes, for the outputs, and a few numbers). The client
 checks its arrays, copies them into its slot and writes the slot's number (4 bytes) into a pipe.
-The batcher reads many numbers per read, copies the slots' rows straight into the pinned input
-buffers of a context (``Engines.start_parts``), runs the bucket, and wakes each client process with
+The batcher reads many numbers per read, copies the slots' rows into the pinned input buffers of a
+context (``Engines.start_parts``; a small batch of single rows is first gathered with one numpy call
+per input, a large one is copied straight from the slots), runs the bucket, and wakes each client process with
 one write of its slots' numbers into the process's own pipe (a thread there wakes the callers). On
 a GPU the batch's outputs are copied by the GPU into a page-locked results area of the shared
 memory, and each client copies its rows from there (an area serves the next batches once all its
@@ -90,7 +91,7 @@ _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
 _GATHER_BYTES = 1 << 20
 _GONE = "the batcher is closed, or its process ended; restart the server"
 _GRACE = 1.0  # seconds a caller waits past its timeout for a batch that started just before it
-_SWEEP = 0.1  # seconds between the client's looks for overdue ``infer`` waits while some are pending
+_SWEEP = 0.1  # seconds between the client's looks for overdue ``infer`` waits
 _OVERLOADED = "the server is overloaded; raise the timeout, or add contexts (in_flight) or GPUs"
 
 
@@ -301,6 +302,8 @@ class BatcherClient:
         while True:  # a wake-up is a hint; the slot's answered number says whose answer is in
             future: asyncio.Future[None] = loop.create_future()
             with self._lock:  # before the request is sent: its answer may come at once
+                if self._gone:  # the wake thread has ended: nobody would settle the future
+                    raise BatcherClosed(_GONE)
                 self._futures[slot] = (loop, future, end + _GRACE)
                 if limit is not None:
                     self._overdue_after = min(self._overdue_after, end + _GRACE)
@@ -436,20 +439,20 @@ class BatcherClient:
         while True:
             if time.monotonic() >= self._overdue_after:
                 self._fail_overdue()
-            if not poll.poll(_SWEEP * 1000):  # never blocks for longer: a wait may be added meanwhile
-                continue
+            if not poll.poll(_SWEEP * 1000):  # never blocks for longer (ten wake-ups a second when idle): a wait
+                continue  # may be added meanwhile
             try:
                 data = os.read(self._answers, 1 << 12)
             except OSError:
                 data = b""
             gone = not data  # the batcher's process ended: nobody answers the callers still waiting
-            if gone:
-                self._gone = True
-                slots = [slot for slot, lock in ready.items() if lock.locked() or slot in self._futures]
-            else:
-                slots = np.frombuffer(data, dtype="<i4").tolist()
             by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
-            with self._lock:
+            with self._lock:  # ``infer`` registers its wait under it: none is added after this last pass
+                if gone:
+                    self._gone = True
+                    slots = [slot for slot, lock in ready.items() if lock.locked() or slot in self._futures]
+                else:
+                    slots = np.frombuffer(data, dtype="<i4").tolist()
                 for slot in slots:
                     waiting = self._futures.pop(slot, None)
                     if waiting is None:
@@ -671,20 +674,23 @@ class ProcessBatcher:
         self._pending_rows = 0
         self._closed = False
         self._drain = True
+        self._cpu_at_end = 0.0  # the thread's CPU time when it stopped (``cpu_seconds``)
         self._thread = threading.Thread(target=self._serve, name="trtc-process-batcher", daemon=True)
         self._thread.start()
 
     @property
     def cpu_seconds(self) -> float:
-        """CPU time the batcher's thread has used so far. All of the batcher's work is on that one thread, so its
-        growth over a span of wall time is how busy the batcher is: near 1.0, the batcher itself is the limit
-        (serve from more GPU processes, or send larger requests); 0.0 once it has stopped."""
+        """CPU time the batcher's thread has used so far (its total once it has stopped). The batcher's Python work
+        is all on that thread, so on a GPU its growth over a span of wall time is how busy the batcher is: near
+        1.0, the batcher itself is the limit (serve from more GPU processes, or send larger requests). Helper
+        threads that pack large batches are not counted; engines on the CPU compute on this thread."""
         ident = self._thread.ident
-        if ident is None or not self._thread.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
-            return 0.0
-        with contextlib.suppress(OSError):  # it ended just now
-            return time.clock_gettime(time.pthread_getcpuclockid(ident))
-        return 0.0
+        if ident is not None and self._thread.is_alive() and hasattr(time, "pthread_getcpuclockid"):
+            with contextlib.suppress(OSError):  # it ended just now
+                seconds = time.clock_gettime(time.pthread_getcpuclockid(ident))
+                if self._thread.is_alive():  # still ours: an ident is reused only after its thread ended
+                    return seconds
+        return self._cpu_at_end
 
     def client_handle(self, slots: int = 8) -> ClientHandle:
         """A handle with ``slots`` slots of its own (requests one client process may have in flight at once)."""
@@ -761,6 +767,8 @@ class ProcessBatcher:
                         _FAILED, text)
             self._pending = self._pending.pick(slice(0, 0))
             self._hang_up()
+        finally:
+            self._cpu_at_end = time.thread_time()
 
     def _run(self, running: collections.deque[_Running]) -> None:
         """Read requests, start batches (up to ``in_flight`` at once) and answer them, oldest first. While there is
