@@ -23,7 +23,7 @@ contexts (batcher workers = contexts):
 * ``engines.run_parts`` of the largest bucket's rows as single-row feeds, with no clients: what
   packing the requests costs against one contiguous array;
 * ``map`` vs the sequential loop ``post(engines(x))`` over ``--map-batches`` batches of
-  ``--map-batch`` rows, and the bound max(copy, compute, post) per batch measured stage by stage
+  ``--map-batch`` rows (five runs of each, in turns), and the bound max(copy, compute, post) per batch measured stage by stage
   on one context (with one context, one buffer set: max(copy + compute, post)); targets: map >=
   90 % of the bound and never slower than the loop.
 
@@ -352,6 +352,18 @@ def postprocess(out: Any) -> Any:
     return x.mean(axis=1)
 
 
+def paired_walls(first: Any, second: Any, repeat: int) -> tuple[float, float]:
+    """Median seconds of ``first()`` and of ``second()``, run in turns ``repeat`` times each: a drift of the host's
+    speed (other processes ending, clocks) reaches both alike, as it would not if each ran its repeats in a row."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        for fn, kept in zip((first, second), times, strict=True):
+            start = time.perf_counter()
+            fn()
+            kept.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def map_run(engines: Any, model: Model, rows: int, count: int, contexts: int) -> dict[str, Any]:
     """``map`` vs the sequential loop, and the stages alone on one context: copy (upload + download), compute,
     post-processing. The bound is max(copy, compute, post) per batch with two buffer sets or more; with one
@@ -371,8 +383,7 @@ def map_run(engines: Any, model: Model, rows: int, count: int, contexts: int) ->
         for _ in engines.map(args, postprocess):
             pass
 
-    sequential_s = wall(sequential, 5) / count
-    map_s = wall(mapped, 5) / count
+    sequential_s, map_s = (seconds / count for seconds in paired_walls(sequential, mapped, 5))
     call = engines.check(args[0])
     bucket = engines.bucket_for(call.rows)
     with engines.borrow() as context:
