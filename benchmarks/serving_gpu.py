@@ -23,9 +23,9 @@ contexts (batcher workers = contexts):
 * ``engines.run_parts`` of the largest bucket's rows as single-row feeds, with no clients: what
   packing the requests costs against one contiguous array;
 * ``map`` vs the sequential loop ``post(engines(x))`` over ``--map-batches`` batches of
-  ``--map-batch`` rows (five runs of each, in turns), and the bound max(copy, compute, post) per batch measured stage by stage
-  on one context (with one context, one buffer set: max(copy + compute, post)); targets: map >=
-  90 % of the bound and never slower than the loop.
+  ``--map-batch`` rows (five runs of each, in turns), and the bound max(copy, compute, post) per
+  batch measured stage by stage on one context (with one context, one buffer set: max(copy +
+  compute, post)); targets: map >= 90 % of the bound and never slower than the loop.
 
 ``--ort-cuda-option KEY=VALUE`` overrides the runtime's ONNX Runtime CUDA options, to compare
 (e.g. ``cudnn_conv_algo_search=EXHAUSTIVE``, ONNX Runtime's default); the JSON records whether each
@@ -353,11 +353,13 @@ def postprocess(out: Any) -> Any:
 
 
 def paired_walls(first: Any, second: Any, repeat: int) -> tuple[float, float]:
-    """Median seconds of ``first()`` and of ``second()``, run in turns ``repeat`` times each: a drift of the host's
-    speed (other processes ending, clocks) reaches both alike, as it would not if each ran its repeats in a row."""
+    """Median seconds of ``first()`` and of ``second()``, run in turns ``repeat`` times each (which one starts a turn
+    alternates): a drift of the host's speed (other processes ending, clocks) reaches both alike, as it would not if
+    each ran its repeats in a row."""
     times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeat):
-        for fn, kept in zip((first, second), times, strict=True):
+    for turn in range(repeat):
+        order = [(first, times[0]), (second, times[1])]
+        for fn, kept in order if turn % 2 == 0 else order[::-1]:  # neither always runs first
             start = time.perf_counter()
             fn()
             kept.append(time.perf_counter() - start)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -307,6 +309,34 @@ def test_asyncio_requests_are_answered_in_one_loop_call_per_batch(engines: Engin
             np.testing.assert_allclose(await first, engines(rows(0)), rtol=1e-6)
 
     asyncio.run(timed_out())
+
+
+def test_late_infer_requests_fail_after_a_loop_restart_and_a_closed_loop_is_not_kept(engines: Engines) -> None:
+    """The loop's look for late requests survives the loop stopping and running again; a loop closed with requests
+    still waiting (``run_until_complete``, not ``asyncio.run``, which cancels them) is freed once they are answered."""
+    gate = threading.Event()
+    recording = Recording(engines, gate)
+    with DynamicBatcher(recording, max_batch=1, max_wait_ms=0, workers=1) as batcher:  # type: ignore[arg-type]
+        loop = asyncio.new_event_loop()
+        held = loop.create_task(batcher.infer(rows(0), timeout=30))  # the worker waits at the gate with it
+        late = loop.create_task(batcher.infer(rows(1), timeout=0.05))
+        loop.run_until_complete(asyncio.sleep(0.01))  # the loop stops with both waiting, then runs again
+        start = time.monotonic()
+        with pytest.raises(RequestTimeout, match="no answer within 50 ms"):
+            loop.run_until_complete(late)
+        assert time.monotonic() - start < 1.0
+        waiting = [loop.create_task(batcher.infer(rows(i), timeout=30)) for i in (2, 3)]
+        loop.run_until_complete(asyncio.sleep(0.01))
+        loop.close()  # with held and waiting still pending
+        closed = weakref.ref(loop)
+        del loop, held, late, waiting
+        gate.set()
+        deadline = time.monotonic() + 10
+        while len(recording.batches) < 3 and time.monotonic() < deadline:  # 0, 2, 3 (1 was dropped, late)
+            time.sleep(0.01)
+        time.sleep(0.1)  # the last answer is handed to the closed loop (and dropped)
+    gc.collect()
+    assert closed() is None, "the batcher keeps a closed event loop and its waiting requests alive"
 
 
 def test_workers_are_woken_per_batch_not_per_request(engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
