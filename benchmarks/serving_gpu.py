@@ -242,7 +242,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     inputs_of = [r if len(r) > 1 else next(iter(r.values())) for r in requests_of]
     names = engines.output_names
     processes = in_flight = None
-    areas: dict[str, int] = {}
+    process_stats: dict[str, float] = {}  # the process modes': batches each way, and where the CPU went
     if mode.startswith("processes"):
         from compiler.serve.processes import ProcessBatcher
 
@@ -258,15 +258,15 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
             batcher_cpu = process_batcher.cpu_seconds - batcher_cpu
         seconds, latencies, answers, lost = ran["seconds"], ran["latencies"].tolist(), ran["answers"], ran["lost"]
         processes = ran["processes"]
-        # batches answered from a page-locked results area (GPU), and through the slots
-        areas = {"batches_in_areas": process_batcher.batches_in_areas,
-                 "batches_in_slots": process_batcher.batches_in_slots}
-        # where the CPU went: the batcher's one thread (busy near 1.0: it is the limit), this whole process
-        # (with the CUDA runtime's threads and the spawning), the client processes while they sent (cores)
-        areas.update({"batcher_thread_busy": batcher_cpu / seconds if seconds else 0.0,
-                      "batcher_thread_us_per_request": 1e6 * batcher_cpu / max(1, len(latencies)),
-                      "server_cores": server_cpu / seconds if seconds else 0.0,
-                      "client_cores": ran["cpu_seconds"] / seconds if seconds else 0.0})
+        # batches answered from a page-locked results area (GPU), and through the slots; where the CPU went: the
+        # batcher's one thread (busy near 1.0: it is the limit), this whole process (with the CUDA runtime's
+        # threads and the spawning), the client processes while they sent (cores)
+        process_stats = {"batches_in_areas": process_batcher.batches_in_areas,
+                         "batches_in_slots": process_batcher.batches_in_slots,
+                         "batcher_thread_busy": batcher_cpu / seconds if seconds else 0.0,
+                         "batcher_thread_us_per_request": 1e6 * batcher_cpu / max(1, len(latencies)),
+                         "server_cores": server_cpu / seconds if seconds else 0.0,
+                         "client_cores": ran["cpu_seconds"] / seconds if seconds else 0.0}
     else:
         batcher = DynamicBatcher(counting, max_wait_ms=max_wait_ms, workers=workers,  # type: ignore[arg-type]
                                  timeout=30.0)
@@ -293,7 +293,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
             "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
             "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None,
             "batches": counting.batches, "mean_batch_rows": counting.rows / max(1, counting.batches),
-            "mean_batch_ms": 1e3 * counting.seconds / max(1, counting.batches), **areas}
+            "mean_batch_ms": 1e3 * counting.seconds / max(1, counting.batches), **process_stats}
 
 
 def in_threads(target: Any, count: int) -> float:
@@ -544,12 +544,10 @@ def main() -> None:
                         many, count = counts[mode]
                         run = batcher_run(instant, model, 1, many, count, args.max_wait_ms, mode=mode,
                                           check_rows=False, client_processes=args.client_processes)
-                        ceilings[model.name][mode] = {k: run[k] for k in ("clients", "requests_per_s", "p50_ms",
-                                                                          "p99_ms", "mean_batch_rows",
-                                                                          "client_processes")}
-                        ceilings[model.name][mode].update({k: run[k] for k in (
+                        ceilings[model.name][mode] = {k: run[k] for k in (
+                            "clients", "requests_per_s", "p50_ms", "p99_ms", "mean_batch_rows", "client_processes",
                             "batcher_thread_busy", "batcher_thread_us_per_request", "server_cores", "client_cores")
-                            if k in run})
+                            if k in run}
                         console.print(f"{model.name}: the batcher's own ceiling here (instant answers, {many} {mode} "
                                       f"clients) {run['requests_per_s']:,.0f} req/s"
                                       + (f", batcher thread {run['batcher_thread_busy']:.0%} busy, clients "

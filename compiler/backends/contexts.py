@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from compiler.core.errors import first_line
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
 if TYPE_CHECKING:
@@ -580,8 +581,7 @@ def _capture(stream: Any, launch: Callable[[], Any], what: str) -> tuple[Any, An
             with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 result = launch()
         except Exception as err:
-            log.info("%s: CUDA graph capture failed (%s); running without a graph", what,
-                     str(err).splitlines()[0] if str(err) else type(err).__name__)
+            log.info("%s: CUDA graph capture failed (%s); running without a graph", what, first_line(err))
             return None
     return graph, result
 

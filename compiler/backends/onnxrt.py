@@ -51,7 +51,7 @@ from compiler.backends.contexts import (
     _max_values,
     _remember,
 )
-from compiler.core.errors import InputError
+from compiler.core.errors import InputError, first_line
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ class _OrtBackend:
             except Exception as err:  # onnxruntime's pybind errors share no narrower base class
                 self.graphs_refused = True
                 log.info("ONNX Runtime made no session for CUDA graph capture of %s (%s); its runs launch every "
-                         "kernel from the host", self.path.name, _first_line(err))
+                         "kernel from the host", self.path.name, first_line(err))
                 graphs = False
         try:
             if session is None:
@@ -170,7 +170,7 @@ class _OrtBackend:
             own = True
         except Exception as err:
             log.warning("ONNX Runtime does not take the context's CUDA stream (%s); its runs wait for the copies "
-                        "on the host", _first_line(err))
+                        "on the host", first_line(err))
             session, own, graphs = ort_session(self.path, self._providers(self.provider, None), threads=threads,
                                                spinning=False), False, False
         if session.get_providers()[0] != "CUDAExecutionProvider":
@@ -194,10 +194,6 @@ class _OrtBackend:
 
     def close(self) -> None:
         self.session = None
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _conv_without_bias(model: Any) -> bool:

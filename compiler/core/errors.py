@@ -7,7 +7,8 @@ one line and exits with ``exit_code``.
 from __future__ import annotations
 
 __all__ = ["TrtcError", "InputError", "ExportError", "VerificationError", "CalibrationError",
-           "AccuracyGateError", "BuildError", "TensorRTNotInstalled", "DirectoryLocked", "WorkerCrashed", "EXIT_CODES"]
+           "AccuracyGateError", "BuildError", "TensorRTNotInstalled", "DirectoryLocked", "WorkerCrashed", "EXIT_CODES",
+           "first_line"]
 
 
 class TrtcError(Exception):
@@ -69,3 +70,8 @@ EXIT_CODES = {
 
 class WorkerCrashed(TrtcError):
     """A child process running a stage (ONNX Runtime work) died from a native crash or was killed."""
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's first line, for a one-line log message (its type's name when it has no text)."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__

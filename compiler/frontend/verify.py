@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from compiler.backends.runners import OrtRunner, Runner, TorchRunner
-from compiler.core.errors import VerificationError
+from compiler.core.errors import VerificationError, first_line
 from compiler.core.onnx_io import checking_providers
 from compiler.core.settings import Tolerance
 from compiler.core.specs import ModelSpec
@@ -223,7 +223,7 @@ class EagerReference:
 
     def _fall_back(self, err: Exception) -> None:
         log.warning("eager PyTorch cannot run the model on %s (%s); the export checks run it on the CPU",
-                    self.device, str(err).splitlines()[0] if str(err) else type(err).__name__)
+                    self.device, first_line(err))
         self.device = "cpu"
 
     def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

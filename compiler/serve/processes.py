@@ -320,7 +320,7 @@ class BatcherClient:
                         self._free.put(slot)
                     else:
                         self._abandoned.add(slot)  # its answer will release the slot's lock, as for ``submit``
-                if isinstance(err, _Overdue):
+                if isinstance(err, _PastDue):
                     raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}") from None
                 raise
             if self._gone or int(self._arrays["answered"][slot]) == number:
@@ -446,7 +446,7 @@ class BatcherClient:
             except OSError:
                 data = b""
             gone = not data  # the batcher's process ended: nobody answers the callers still waiting
-            by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+            by_loop: _ByLoop = {}
             with self._lock:  # ``infer`` registers its wait under it: none is added after this last pass
                 if gone:
                     self._gone = True
@@ -461,9 +461,7 @@ class BatcherClient:
                             lock.release()
                     else:
                         by_loop.setdefault(waiting[0], []).append(waiting[1])
-            for loop, futures in by_loop.items():
-                with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these
-                    loop.call_soon_threadsafe(_settle, futures)
+            _settle_on_loops(by_loop)
             if gone:
                 return
 
@@ -471,16 +469,14 @@ class BatcherClient:
         """Fail the ``infer`` waits past their time (the batcher answers every request by its deadline, so these
         are only for a batcher that stalled)."""
         now = time.monotonic()
-        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        by_loop: _ByLoop = {}
         with self._lock:
             for slot, (loop, future, after) in list(self._futures.items()):
                 if after <= now:
                     del self._futures[slot]
                     by_loop.setdefault(loop, []).append(future)
             self._overdue_after = min((after for _, _, after in self._futures.values()), default=math.inf)
-        for loop, futures in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these
-                loop.call_soon_threadsafe(_settle, futures, _Overdue)
+        _settle_on_loops(by_loop, _PastDue)
 
     def _answer(self, slot: int, number: int, rows: int, single: bool) -> Any:
         arrays = self._arrays
@@ -535,8 +531,18 @@ class BatcherClient:
         self.close()
 
 
-class _Overdue(Exception):
+class _PastDue(Exception):
     """An ``infer`` wait past its time (``BatcherClient._fail_overdue``)."""
+
+
+_ByLoop = dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]]  # futures to settle, by their event loop
+
+
+def _settle_on_loops(by_loop: _ByLoop, error: type[Exception] | None = None) -> None:
+    """From the client's thread: settle each loop's futures on that loop (``_settle``), one call per loop."""
+    for loop, futures in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these
+            loop.call_soon_threadsafe(_settle, futures, error)
 
 
 def _settle(futures: list[asyncio.Future[None]], error: type[Exception] | None = None) -> None:
@@ -658,7 +664,7 @@ class ProcessBatcher:
                 self._readers = [None] * areas
         spawn = multiprocessing.get_context("spawn")
         self._reader, self._writer = spawn.Pipe(duplex=False)
-        self._owner = [-1] * capacity  # the handle each slot belongs to
+        self._owners = np.full(capacity, -1, np.int64)  # the handle each slot belongs to
         self._wakers: list[Any] = []  # per handle, the write end of its pipe of answered slots
         self._fd = self._reader.fileno()
         os.set_blocking(self._fd, False)
@@ -670,7 +676,6 @@ class ProcessBatcher:
         # requests read from the pipe and not yet in a batch, oldest first
         self._pending = _Requests.none(len(self._model.dim_names))
         self._waiting: _Requests | None = None  # a batch taken when no buffer set was free: started next
-        self._owners = np.asarray(self._owner, np.int64)  # ``_owner`` as an array (``_wake``), set by client_handle
         self._pending_rows = 0
         self._closed = False
         self._drain = True
@@ -704,9 +709,7 @@ class ProcessBatcher:
         mine = tuple(range(self._handed, self._handed + slots))
         self._handed += slots
         answers, waker = multiprocessing.get_context("spawn").Pipe(duplex=False)
-        for slot in mine:
-            self._owner[slot] = len(self._wakers)
-        self._owners = np.asarray(self._owner, np.int64)
+        self._owners[list(mine)] = len(self._wakers)
         self._wakers.append(waker)
         return ClientHandle(self._memory, self._layout, self._model, mine, answers, self._writer, self.timeout)
 
@@ -938,7 +941,7 @@ class ProcessBatcher:
         try:
             feeds = self._feeds_of(batch)
             if area is None:
-                started = self.engines.start_parts(feeds) if wait else self.engines.start_parts(feeds, wait=False)
+                started = self.engines.start_parts(feeds, wait=wait)
             else:
                 self._arrays["generation"][area] += 1  # a client still reading the area's last batch learns it
                 started = self.engines.start_parts(feeds, wait=wait, out=self._results[area])
@@ -973,7 +976,7 @@ class ProcessBatcher:
         slots, rows = batch.slots, batch.rows
         if results is not None:
             if self._in_area(outputs, results):
-                return self._point(batch, slots, rows, outputs, results)
+                return self._point(batch, outputs, results)
             self._readers[results] = None  # the engines ran it elsewhere (more rows than a bucket, say)
         arrays["where"][slots, 0] = -1
         self.batches_in_slots += 1
@@ -1007,11 +1010,11 @@ class ProcessBatcher:
                 return False
         return True
 
-    def _point(self, batch: _Requests, slots: np.ndarray, rows: np.ndarray, outputs: Mapping[str, Any],
-               area: int) -> str | None:
+    def _point(self, batch: _Requests, outputs: Mapping[str, Any], area: int) -> str | None:
         """Answer a batch whose outputs are in results ``area``: each slot gets the area, its first row and the area's
         generation (its client copies the rows out and marks them taken)."""
         arrays = self._arrays
+        slots, rows = batch.slots, batch.rows
         for j, (io, _) in enumerate(self._out):
             shape = outputs[io.name].shape
             if why := _outgrows(io, shape):
