@@ -608,6 +608,50 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
             np.testing.assert_allclose(total, eager("mlp", {"x": x}).sum(axis=1), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.gpu
+def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CUDA graphs (a dynamic sequence length), ``start_parts`` hands ONNX Runtime's run to the context's
+    launcher thread: two batches of other lengths in flight on one context's two sets, answered in either order,
+    threads calling ``engines(x)`` at once; a run that fails there fails its batch, and the set serves again."""
+    if not _ort_cuda_available():
+        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
+    monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
+    directory = build_directory(tmp_path / "per_position", "per_position")
+    rng = np.random.default_rng(5)
+    with load(directory, backend="onnxruntime", device="cuda", contexts=1) as engines:
+        context = engines._contexts[0]
+        assert engines.launches_on_host and context._launcher is not None  # type: ignore[attr-defined]
+        a, b = (rng.standard_normal(shape).astype(np.float32) for shape in ((16, 32, 16), (5, 8, 16)))
+        finish_a = engines.start_parts([engines.check(a)])
+        finish_b = engines.start_parts([engines.check(b[:2]), engines.check(b[2:])])
+        assert finish_a is not None and finish_b is not None
+        np.testing.assert_allclose(finish_b(), eager("per_position", {"x": b}), rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(finish_a(), eager("per_position", {"x": a}), rtol=1e-3, atol=1e-3)
+        inputs = [rng.standard_normal((int(rng.integers(1, 17)), int(rng.integers(1, 33)), 16)).astype(np.float32)
+                  for _ in range(24)]
+        got: list[Any] = [None] * len(inputs)
+        call_from_threads(engines, inputs, got, 3, timeout=60)
+        for answer, x in zip(got, inputs):
+            np.testing.assert_allclose(answer, eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
+        answers = [engines.start_parts([engines.check(x)]) for x in inputs[:2]]
+        for finish, x in zip(answers, inputs[:2]):
+            assert finish is not None
+            np.testing.assert_allclose(finish(), eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
+
+        def fails(*args: Any) -> None:
+            raise RuntimeError("CUDA failure 700 (injected)")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(type(context), "_compute", fails)  # on every buffer set
+            failing = engines.start_parts([engines.check(a)])
+            assert failing is not None
+            with pytest.raises(RuntimeError, match="injected"):
+                failing()
+        np.testing.assert_allclose(engines.run_parts([engines.check(a)]), eager("per_position", {"x": a}),
+                                   rtol=1e-3, atol=1e-3)
+
+
 def per_position() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
