@@ -254,6 +254,7 @@ def test_threads_share_engines_through_the_context_pool(mlp_engines: runtime.Eng
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     assert len(mlp_engines._contexts) <= 2
+    assert not mlp_engines.starts_at_once  # on the CPU ``start_parts`` computes the batch
 
 
 def test_map_yields_postprocessed_results_in_order(mlp_engines: runtime.Engines) -> None:
@@ -475,6 +476,7 @@ def test_torch_backend_on_cuda(graphs: bool) -> None:
     engines = engines_from_module(module, ["x:Bx64"], buckets=BUCKETS, device="cuda", cuda_graphs=graphs)
     ctx = engines._contexts[0]
     assert bool(getattr(ctx, "_graphs", None)) == graphs
+    assert engines.starts_at_once == graphs  # without graphs ``start_parts`` launches every kernel itself
     x = np.random.default_rng(6).standard_normal((23, 64)).astype(np.float32)
     want = eager("mlp", {"x": x})
     np.testing.assert_allclose(engines(x), want, rtol=1e-3, atol=1e-4)  # numpy through pinned buffers
@@ -621,7 +623,8 @@ def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_
     rng = np.random.default_rng(5)
     with load(directory, backend="onnxruntime", device="cuda", contexts=1) as engines:
         context = engines._contexts[0]
-        assert engines.launches_on_host and context._launcher is not None  # type: ignore[attr-defined]
+        assert engines.launches_on_host and engines.starts_at_once
+        assert context._launcher is not None  # type: ignore[attr-defined]
         name = engines.output_names[0]  # ``Started`` batches answer with a dict by output name
         a, b = (rng.standard_normal(shape).astype(np.float32) for shape in ((16, 32, 16), (5, 8, 16)))
         finish_a = engines.start_parts([engines.check(a)])

@@ -379,8 +379,8 @@ class DynamicBatcher:
     def _work(self) -> None:
         """Form batches and run them.
 
-        On a GPU with a buffer set to spare for every worker (two per context) and CUDA graphs (runs
-        that do not launch every kernel from the host), a worker queues the next batch as soon as it
+        On a GPU with a buffer set to spare for every worker (two per context) and a ``start_parts`` that
+        returns before the kernels are launched (``starts_at_once``), a worker queues the next batch as soon as it
         is ready, looking for one while the last batch runs instead of waiting for the GPU: the host
         copies one batch in while the GPU runs the other (an H200, one context, a CNN: 64-75 % of its
         bound without). And when a batch's callers are all asyncio requests, the worker queues the
@@ -391,11 +391,12 @@ class DynamicBatcher:
         Runtime: 1.0 k req/s against 2.7 k)."""
         running: collections.deque[tuple[list[_Request], Callable[[], dict[str, Any]]]] = collections.deque()
         overlap = self.engines.queues_on_gpu
-        # not where the run launches its kernels from the host (ONNX Runtime without CUDA graphs): queueing a batch
-        # there while thread callers wait took ONNX Runtime's CNN rows from 7-26 % of the bound to 3-8 % on an H200
-        # (the GIL)
+        # not where ``start_parts`` launches the kernels itself (eager torch): queueing a batch there while thread
+        # callers waited took ONNX Runtime's CNN rows from 7-26 % of the bound to 3-8 % on an H200 (the GIL), before
+        # its runs had a launcher thread; with that thread, two in flight took its transformer through asyncio from
+        # 36-44 % to 46-55 % (threads: 13-16 % either way)
         depth = 2 if (overlap and getattr(self.engines, "buffer_sets", 1) >= 2 * self._workers
-                      and not getattr(self.engines, "launches_on_host", False)) else 1
+                      and getattr(self.engines, "starts_at_once", True)) else 1
         waiting: list[_Request] | None = None  # a batch taken when no buffer set was free: started first
         while True:
             if not running:

@@ -295,6 +295,12 @@ class Engines:
         return self._contexts[0].on_gpu
 
     @property
+    def starts_at_once(self) -> bool:
+        """Whether ``start_parts`` returns before the GPU's kernels are launched, in every context: CUDA graph
+        replays, TensorRT's enqueue, ONNX Runtime's run handed to its context's launcher thread; not eager torch."""
+        return all(c.starts_at_once for c in self._contexts)
+
+    @property
     def launches_on_host(self) -> bool:
         """Whether a run holds the host launching every kernel (no CUDA graphs: eager torch, ONNX Runtime where its
         runs could not be captured), in any context."""
