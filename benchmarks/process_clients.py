@@ -5,8 +5,10 @@
 request, waits for its answer, and sends the next, until its process has answered its share of
 ``requests``. Every client sends its own row (``inputs[i]``), so that the caller can check that each
 answer is the client's own. The processes start together (an event) and report their latencies,
-the first values of every answer and the requests they lost; seconds run from the first start to the
-last end (CLOCK_MONOTONIC is one clock for all processes).
+when each answer came, the first values of every answer and the requests they lost; seconds run from
+the first start to the last end (CLOCK_MONOTONIC is one clock for all processes). The steady rate
+counts only the answers while every process was sending: a process that is done with its share
+leaves fewer clients to fill the last batches.
 
 The child processes import numpy and ``compiler.serve.processes`` only (never torch).
 """
@@ -14,6 +16,7 @@ The child processes import numpy and ``compiler.serve.processes`` only (never to
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing
 import os
 import threading
@@ -61,8 +64,19 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
     latencies = np.concatenate([r["latencies"] for r in reports])
     answers = [pair for r in reports for pair in r["answers"]]
     return {"seconds": max(r["end"] for r in reports) - min(r["begin"] for r in reports),
+            "steady_requests_per_s": steady_rate(reports),
             "latencies": latencies, "answers": answers, "lost": sum(r["lost"] for r in reports),
             "processes": len(workers), "cpu_seconds": sum(r["cpu"] for r in reports)}
+
+
+def steady_rate(reports: list[dict[str, Any]]) -> float | None:
+    """Answers per second while every process was sending: from the last process's start to the first one's end
+    (None when that span is empty)."""
+    first, last = max(r["begin"] for r in reports), min(r["end"] for r in reports)
+    if last <= first:
+        return None
+    ends = np.concatenate([r["ends"] for r in reports])
+    return int(((ends >= first) & (ends <= last)).sum()) / (last - first)
 
 
 def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: int, timeout: float,
@@ -86,44 +100,49 @@ def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: i
     end = time.monotonic()
     cpu = time.process_time() - cpu
     client.close()
-    results.put({"begin": begin, "end": end, "latencies": np.asarray(loop.latencies), "answers": loop.answers,
-                 "lost": loop.lost, "cpu": cpu})
+    results.put({"begin": begin, "end": end, "latencies": np.asarray(loop.latencies), "ends": np.asarray(loop.ends),
+                 "answers": loop.answers, "lost": loop.lost, "cpu": cpu})
 
 
 class ClosedLoop:
     """Closed-loop clients, one per input: each sends its input, waits for the answer and sends it again, until
     ``requests`` are sent in all; a failed request is counted as lost and the run goes on. Keeps each answer's
-    latency and its first values (``first_values``), checked after the run so that checking costs the clients
-    nothing. ``in_threads``: a thread per client calling ``send``; ``in_asyncio``: a coroutine per client
-    awaiting ``send``, in one event loop."""
+    latency, when it came (``time.monotonic``) and its first values (``first_values``), checked after the run so
+    that checking costs the clients nothing. ``in_threads``: a thread per client calling ``send``;
+    ``in_asyncio``: a coroutine per client awaiting ``send``, in one event loop.
+
+    The threads share no lock per request: a shared one, taken twice per request, had the load generator's threads
+    wait for each other as well as for their answers. ``next`` on a count and ``list.append`` are atomic under the
+    GIL."""
 
     def __init__(self, requests: int) -> None:
         self.requests = requests
         self.latencies: list[float] = []
+        self.ends: list[float] = []
         self.answers: list[tuple[int, np.ndarray]] = []  # (client index, first values of its answer)
         self.lost = 0
         self._issued = 0
-        self._lock = threading.Lock()
 
     def in_threads(self, send: Callable[[Any], Any], inputs: list[Any], indices: list[int]) -> None:
+        issued = itertools.count()
+        failing = threading.Lock()  # taken only when a request fails
+        latencies, ends, answers = self.latencies, self.ends, self.answers
+        clock, requests = time.monotonic, self.requests
+
         def client(position: int) -> None:
             x, index = inputs[position], indices[position]
-            while True:
-                with self._lock:
-                    if self._issued >= self.requests:
-                        return
-                    self._issued += 1
-                begin = time.perf_counter()
+            while next(issued) < requests:
+                begin = clock()
                 try:
                     out = send(x)
                 except Exception:
-                    with self._lock:
+                    with failing:
                         self.lost += 1
                     continue
-                elapsed = time.perf_counter() - begin
-                with self._lock:
-                    self.latencies.append(elapsed)
-                    self.answers.append((index, first_values(out)))
+                end = clock()
+                latencies.append(end - begin)
+                ends.append(end)
+                answers.append((index, first_values(out)))
 
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(inputs))]
         for thread in threads:
@@ -136,13 +155,15 @@ class ClosedLoop:
             x, index = inputs[position], indices[position]
             while self._issued < self.requests:
                 self._issued += 1
-                begin = time.perf_counter()
+                begin = time.monotonic()
                 try:
                     out = await send(x)
                 except Exception:
                     self.lost += 1
                     continue
-                self.latencies.append(time.perf_counter() - begin)
+                end = time.monotonic()
+                self.latencies.append(end - begin)
+                self.ends.append(end)
                 self.answers.append((index, first_values(out)))
 
         async def clients() -> None:
