@@ -71,12 +71,13 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
 
 def steady_rate(reports: list[dict[str, Any]]) -> float | None:
     """Answers per second while every process was sending: from the last process's start to the first one's end
-    (None when that span is empty)."""
+    (None when that span is empty or holds no answer)."""
     first, last = max(r["begin"] for r in reports), min(r["end"] for r in reports)
     if last <= first:
         return None
     ends = np.concatenate([r["ends"] for r in reports])
-    return int(((ends >= first) & (ends <= last)).sum()) / (last - first)
+    count = int(((ends >= first) & (ends <= last)).sum())
+    return count / (last - first) if count else None
 
 
 def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: int, timeout: float,

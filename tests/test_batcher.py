@@ -230,6 +230,7 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
                               (r["batcher_processes"], "processes"),
                               (r["batcher_processes-asyncio"], "processes-asyncio")):
             assert batcher["mode"] == mode and batcher["answered"] == 120
+            assert [t["clients"] for t in batcher["tries"]] == [batcher["clients"]]  # no sweep with --smoke
             assert batcher["lost"] == batcher["misrouted"] == batcher["duplicated_rows"] == 0
             assert batcher["p99_ms"] >= batcher["p50_ms"] > 0 and r["targets"][f"batcher_{mode}_nothing_lost"]
         assert r["bound"]["rows_per_s"] > 0
@@ -535,7 +536,8 @@ def test_the_serving_benchmark_adds_clients_while_the_target_is_missed_and_the_p
             **options: Any) -> dict[str, Any]:
         tried.append(clients)
         rate, p99 = figures[clients]
-        return {"clients": clients, "requests_per_s": rate, "p99_ms": p99}
+        return {"clients": clients, "requests_per_s": rate, "p99_ms": p99, "lost": 0, "misrouted": int(clients == 256),
+                "duplicated_rows": 0}
 
     monkeypatch.setattr(serving_gpu, "batcher_run", run)
 
@@ -546,8 +548,8 @@ def test_the_serving_benchmark_adds_clients_while_the_target_is_missed_and_the_p
     best = capacity(320, 6.0)  # met at 256: no more
     assert tried == [128, 192, 256] and best["clients"] == 256
     assert [t["clients"] for t in best["tries"]] == [128, 192, 256]
-    best = capacity(320, 4.5)  # 256 is over the p99 bound: the best within it counts
-    assert tried == [128, 192, 256] and best["clients"] == 192
+    best = capacity(320, 4.5)  # 256 is over the p99 bound: the best within it counts, and its failures are listed
+    assert tried == [128, 192, 256] and best["clients"] == 192 and best["tries"][-1]["misrouted"] == 1
     best = capacity(192, 6.0)  # no more than the most
     assert tried == [128, 192] and best["clients"] == 192
     best = capacity(320, 2.0)  # none within the bound: the first run
@@ -562,4 +564,6 @@ def test_the_process_clients_steady_rate_counts_only_while_every_process_sends(m
     late = {"begin": 0.2, "end": 2.0, "ends": np.array([0.3, 0.6, 1.5, 2.0])}
     assert process_clients.steady_rate([early, late]) == pytest.approx(5 / 0.8)  # 0.5, 0.9, 1.0, 0.3, 0.6
     assert process_clients.steady_rate([{"begin": 1.0, "end": 2.0, "ends": np.array([1.5])},
-                                        {"begin": 2.5, "end": 3.0, "ends": np.array([2.7])}]) is None
+                                        {"begin": 2.5, "end": 3.0, "ends": np.array([2.7])}]) is None  # no span
+    assert process_clients.steady_rate([{"begin": 0.0, "end": 2.0, "ends": np.array([0.1, 1.9])},
+                                        {"begin": 0.5, "end": 1.5, "ends": np.array([], float)}]) is None  # no answer

@@ -26,6 +26,7 @@ from compiler.core.onnx_io import load_onnx, ort_session, save_onnx
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 from compiler.frontend.loading import LoadedModel, snapshot_into
 from compiler.serve import engines as runtime
+from compiler.serve.batcher import DynamicBatcher
 from compiler.serve.engines import EnginesNotRunnable, FeedError, engines_from_module, load
 from examples import models
 
@@ -467,6 +468,49 @@ def test_compiler_load_is_reexported_lazily() -> None:
     assert "load" in done.stdout
 
 
+def test_onnxruntime_launcher_handoffs_run_in_order_and_hand_each_set_its_own_error() -> None:
+    """The launcher thread of an ONNX Runtime CUDA context without graphs (``_Handoff``, one per buffer set, one
+    thread shared): jobs run in the order handed; a set's error reaches its own ``wait`` only and the set serves
+    again; ``settle`` waits for a job whose caller is gone and drops its error; once the thread takes no new work
+    (the interpreter shutting down) a job runs on the caller's thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from compiler.backends.onnxrt import _Handoff
+
+    launcher = ThreadPoolExecutor(1)
+    first, second = _Handoff(launcher), _Handoff(launcher)
+    gate = threading.Event()
+    ran: list[tuple[str, str]] = []
+
+    def job(name: str, fail: bool = False) -> Callable[[], None]:
+        def run() -> None:
+            if name == "a":
+                assert gate.wait(10)
+            ran.append((name, threading.current_thread().name))
+            if fail:
+                raise RuntimeError(f"{name} failed")
+        return run
+
+    first.give(job("a"))
+    second.give(job("b", fail=True))
+    assert not first.done() and not second.done()
+    gate.set()
+    with pytest.raises(RuntimeError, match="b failed"):
+        second.wait()
+    first.wait()
+    assert [name for name, _ in ran] == ["a", "b"] and first.done() and second.done()
+    second.give(job("c"))
+    second.wait()  # the error was b's, given once
+    first.give(job("d", fail=True))
+    first.settle()  # nobody waits for d: its error is dropped
+    first.wait()
+    assert first.done() and [name for name, _ in ran][-2:] == ["c", "d"]
+    launcher.shutdown(wait=True)
+    first.give(job("e"))
+    assert ran[-1] == ("e", threading.current_thread().name) and first.done()
+    first.wait()
+
+
 # --- GPU and TensorRT (skipped where absent) ----------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -614,8 +658,9 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
 def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_own(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without CUDA graphs (a dynamic sequence length), ``start_parts`` hands ONNX Runtime's run to the context's
-    launcher thread: two batches of other lengths in flight on one context's two sets, answered in either order,
-    threads calling ``engines(x)`` at once; a run that fails there fails its batch, and the set serves again."""
+    launcher thread: two batches of other lengths in flight on one context's two sets, answered in either order;
+    threads calling ``engines(x)`` while a batch is in flight there; a batcher keeping two in flight; a run that
+    fails there fails its batch, and the set serves again."""
     if not _ort_cuda_available():
         pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
     monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
@@ -639,9 +684,29 @@ def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_
         inputs = [rng.standard_normal((int(rng.integers(1, 17)), int(rng.integers(1, 33)), 16)).astype(np.float32)
                   for _ in range(24)]
         got: list[Any] = [None] * len(inputs)
-        call_from_threads(engines, inputs, got, 3, timeout=60)
+        finish_a = engines.start_parts([engines.check(a)])  # in flight on the launcher while the threads run
+        assert finish_a is not None
+        try:
+            call_from_threads(engines, inputs, got, 3, timeout=60)
+        finally:
+            got_a = finish_a()[name]
+        np.testing.assert_allclose(got_a, eager("per_position", {"x": a}), rtol=1e-3, atol=1e-3)
         for answer, x in zip(got, inputs):
             np.testing.assert_allclose(answer, eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
+        with DynamicBatcher(engines, max_wait_ms=2, workers=1, timeout=30) as batcher:  # two in flight
+            assert engines.buffer_sets == 2
+            batched: list[Any] = [None] * len(inputs)
+
+            def submit(i: int) -> None:
+                batched[i] = batcher.submit(inputs[i][:1])
+
+            threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(inputs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+        for answer, x in zip(batched, inputs, strict=True):
+            np.testing.assert_allclose(answer, eager("per_position", {"x": x[:1]}), rtol=1e-3, atol=1e-3)
         answers = [engines.start_parts([engines.check(x)]) for x in inputs[:2]]
         results = [finish()[name] for finish in answers if finish is not None]
         for result, x in zip(results, inputs[:2], strict=True):

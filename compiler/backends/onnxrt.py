@@ -38,8 +38,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,8 +72,9 @@ CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_works
 # Whether the runs of a backend's CUDA contexts that only queue their kernels go to the GPU one after the other
 # (``_ComputeOrder``), as TensorRT's and torch's do. Off: on an H200 (docs/benchmarks.md) ordering won 15-20 % for a
 # CNN with two concurrent callers but lost 30 % for a transformer, and behind a batcher with 64 client threads it
-# collapsed (489 req/s against 3,302): a worker holds the order across ONNX Runtime's run, which releases the GIL,
-# and then waits for the GIL with the order held. ``benchmarks/serving_gpu.py --ort-ordered`` compares.
+# collapsed (489 req/s against 3,302): the thread that runs it holds the order across ONNX Runtime's run, which
+# releases the GIL, and then waits for the GIL with the order held. ``benchmarks/serving_gpu.py --ort-ordered``
+# compares.
 ORDER_RUNS = False
 
 
@@ -305,6 +307,38 @@ class _OrtCpuContext(_HostContext):
         self._out_flat.clear()
 
 
+class _Handoff:
+    """One buffer set's runs handed to its context's launcher thread (one per context, shared by its sets, so that
+    their runs reach the stream in the order handed), and the wait for the last one."""
+
+    def __init__(self, launcher: ThreadPoolExecutor) -> None:
+        self._launcher = launcher
+        self._job: Future[None] | None = None
+
+    def give(self, job: Callable[[], None]) -> None:
+        """Hand ``job`` to the launcher thread; run it on this thread once the interpreter is shutting down
+        (``concurrent.futures`` takes no new work then, while a server's own thread may still serve)."""
+        try:
+            self._job = self._launcher.submit(job)
+        except RuntimeError:
+            self._job = None
+            job()
+
+    def wait(self) -> None:
+        """Wait for the last job; its error is raised here."""
+        if self._job is not None:
+            self._job.result()
+
+    def settle(self) -> None:
+        """Wait for the last job, whose caller is gone (interrupted): its error is nobody's."""
+        if self._job is not None:
+            futures_wait([self._job])
+            self._job = None
+
+    def done(self) -> bool:
+        return self._job is None or self._job.done()
+
+
 class _OrtCudaContext(_GpuContext):
     """ONNX Runtime's CUDA provider on device buffers bound by pointer, in a session of the context's own that
     computes on the context's stream. Its run only queues the kernels (no synchronization at the end of the
@@ -340,20 +374,24 @@ class _OrtCudaContext(_GpuContext):
         # without graphs, ``start``'s run is queued on the stream by this thread (the module docstring); shared by
         # the buffer sets (``lane`` copies the attribute), so their runs reach the stream in the order started
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="trtc-ort-launch") if not self._graphs else None
-        self._launched: Future[None] | None = None  # this set's run handed to the launcher, until waited for
+        self._handoff = _Handoff(self._launcher) if self._launcher is not None else None  # this set's
 
     def lane(self) -> _GpuContext:
         other = super().lane()
         assert isinstance(other, _OrtCudaContext)
-        other._launched = None
+        other._handoff = _Handoff(self._launcher) if self._launcher is not None else None
         return other
 
     def start(self, bucket: int, calls: Sequence[CheckedFeed], out: Mapping[str, np.ndarray] | None = None) -> None:
-        if self._launcher is None:
+        handoff = self._handoff
+        if handoff is None:
             super().start(bucket, calls, out)
             return
+        if not handoff.done():  # a run never waited for (its caller was interrupted) still reads this set's buffers
+            handoff.settle()
+            super().wait()
         views = self._pack_parts(bucket, calls)  # into this set's staging, on the caller's thread
-        self._launched = self._launcher.submit(self._queue_parts, bucket, calls[0], views, out)
+        handoff.give(functools.partial(self._queue_parts, bucket, calls[0], views, out))
 
     def _queue_parts(self, bucket: int, call: CheckedFeed, views: dict[str, Any],
                      out: Mapping[str, np.ndarray] | None) -> None:
@@ -365,13 +403,12 @@ class _OrtCudaContext(_GpuContext):
             self._download(True, None, out)
 
     def wait(self) -> None:
-        launched, self._launched = self._launched, None
-        if launched is not None:
-            launched.result()  # ONNX Runtime's error, if its run failed, is the caller's
+        if self._handoff is not None:
+            self._handoff.wait()  # ONNX Runtime's error, if its run failed, is the caller's
         super().wait()
 
     def ready(self) -> bool:
-        return (self._launched is None or self._launched.done()) and super().ready()
+        return (self._handoff is None or self._handoff.done()) and super().ready()
 
     def _run_options(self, graphs: bool) -> Any:
         """On our stream with outputs in our own buffers, the run only queues its kernels: ONNX Runtime does not

@@ -296,8 +296,10 @@ class Engines:
 
     @property
     def starts_at_once(self) -> bool:
-        """Whether ``start_parts`` returns before the GPU's kernels are launched, in every context: CUDA graph
-        replays, TensorRT's enqueue, ONNX Runtime's run handed to its context's launcher thread; not eager torch."""
+        """Whether ``start_parts`` returns without holding the caller for about as long as the GPU computes, in every
+        context: CUDA graph replays, TensorRT's enqueue (its kernels launched from C++), ONNX Runtime's run handed to
+        its context's launcher thread; not eager torch, nor the CPU (a torch graph captured on demand holds its
+        first call at each new shape)."""
         return all(c.starts_at_once for c in self._contexts)
 
     @property
@@ -379,7 +381,9 @@ class Engines:
     @contextlib.contextmanager
     def borrow(self) -> Iterator[_Context]:
         """One buffer set of the pool, with its context held, for the caller alone until the block ends (what ``trtc
-        bench`` times: its ``upload``, ``compute`` and ``download`` are separate calls)."""
+        bench`` times: its ``upload``, ``compute`` and ``download`` are separate calls). Start no batch of these
+        engines (``start_parts``, a batcher) from the same thread in the block: an ONNX Runtime context's launcher
+        thread would wait for the context the block holds."""
         context = self._acquire()
         try:
             with context.hold():
