@@ -14,14 +14,14 @@ contexts (batcher workers = contexts):
   ``--client-processes`` other processes sending to a ``ProcessBatcher`` (its default
   ``in_flight``), as threads (``processes``) or coroutines (``processes-asyncio``); coroutines and
   process clients are two largest buckets (a batch forms while one runs), three when a batch takes
-  under 2 ms (the clients' own turnaround is then as long as a batch), and while a run misses the
-  throughput target with its p99 within bound, a largest bucket more, up to five (``--no-sweep``:
-  the first count only; the run of the highest throughput within the p99 bound counts, every try is
-  in the JSON): throughput (for the process modes while every client process was sending; the
-  whole run's beside it), p50/p99 latency, lost (errors, timeouts) and misrouted answers (a row that
-  is not the caller's), rows the engines ran beyond the requests (duplicates); targets: throughput
-  >= 80 % of the bound, p99 <= max_wait + 2 x the largest bucket's batch time; and once per model
-  the batcher's own ceiling in each mode (instant answers);
+  under 2 ms (the clients' own turnaround is then as long as a batch); in every mode, until a run
+  meets both targets, a largest bucket of clients more, up to five (``--no-sweep``: the first count
+  only; the run of the highest throughput within the p99 bound counts, every try is in the JSON):
+  throughput (for the process modes while every client process was sending; the whole run's beside
+  it), p50/p99 latency, lost (errors, timeouts) and misrouted answers (a row that is not the
+  caller's), rows the engines ran beyond the requests (duplicates); targets: throughput >= 80 % of
+  the bound, p99 <= max_wait + 2 x the largest bucket's batch time; and once per model the
+  batcher's own ceiling in each mode (instant answers, at the first client count);
 * with 2 contexts, ``engines(x)`` from 2 threads at once (the backend's own concurrency);
 * ``engines.run_parts`` of the largest bucket's rows as single-row feeds, with no clients: what
   packing the requests costs against one contiguous array;
@@ -308,17 +308,18 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
 
 def capacity_run(engines: Any, model: Model, workers: int, clients: int, step: int, most: int, requests: int,
                  max_wait_ms: float, mode: str, target: float, p99_bound: float, **options: Any) -> dict[str, Any]:
-    """``batcher_run`` with ``clients``, then ``step`` more at a time while the throughput target is missed and the
-    p99 is within its bound, up to ``most``: closed-loop clients measure ``clients / latency`` (Little's law), so too
-    few leave a batcher idle that has room for more. Returns the run of the highest throughput within the p99
-    bound (else the first), with every try's clients, throughput, p99 and failures under ``tries``: the capacity at
-    the latency target, as a load generator that sweeps its concurrency measures it."""
+    """``batcher_run`` with ``clients``, then ``step`` more at a time until a run meets both targets (throughput and
+    p99), up to ``most``: closed-loop clients measure ``clients / latency`` (Little's law), so too few leave a batcher
+    idle that has room for more (64 clients of a bucket of 64 wait for each other: the next batch fills only once
+    the last is answered), and more can lower the p99 as well as raise it. Returns the run of the highest
+    throughput within the p99 bound (else the first), with every try's clients, throughput, p99 and failures under
+    ``tries``: the capacity at the latency target, as a load generator that sweeps its concurrency measures it."""
     runs = []
     while True:
         run = batcher_run(engines, model, workers, clients, requests, max_wait_ms, mode=mode, **options)
         runs.append(run)
         within = run["p99_ms"] is not None and run["p99_ms"] <= p99_bound
-        if run["requests_per_s"] >= target or not within or clients + step > most:
+        if (run["requests_per_s"] >= target and within) or clients + step > most:
             break
         clients += step
     fits = [r for r in runs if r["p99_ms"] is not None and r["p99_ms"] <= p99_bound]
@@ -470,7 +471,8 @@ def main() -> None:
     parser.add_argument("--ort-cuda-option", action="append", default=[], metavar="KEY=VALUE",
                         help="An ONNX Runtime CUDA provider option over the runtime's (repeatable), to compare, e.g. "
                              "cudnn_conv_algo_search=EXHAUSTIVE.")
-    parser.add_argument("--clients", type=int, help="Batcher client threads (default 64; 8 with --smoke).")
+    parser.add_argument("--clients", type=int,
+                        help="Batcher client threads in this process: the first count (default 64; 8 with --smoke).")
     parser.add_argument("--async-clients", type=int,
                         help="Coroutines awaiting batcher.infer, and process clients: the first count (default: two "
                              "largest buckets, three when a batch takes under 2 ms; 8 with --smoke).")
@@ -495,9 +497,8 @@ def main() -> None:
                         help="ProcessBatcher's in_flight (batches queued at once), at most the engines' buffer sets "
                              "(default: the batcher's own).")
     parser.add_argument("--no-sweep", action="store_true",
-                        help="Run the coroutine and process modes with their first client count only, instead of "
-                             "adding a largest bucket of clients at a time while the throughput target is missed "
-                             "and the p99 is within its bound (up to five largest buckets).")
+                        help="Run every mode with its first client count only, instead of adding a largest bucket of "
+                             "clients at a time until a run meets both targets (up to five largest buckets).")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="The batcher's window (default 5).")
     parser.add_argument("--seconds", type=float, help="Seconds per engines(x) throughput (default 2; 0.2 smoke).")
     parser.add_argument("--map-batches", type=int, help="Batches per map run (default 200; 8 with --smoke).")
@@ -573,8 +574,8 @@ def main() -> None:
                           "processes": (many, async_requests), "processes-asyncio": (many, async_requests)}
                 p99_bound = args.max_wait_ms + 2 * bound["batch_ms_mean"]
                 target = 0.8 * bound["rows_per_s"]
-                # threads: the fixed count (the GIL bounds them, not their number); the others up to five batches
-                most = {mode: count if mode == "threads" or args.no_sweep or smoke else max(count, 5 * largest)
+                # every mode up to five largest buckets of clients (``capacity_run``)
+                most = {mode: count if args.no_sweep or smoke else max(count, 5 * largest)
                         for mode, (count, _) in counts.items()}
                 modes = {mode: capacity_run(engines, model, contexts, counts[mode][0], largest, most[mode],
                                             counts[mode][1], args.max_wait_ms, mode, target, p99_bound,
@@ -639,7 +640,7 @@ def main() -> None:
                   *[h for mode in wanted_modes for h in (f"{short[mode]} req/s", "p99 ms")], "(p99 bound)", "lost",
                   "map ms", "loop ms", "bound ms", "missed",
                   title=f"serving at its bound ({'smoke, ' if smoke else ''}max_wait {args.max_wait_ms:g} ms, "
-                        f"{clients} client threads)")
+                        f"client threads from {clients})")
     for r in runs:
         m = r["map"]
         batched = [r["batcher" if mode == "threads" else f"batcher_{mode}"] for mode in wanted_modes]
