@@ -12,7 +12,7 @@ contexts (batcher workers = contexts):
   are answered, in four modes: ``--clients`` threads blocking in ``submit`` (default 64),
   coroutines of one asyncio event loop awaiting ``infer``, and clients in
   ``--client-processes`` other processes sending to a ``ProcessBatcher`` (its default
-  ``in_flight``), as threads (``processes``) or coroutines (``processes-asyncio``); coroutines and
+  ``in_flight``, or ``--in-flight``), as threads (``processes``) or coroutines (``processes-asyncio``); coroutines and
   process clients are two largest buckets (a batch forms while one runs), three when a batch takes
   under 2 ms (the clients' own turnaround is then as long as a batch); in every mode, until a run
   meets both targets, a largest bucket of clients more, up to five (``--no-sweep``: the first count
@@ -329,6 +329,21 @@ def capacity_run(engines: Any, model: Model, workers: int, clients: int, step: i
     return best
 
 
+def sweep_limits(counts: dict[str, tuple[int, int]], largest: int, sweep: bool) -> dict[str, int]:
+    """The most clients ``capacity_run`` tries per mode: five largest buckets in every mode, threads included (or the
+    first count where there is no sweep)."""
+    return {mode: max(count, 5 * largest) if sweep else count for mode, (count, _) in counts.items()}
+
+
+def batcher_targets(mode: str, batched: dict[str, Any], target: float, p99_bound: float) -> dict[str, bool]:
+    """A mode's targets: the throughput and p99 of the run that counts, and nothing lost, misrouted or duplicated in
+    any of its tries."""
+    return {f"batcher_{mode}_throughput": batched["requests_per_s"] >= target,
+            f"batcher_{mode}_p99": batched["p99_ms"] is not None and batched["p99_ms"] <= p99_bound,
+            f"batcher_{mode}_nothing_lost": all(t["lost"] == 0 and t["misrouted"] == 0 and t["duplicated_rows"] == 0
+                                                for t in batched["tries"])}
+
+
 def in_threads(target: Any, count: int) -> float:
     """``target(i)`` in ``count`` threads at once, i = 0 .. count - 1: seconds until the last one returns."""
     threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(count)]
@@ -556,6 +571,7 @@ def main() -> None:
                                ort_cuda_options=ort_options or None, cuda_graphs=not args.no_cuda_graphs)
                 on_own_stream = [getattr(c, "_on_our_stream", None) for c in engines._contexts]
                 launches_on_host = engines.launches_on_host  # False where every run is a CUDA graph's replay
+                starts_at_once = engines.starts_at_once
                 largest = engines.buckets[-1]
                 one = feed_of(engines, model, largest, seed=1)
                 bound = throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest, seconds)
@@ -566,17 +582,15 @@ def main() -> None:
                 # the batchers keep two in flight on a GPU), and one batch more when a batch takes under 2 ms, where
                 # the clients' own turnaround (woken, answer copied out, next request sent: 0.5-1 ms on the H200
                 # host under this load) is as long as a batch. At the bound more clients only wait longer (Little's
-                # law: latency = clients / throughput), so ``capacity_run`` adds them only while the throughput
-                # target is missed and the p99 is within its bound.
+                # law: latency = clients / throughput), so ``capacity_run`` adds them only until a run meets both
+                # targets.
                 short = not smoke and bound["batch_ms_mean"] < 2.0
                 many = args.async_clients or (8 if smoke else largest * (3 if short else 2))
                 counts = {"threads": (clients, thread_requests), "asyncio": (many, async_requests),
                           "processes": (many, async_requests), "processes-asyncio": (many, async_requests)}
                 p99_bound = args.max_wait_ms + 2 * bound["batch_ms_mean"]
                 target = 0.8 * bound["rows_per_s"]
-                # every mode up to five largest buckets of clients (``capacity_run``)
-                most = {mode: count if args.no_sweep or smoke else max(count, 5 * largest)
-                        for mode, (count, _) in counts.items()}
+                most = sweep_limits(counts, largest, sweep=not (args.no_sweep or smoke))
                 modes = {mode: capacity_run(engines, model, contexts, counts[mode][0], largest, most[mode],
                                             counts[mode][1], args.max_wait_ms, mode, target, p99_bound,
                                             client_processes=args.client_processes, in_flight=args.in_flight)
@@ -590,7 +604,8 @@ def main() -> None:
                     for mode in wanted_modes:
                         many, count = counts[mode]
                         run = batcher_run(instant, model, 1, many, count, args.max_wait_ms, mode=mode,
-                                          check_rows=False, client_processes=args.client_processes)
+                                          check_rows=False, client_processes=args.client_processes,
+                                          in_flight=args.in_flight)
                         ceilings[model.name][mode] = {k: run[k] for k in (
                             "clients", "requests_per_s", "p50_ms", "p99_ms", "mean_batch_rows", "client_processes",
                             "batcher_thread_busy", "batcher_thread_us_per_request", "server_cores", "client_cores")
@@ -605,12 +620,7 @@ def main() -> None:
                 for mode, batched in modes.items():
                     batched["p99_bound_ms"] = p99_bound
                     batched["throughput_target"] = target
-                    targets.update({
-                        f"batcher_{mode}_throughput": batched["requests_per_s"] >= target,
-                        f"batcher_{mode}_p99": batched["p99_ms"] is not None and batched["p99_ms"] <= p99_bound,
-                        f"batcher_{mode}_nothing_lost": all(  # in every try, not only the one that counts
-                            t["lost"] == 0 and t["misrouted"] == 0 and t["duplicated_rows"] == 0
-                            for t in batched["tries"])})
+                    targets.update(batcher_targets(mode, batched, target, p99_bound))
                 runs.append({"model": model.name, "backend": backend, "precision": precision, "contexts": contexts,
                              "workers": contexts, "device": engines.device, "bound": bound,
                              "parallel_calls": parallel, "run_parts": parts,
@@ -618,6 +628,7 @@ def main() -> None:
                              "ort_runs_ordered": args.ort_ordered if backend == "onnxruntime" else None,
                              "buffer_sets": engines.buffer_sets,
                              "launches_on_host": launches_on_host,
+                             "starts_at_once": starts_at_once,  # DynamicBatcher keeps two in flight where True
                              **{("batcher" if mode == "threads" else f"batcher_{mode}"): result
                                 for mode, result in modes.items()},
                              "map": mapped, "targets": targets})

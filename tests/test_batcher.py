@@ -567,3 +567,22 @@ def test_the_process_clients_steady_rate_counts_only_while_every_process_sends(m
                                         {"begin": 2.5, "end": 3.0, "ends": np.array([2.7])}]) is None  # no span
     assert process_clients.steady_rate([{"begin": 0.0, "end": 2.0, "ends": np.array([0.1, 1.9])},
                                         {"begin": 0.5, "end": 1.5, "ends": np.array([], float)}]) is None  # no answer
+
+
+def test_the_serving_benchmark_sweeps_every_mode_and_counts_failures_of_every_try(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every mode, threads included, may grow to five largest buckets of clients (none without the sweep); a mode
+    fails "nothing lost" when any of its tries lost, misrouted or duplicated a request, not only the one that counts."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    from benchmarks import serving_gpu
+
+    counts = {"threads": (64, 4000), "asyncio": (192, 20000), "processes": (192, 20000)}
+    assert serving_gpu.sweep_limits(counts, 64, sweep=True) == {"threads": 320, "asyncio": 320, "processes": 320}
+    assert serving_gpu.sweep_limits(counts, 64, sweep=False) == {"threads": 64, "asyncio": 192, "processes": 192}
+    clean = {"lost": 0, "misrouted": 0, "duplicated_rows": 0}
+    batched = {"requests_per_s": 90.0, "p99_ms": 5.0, "tries": [dict(clean), dict(clean, misrouted=2)]}
+    assert serving_gpu.batcher_targets("asyncio", batched, 80.0, 6.0) == {
+        "batcher_asyncio_throughput": True, "batcher_asyncio_p99": True, "batcher_asyncio_nothing_lost": False}
+    batched["tries"] = [dict(clean), dict(clean)]
+    assert serving_gpu.batcher_targets("asyncio", batched, 100.0, 4.0) == {
+        "batcher_asyncio_throughput": False, "batcher_asyncio_p99": False, "batcher_asyncio_nothing_lost": True}

@@ -505,10 +505,11 @@ def test_onnxruntime_launcher_handoffs_run_in_order_and_hand_each_set_its_own_er
     first.settle()  # nobody waits for d: its error is dropped
     first.wait()
     assert first.done() and [name for name, _ in ran][-2:] == ["c", "d"]
+    first.give(job("x", fail=True))  # failed, and never waited for
     launcher.shutdown(wait=True)
     first.give(job("e"))
     assert ran[-1] == ("e", threading.current_thread().name) and first.done()
-    first.wait()
+    first.wait()  # e ran on this thread: x's error is not e's
 
 
 # --- GPU and TensorRT (skipped where absent) ----------------------------------------------------------------------

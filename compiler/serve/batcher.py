@@ -379,11 +379,11 @@ class DynamicBatcher:
     def _work(self) -> None:
         """Form batches and run them.
 
-        On a GPU with a buffer set to spare for every worker (two per context) and a ``start_parts`` that
-        returns before the kernels are launched (``starts_at_once``), a worker queues the next batch as soon as it
-        is ready, looking for one while the last batch runs instead of waiting for the GPU: the host
-        copies one batch in while the GPU runs the other (an H200, one context, a CNN: 64-75 % of its
-        bound without). And when a batch's callers are all asyncio requests, the worker queues the
+        On a GPU with a buffer set to spare for every worker (two per context) and a ``start_parts`` that does
+        not launch every kernel from Python on the worker's thread (``starts_at_once``), a worker queues the
+        next batch as soon as it is ready, looking for one while the last batch runs instead of waiting for
+        the GPU: the host copies one batch in while the GPU runs the other (an H200, one context, a CNN:
+        64-75 % of its bound without). And when a batch's callers are all asyncio requests, the worker queues the
         next batch before it answers them: the event loop's work on those answers then overlaps the
         GPU instead of holding up the next batch's copy for the GIL (on an H200, a CNN with one
         context: 9.6 k req/s at p99 15 ms against 7.0 k at 20.5 ms). Thread callers are answered

@@ -298,8 +298,8 @@ class Engines:
     def starts_at_once(self) -> bool:
         """Whether ``start_parts`` returns without holding the caller for about as long as the GPU computes, in every
         context: CUDA graph replays, TensorRT's enqueue (its kernels launched from C++), ONNX Runtime's run handed to
-        its context's launcher thread; not eager torch, nor the CPU (a torch graph captured on demand holds its
-        first call at each new shape)."""
+        its context's launcher thread; not eager torch, nor the CPU. (A torch graph captured on demand, where
+        ``starts_at_once`` is True, still holds the first call at each new shape while it is captured.)"""
         return all(c.starts_at_once for c in self._contexts)
 
     @property

@@ -612,7 +612,8 @@ class ProcessBatcher:
     of the batcher's work: it reads the requests, starts batches and answers them, so no second
     thread of the batcher waits for the GIL behind it (two workers and a reader thread spent
     up to half of each batch's time handing the GIL around, on an H200); ONNX Runtime without CUDA
-    graphs launches each batch's kernels on a thread of its context (it holds the GIL only to start).
+    graphs launches each batch's kernels on a thread of its context (ONNX Runtime releases the GIL
+    while it launches them).
     The shared memory is ``capacity x slot_rows`` rows of every input and output at their largest
     sizes, and on a GPU ``in_flight + 2`` results areas of ``max_batch`` rows of every output; it is
     reserved at once, so a too-small ``/dev/shm`` fails here (not with a crash later).
