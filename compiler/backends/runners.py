@@ -3,7 +3,7 @@
 Export verification, the accuracy gate (ONNX Runtime with Q/DQ run exactly as written, on the
 CPU) and bench's accuracy reference use them; ``compiler.serve.engines.Engines`` has the same
 ``infer`` contract. Everything that is timed or served runs on the serving backends
-(``compiler.runtime_*``): TensorRT, CUDA graphs and device buffers live there only.
+(``compiler.backends``: ``trt``, ``onnxrt``, ``pytorch``): TensorRT, CUDA graphs and device buffers live there only.
 """
 
 from __future__ import annotations

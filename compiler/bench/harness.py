@@ -1,7 +1,7 @@
 """``trtc bench``: latency, throughput and accuracy of every way a build can run, on identical inputs.
 
 Backends, each run at every batch bucket. Every row is a serving backend of ``compiler.load``
-(``compiler.runtime_*``), one context of it, timed through the context's upload / compute /
+(``compiler.backends``), one context of it, timed through the context's upload / compute /
 download split: the harness measures exactly what is served.
 
   torch            the source model in eager mode (the torch backend, graphs off): FP32, and under
