@@ -94,7 +94,6 @@ class _Context(Protocol):
     stream: Any
     overlaps: bool
     launches_on_host: bool
-    starts_at_once: bool  # ``start`` returns without launching every kernel from Python (``Engines.starts_at_once``)
 
     def run(self, bucket: int, call: CheckedFeed, start: int, stop: int, host: bool) -> None: ...
 
@@ -158,7 +157,6 @@ class _HostContext:
     stream = None
     overlaps = True  # ONNX Runtime and torch release the GIL while they compute
     launches_on_host = False
-    starts_at_once = False  # ``start`` computes the batch
 
     def __init__(self, spec: ModelSpec, buckets: Sequence[int]) -> None:
         self._spec = spec
@@ -298,7 +296,6 @@ class _GpuContext:
     on_gpu = True
     overlaps = True  # the work is queued on the stream; the host waits only in ``wait``
     launches_on_host = False  # whether a run launches every kernel from the host, about as long as the GPU computes
-    starts_at_once = True  # see ``_Context``
 
     def __init__(self, spec: ModelSpec, buckets: Sequence[int], device: str, dtypes: dict[str, Any] | None,
                  order: _ComputeOrder | None) -> None:

@@ -100,7 +100,6 @@ class _TorchCudaContext(_GpuContext):
                 self._graphs[b, ()] = self._captured(b, CheckedFeed("numpy", {}, b, {}, ()))
         self.overlaps = self._on_demand or (
             bool(self._graphs) and all(g is not None for g in self._graphs.values()))
-        self.starts_at_once = self.overlaps  # without graphs ``start`` launches every kernel
 
     def _args(self, bucket: int, call: CheckedFeed) -> list[Any]:
         inputs = self.device_inputs(bucket, call)

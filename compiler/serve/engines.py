@@ -299,8 +299,9 @@ class Engines:
         """Whether ``start_parts`` returns without holding the caller for about as long as the GPU computes, in every
         context: CUDA graph replays, TensorRT's enqueue (its kernels launched from C++), ONNX Runtime's run handed to
         its context's launcher thread; not eager torch, nor the CPU. (A torch graph captured on demand, where
-        ``starts_at_once`` is True, still holds the first call at each new shape while it is captured.)"""
-        return all(c.starts_at_once for c in self._contexts)
+        ``starts_at_once`` is True, still holds the first call at each new shape while it is captured.) That is, a
+        GPU context whose host is free while the model runs (``overlaps``)."""
+        return all(c.on_gpu and c.overlaps for c in self._contexts)
 
     @property
     def launches_on_host(self) -> bool:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -578,6 +579,10 @@ class _Requests:
     def __len__(self) -> int:
         return len(self.slots)
 
+    @functools.cached_property
+    def total_rows(self) -> int:
+        return int(self.rows.sum())
+
     def pick(self, index: Any) -> _Requests:
         return _Requests(self.slots[index], self.rows[index], self.dims[index], self.deadlines[index],
                          self.submitted[index])
@@ -678,7 +683,6 @@ class ProcessBatcher:
         # requests read from the pipe and not yet in a batch, oldest first
         self._pending = _Requests.none(len(self._model.dim_names))
         self._waiting: _Requests | None = None  # a batch taken when no buffer set was free: started next
-        self._pending_rows = 0
         self._closed = False
         self._drain = True
         self._cpu_at_end = 0.0  # the thread's CPU time when it stopped (``cpu_seconds``)
@@ -833,7 +837,6 @@ class ProcessBatcher:
         new = _Requests(index, arrays["rows"][index], arrays["dims"][index, :len(self._model.dim_names)],
                         arrays["deadline"][index], arrays["submitted"][index])
         self._pending = self._pending.then(new)
-        self._pending_rows += int(new.rows.sum())
 
     def _feed(self, slot: int, rows: int, key: tuple[int, ...]) -> Any:
         """One request's rows as the checked feed ``start_parts`` takes: views of its slot (no copy until the pinned
@@ -888,11 +891,10 @@ class ProcessBatcher:
             if self._closed and not self._drain:
                 self._reply(pending.slots, _CLOSED, "the batcher was closed before this request ran")
                 self._pending = pending.pick(slice(0, 0))
-                self._pending_rows = 0
                 return None
             now = time.monotonic()
             window_end = float(pending.submitted[0]) + self.max_wait
-            if self._pending_rows >= self.max_batch or now >= window_end or self._closed:
+            if pending.total_rows >= self.max_batch or now >= window_end or self._closed:
                 batch = self._take(now)
                 if batch or not block:
                     return batch
@@ -912,7 +914,7 @@ class ProcessBatcher:
                         f"the request waited in the queue over its timeout: {_OVERLOADED}")
             pending = pending.pick(~expired)
         if not pending:
-            self._pending, self._pending_rows = pending, 0
+            self._pending = pending
             return pending
         same = (pending.dims == pending.dims[0]).all(axis=1)
         chosen = np.flatnonzero(same)
@@ -932,7 +934,6 @@ class ProcessBatcher:
         taken = np.zeros(len(pending), bool)
         taken[chosen] = True
         self._pending = pending.pick(~taken)
-        self._pending_rows = int(self._pending.rows.sum())
         return pending.pick(chosen)
 
     def _start(self, batch: _Requests, wait: bool) -> _Running | None:
