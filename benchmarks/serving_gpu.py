@@ -318,15 +318,18 @@ def capacity_run(engines: Any, model: Model, workers: int, clients: int, step: i
     while True:
         run = batcher_run(engines, model, workers, clients, requests, max_wait_ms, mode=mode, **options)
         runs.append(run)
-        within = run["p99_ms"] is not None and run["p99_ms"] <= p99_bound
-        if (run["requests_per_s"] >= target and within) or clients + step > most:
+        if (run["requests_per_s"] >= target and within_p99(run, p99_bound)) or clients + step > most:
             break
         clients += step
-    fits = [r for r in runs if r["p99_ms"] is not None and r["p99_ms"] <= p99_bound]
+    fits = [r for r in runs if within_p99(r, p99_bound)]
     best = max(fits, key=lambda r: r["requests_per_s"]) if fits else runs[0]
     best["tries"] = [{k: r.get(k, 0) for k in ("clients", "requests_per_s", "p99_ms", "lost", "misrouted",
                                                 "duplicated_rows")} for r in runs]
     return best
+
+
+def within_p99(run: dict[str, Any], p99_bound: float) -> bool:
+    return run["p99_ms"] is not None and run["p99_ms"] <= p99_bound
 
 
 def sweep_limits(counts: dict[str, tuple[int, int]], largest: int, sweep: bool) -> dict[str, int]:
@@ -339,7 +342,7 @@ def batcher_targets(mode: str, batched: dict[str, Any], target: float, p99_bound
     """A mode's targets: the throughput and p99 of the run that counts, and nothing lost, misrouted or duplicated in
     any of its tries."""
     return {f"batcher_{mode}_throughput": batched["requests_per_s"] >= target,
-            f"batcher_{mode}_p99": batched["p99_ms"] is not None and batched["p99_ms"] <= p99_bound,
+            f"batcher_{mode}_p99": within_p99(batched, p99_bound),
             f"batcher_{mode}_nothing_lost": all(t["lost"] == 0 and t["misrouted"] == 0 and t["duplicated_rows"] == 0
                                                 for t in batched["tries"])}
 
