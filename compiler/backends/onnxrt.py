@@ -209,17 +209,13 @@ def _conv_without_bias(model: Any) -> bool:
     """Whether a convolution has no bias input, in the graph, its subgraphs or its functions: ONNX Runtime's CUDA
     kernel for it fused with its activation allocates a zero bias per input shape, freeing the last one
     (``cudaFree``), which a graph captured at another shape still reads."""
-    import onnx
+    from compiler.core.onnx_io import subgraphs
 
     def nodes(graph: Any) -> Any:
         for node in graph.node:
             yield node
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    yield from nodes(attribute.g)
-                elif attribute.type == onnx.AttributeProto.GRAPHS:
-                    for sub in attribute.graphs:
-                        yield from nodes(sub)
+            for sub in subgraphs(node):
+                yield from nodes(sub)
 
     every = [*nodes(model.graph), *(n for f in model.functions for n in nodes(f))]
     return any(n.op_type in ("Conv", "ConvTranspose") and (len(n.input) < 3 or not n.input[2]) for n in every)

@@ -362,13 +362,18 @@ def outer_scope_names(node: onnx.NodeProto) -> set[str]:
     """Names that the control-flow subgraphs of ``node`` (If, Loop, Scan; nested ones too) read from the scopes
     around it; empty for a node without subgraphs. Names a subgraph defines itself are not among them."""
     names: set[str] = set()
+    for sub in subgraphs(node):
+        names |= _free_names(sub)
+    return names
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The control-flow subgraphs of ``node`` (If's branches, Loop's and Scan's bodies), not nested ones."""
     for attr in node.attribute:
         if attr.type == onnx.AttributeProto.GRAPH:
-            names |= _free_names(attr.g)
+            yield attr.g
         elif attr.type == onnx.AttributeProto.GRAPHS:
-            for sub in attr.graphs:
-                names |= _free_names(sub)
-    return names
+            yield from attr.graphs
 
 
 def _free_names(graph: onnx.GraphProto) -> set[str]:
