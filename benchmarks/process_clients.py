@@ -7,8 +7,9 @@ request, waits for its answer, and sends the next, until its process has answere
 answer is the client's own. The processes start together (an event) and report their latencies,
 when each answer came, the first values of every answer and the requests they lost; seconds run from
 the first start to the last end (CLOCK_MONOTONIC is one clock for all processes). The steady rate
-counts only the answers while every process was sending: a process that is done with its share
-leaves fewer clients to fill the last batches.
+and the steady latencies count only the answers while every process was sending: a process that
+is done with its share leaves fewer clients to fill the last batches, which then wait out the
+batcher's ``max_wait`` for company that never comes.
 
 The child processes import numpy and ``compiler.serve.processes`` only (never torch).
 """
@@ -38,8 +39,9 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
         kind: str = "threads") -> dict[str, Any]:
     """Run ``len(inputs)`` clients in ``processes`` processes against ``batcher`` until ``requests`` are answered.
 
-    Returns seconds, latencies (s), answers as (client index, first values), lost requests and the CPU time
-    the client processes used while they sent."""
+    Returns seconds, latencies (s) of every answer and of those while every process sent (``steady_latencies``),
+    answers as (client index, first values), lost requests and the CPU time the client processes used while they
+    sent."""
     clients = len(inputs)
     spawn = multiprocessing.get_context("spawn")
     start = spawn.Event()
@@ -64,7 +66,7 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
     latencies = np.concatenate([r["latencies"] for r in reports])
     answers = [pair for r in reports for pair in r["answers"]]
     return {"seconds": max(r["end"] for r in reports) - min(r["begin"] for r in reports),
-            "steady_requests_per_s": steady_rate(reports),
+            "steady_requests_per_s": steady_rate(reports), "steady_latencies": steady_latencies(reports),
             "latencies": latencies, "answers": answers, "lost": sum(r["lost"] for r in reports),
             "processes": len(workers), "cpu_seconds": sum(r["cpu"] for r in reports)}
 
@@ -72,12 +74,29 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
 def steady_rate(reports: list[dict[str, Any]]) -> float | None:
     """Answers per second while every process was sending: from the last process's start to the first one's end
     (None when that span is empty or holds no answer)."""
-    first, last = max(r["begin"] for r in reports), min(r["end"] for r in reports)
-    if last <= first:
+    span = _steady_span(reports)
+    if span is None:
         return None
-    ends = np.concatenate([r["ends"] for r in reports])
-    count = int(((ends >= first) & (ends <= last)).sum())
-    return count / (last - first) if count else None
+    count = sum(int(_in_span(r["ends"], span).sum()) for r in reports)
+    return count / (span[1] - span[0]) if count else None
+
+
+def steady_latencies(reports: list[dict[str, Any]]) -> np.ndarray:
+    """The latencies of the answers ``steady_rate`` counts (empty when there are none)."""
+    span = _steady_span(reports)
+    if span is None:
+        return np.zeros(0)
+    return np.concatenate([np.asarray(r["latencies"])[_in_span(r["ends"], span)] for r in reports])
+
+
+def _steady_span(reports: list[dict[str, Any]]) -> tuple[float, float] | None:
+    first, last = max(r["begin"] for r in reports), min(r["end"] for r in reports)
+    return (first, last) if last > first else None
+
+
+def _in_span(ends: Any, span: tuple[float, float]) -> np.ndarray:
+    ends = np.asarray(ends, dtype=float)
+    return (ends >= span[0]) & (ends <= span[1])
 
 
 def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: int, timeout: float,
@@ -114,20 +133,28 @@ class ClosedLoop:
 
     The threads share no lock per request: a shared one, taken twice per request, had the load generator's threads
     wait for each other as well as for their answers. ``next`` on a count and ``list.append`` are atomic under the
-    GIL."""
+    GIL, and each answer's time and latency go into one list in one append (two lists could pair one thread's end
+    with another's latency)."""
 
     def __init__(self, requests: int) -> None:
         self.requests = requests
-        self.latencies: list[float] = []
-        self.ends: list[float] = []
+        self.done: list[tuple[float, float]] = []  # per answer: when it came, its latency
         self.answers: list[tuple[int, np.ndarray]] = []  # (client index, first values of its answer)
         self.lost = 0
         self._issued = 0
 
+    @property
+    def latencies(self) -> list[float]:
+        return [latency for _, latency in self.done]
+
+    @property
+    def ends(self) -> list[float]:
+        return [end for end, _ in self.done]
+
     def in_threads(self, send: Callable[[Any], Any], inputs: list[Any], indices: list[int]) -> None:
         issued = itertools.count()
         failing = threading.Lock()  # taken only when a request fails
-        latencies, ends, answers = self.latencies, self.ends, self.answers
+        done, answers = self.done, self.answers
         clock, requests = time.monotonic, self.requests
 
         def client(position: int) -> None:
@@ -141,8 +168,7 @@ class ClosedLoop:
                         self.lost += 1
                     continue
                 end = clock()
-                latencies.append(end - begin)
-                ends.append(end)
+                done.append((end, end - begin))
                 answers.append((index, first_values(out)))
 
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(inputs))]
@@ -163,8 +189,7 @@ class ClosedLoop:
                     self.lost += 1
                     continue
                 end = time.monotonic()
-                self.latencies.append(end - begin)
-                self.ends.append(end)
+                self.done.append((end, end - begin))
                 self.answers.append((index, first_values(out)))
 
         async def clients() -> None:

@@ -557,16 +557,43 @@ def test_the_serving_benchmark_adds_clients_until_a_run_meets_both_targets(
 
 
 def test_the_process_clients_steady_rate_counts_only_while_every_process_sends(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``process_clients.steady_rate``: answers from the last process's start to the first one's end, per second."""
+    """``process_clients.steady_rate``: answers from the last process's start to the first one's end, per second;
+    ``steady_latencies``: the latencies of those answers, each its own."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
     from benchmarks import process_clients
-    early = {"begin": 0.0, "end": 1.0, "ends": np.array([0.05, 0.5, 0.9, 1.0])}
-    late = {"begin": 0.2, "end": 2.0, "ends": np.array([0.3, 0.6, 1.5, 2.0])}
+    early = {"begin": 0.0, "end": 1.0, "ends": np.array([0.05, 0.5, 0.9, 1.0]), "latencies": np.array([1, 2, 3, 4.0])}
+    late = {"begin": 0.2, "end": 2.0, "ends": np.array([0.3, 0.6, 1.5, 2.0]), "latencies": np.array([5, 6, 7, 8.0])}
     assert process_clients.steady_rate([early, late]) == pytest.approx(5 / 0.8)  # 0.5, 0.9, 1.0, 0.3, 0.6
+    assert process_clients.steady_latencies([early, late]).tolist() == [2, 3, 4, 5, 6]
+    assert process_clients.steady_latencies([{"begin": 1.0, "end": 2.0, "ends": [1.5], "latencies": [1.0]},
+                                             {"begin": 2.5, "end": 3.0, "ends": [2.7], "latencies": [2.0]}]).size == 0
     assert process_clients.steady_rate([{"begin": 1.0, "end": 2.0, "ends": np.array([1.5])},
                                         {"begin": 2.5, "end": 3.0, "ends": np.array([2.7])}]) is None  # no span
     assert process_clients.steady_rate([{"begin": 0.0, "end": 2.0, "ends": np.array([0.1, 1.9])},
                                         {"begin": 0.5, "end": 1.5, "ends": np.array([], float)}]) is None  # no answer
+
+
+def test_the_closed_loop_pairs_each_answer_time_with_its_own_latency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread clients of ``ClosedLoop`` record when each answer came and its latency as one pair, so that the steady
+    span's latencies are those of the answers it counts: each pair spans exactly one call of ``send``."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    from benchmarks import process_clients
+
+    calls: list[tuple[float, float]] = []
+
+    def send(x: np.ndarray) -> np.ndarray:
+        entered = time.monotonic()
+        time.sleep(0.005 * float(x[0]))  # client i's calls take about 5i ms: another client's latency does not fit
+        calls.append((entered, time.monotonic()))
+        return x
+
+    loop = process_clients.ClosedLoop(60)
+    loop.in_threads(send, [np.array([float(i)]) for i in range(1, 5)], [1, 2, 3, 4])
+    assert len(loop.done) == 60 and loop.lost == 0 and loop.ends == [end for end, _ in loop.done]
+    for end, latency in loop.done:
+        begin = end - latency
+        assert any(begin <= entered and left <= end and latency - (left - entered) < 0.0025
+                   for entered, left in calls), (end, latency)
 
 
 def test_the_serving_benchmark_sweeps_every_mode_and_counts_failures_of_every_try(
