@@ -563,6 +563,73 @@ def test_the_next_batch_starts_while_the_last_one_runs(engines: Engines) -> None
         np.testing.assert_allclose(answers[i], engines(rows(i)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("second_done_first", [False, True])
+def test_a_finished_batch_is_answered_before_the_next_starts_while_the_gpu_runs_another(
+        engines: Engines, second_done_first: bool) -> None:
+    """When batch 1 finishes while batch 2 still runs, its callers are woken before batch 3 starts (the start would
+    delay every answer); when batch 2 is done already (the GPU would idle), batch 3 starts first."""
+    from compiler.serve.engines import Started
+
+    events: list[str] = []
+    released = {1: threading.Event(), 2: threading.Event()}
+
+    class Held(Recording):
+        queues_on_gpu = True  # type: ignore[assignment]  # CPU engines, driven as a GPU's would be
+        buffer_sets = 2
+
+        def start_parts(self, calls: Any, wait: bool = True) -> Any:
+            number = len(self.batches)
+            events.append(f"start {number}")
+            finish = super().start_parts(calls, wait=wait)
+            if number not in released:  # batch 0 is the batcher's probe of the output sizes (``engines(x)``)
+                return finish
+
+            def held(read: Any = None) -> Any:
+                try:
+                    assert released[number].wait(10), f"the test never released batch {number}"
+                    events.append(f"finish {number}")
+                finally:
+                    answer = finish(read)  # the buffer set goes back even when the test fails
+                return answer
+
+            return Started(held, released[number].is_set)
+
+    with ProcessBatcher(Held(engines), capacity=12, max_batch=4, max_wait_ms=1000) as batcher:
+        wake = batcher._wake
+        batcher._wake = lambda slots: (events.append(f"wake {sorted(slots.tolist())}"), wake(slots))[1]
+        client = batcher.client_handle(12).connect()
+        threads: list[threading.Thread] = []
+
+        def send(first: int, until: str) -> None:
+            for i in range(first, first + 4):
+                threads.append(threading.Thread(target=client.submit, args=(rows(i),), kwargs={"timeout": 20}))
+                threads[-1].start()
+            deadline = time.monotonic() + 10
+            while until not in events and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert until in events, events
+
+        send(0, "start 1")
+        send(4, "start 2")
+        for i in range(8, 12):
+            threads.append(threading.Thread(target=client.submit, args=(rows(i),), kwargs={"timeout": 20}))
+            threads[-1].start()
+        time.sleep(0.2)  # batch 3's requests are in the pipe
+        if second_done_first:
+            released[2].set()
+        released[1].set()
+        deadline = time.monotonic() + 10
+        while "start 3" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        released[2].set()
+        join_all(threads, timeout=20)
+        client.close()
+    first_wake = next(e for e in events if e.startswith("wake"))
+    assert first_wake == "wake [0, 1, 2, 3]", events
+    order = events.index(first_wake) < events.index("start 3")
+    assert order != second_done_first, events  # woken first while batch 2 ran; started first once it was done
+
+
 class IntoAreas(Recording):
     """CPU engines driven as a GPU's: the outputs of a batch given results areas (``out``) are copied there, as the
     GPU's copy would put them, and read from there."""
