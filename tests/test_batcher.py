@@ -245,6 +245,31 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     assert "serving at its bound" in done.stdout
 
 
+@pytest.mark.slow
+def test_the_process_batcher_trace_runs_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/process_batcher_trace.py --smoke: a timeline of every batch, whose batches hold every answered
+    request, and whose stages are all measured."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "trace.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "process_batcher_trace.py"), "--smoke", "--out",
+                           str(out), "--work", str(tmp_path / "work"), "--requests", "200", "--runs",
+                           "onnxruntime:fp32:1:processes:8"], capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    timeline = run["timeline"]
+    assert run["requests_per_s"] > 0 and timeline["batches"] >= 200 / 8
+    for stage in ("wait_before_start", "start", "start_to_finish", "finish", "finish_to_wake", "client_turnaround"):
+        assert 0 <= timeline[stage]["p50"] <= timeline[stage]["p99"], stage
+    assert timeline["launchers"] == []  # the CPU runs each batch on the batcher's thread
+
+
 def test_requests_go_straight_into_the_contexts_buffers(engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
     """No batch array of the batcher's own: 5 requests (6 rows) are 5 row-copies into the context's input buffer
     (``upload_parts``), never a concatenation first; answers stay right."""
