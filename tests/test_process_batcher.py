@@ -504,37 +504,45 @@ def test_cpu_seconds_is_the_batcher_threads_work_and_stays_after_it_stops(engine
     assert batcher.cpu_seconds == batcher.cpu_seconds
 
 
+class Held(Recording):
+    """CPU engines driven as a GPU's: a batch numbered in ``released`` (by ``start_parts`` calls, 0 being the
+    batcher's probe of the output sizes) is not done (``ready``) and does not finish until its event is set;
+    ``events`` notes each start and each finish."""
+
+    queues_on_gpu = True  # type: ignore[assignment]
+    buffer_sets = 2
+
+    def __init__(self, engines: Engines, events: list[str], released: dict[int, threading.Event]) -> None:
+        super().__init__(engines)
+        self.events, self.released = events, released
+
+    def start_parts(self, calls: Any, wait: bool = True) -> Any:
+        from compiler.serve.engines import Started
+
+        number = len(self.batches)
+        self.events.append(f"start {number}")
+        finish = super().start_parts(calls, wait=wait)
+        release = self.released.get(number)
+        if release is None:
+            return finish
+
+        def held(read: Any = None) -> Any:
+            try:
+                assert release.wait(10), f"the test never released batch {number}"
+                self.events.append(f"finish {number}")
+            finally:
+                answer = finish(read)  # the buffer set goes back even when the test fails
+            return answer
+
+        return Started(held, release.is_set)
+
+
 def test_the_next_batch_starts_while_the_last_one_runs(engines: Engines) -> None:
     """With room for a second batch, the batcher's thread does not wait for a running batch (not ``ready``): a batch
     that becomes full meanwhile starts at once, before the first is finished; both answer their own callers."""
-    from compiler.serve.engines import Started
-
     events: list[str] = []
     release = threading.Event()
-
-    class Slow(Recording):
-        queues_on_gpu = True  # type: ignore[assignment]  # CPU engines, driven as a GPU's would be
-        buffer_sets = 2
-
-        def start_parts(self, calls: Any, wait: bool = True) -> Any:
-            number = len(self.batches)
-            events.append(f"start {number}")
-            finish = super().start_parts(calls, wait=wait)
-            if number != 1:  # batch 0 is the batcher's probe of the output sizes (``engines(x)``)
-                return finish
-
-            def held(read: Any = None) -> Any:
-                try:
-                    assert release.wait(10), "the test never released batch 1"
-                    events.append("finish 1")
-                finally:
-                    answer = finish(read)  # the buffer set goes back even when the test fails
-                return answer
-
-            return Started(held, release.is_set)
-
-    slow = Slow(engines)
-    with ProcessBatcher(slow, capacity=8, max_batch=4, max_wait_ms=1000) as batcher:
+    with ProcessBatcher(Held(engines, events, {1: release}), capacity=8, max_batch=4, max_wait_ms=1000) as batcher:
         assert batcher.in_flight == 2
         client = batcher.client_handle(8).connect()
         answers: dict[int, Any] = {}
@@ -568,33 +576,9 @@ def test_a_finished_batch_is_answered_before_the_next_starts_while_the_gpu_runs_
         engines: Engines, second_done_first: bool) -> None:
     """When batch 1 finishes while batch 2 still runs, its callers are woken before batch 3 starts (the start would
     delay every answer); when batch 2 is done already (the GPU would idle), batch 3 starts first."""
-    from compiler.serve.engines import Started
-
     events: list[str] = []
     released = {1: threading.Event(), 2: threading.Event()}
-
-    class Held(Recording):
-        queues_on_gpu = True  # type: ignore[assignment]  # CPU engines, driven as a GPU's would be
-        buffer_sets = 2
-
-        def start_parts(self, calls: Any, wait: bool = True) -> Any:
-            number = len(self.batches)
-            events.append(f"start {number}")
-            finish = super().start_parts(calls, wait=wait)
-            if number not in released:  # batch 0 is the batcher's probe of the output sizes (``engines(x)``)
-                return finish
-
-            def held(read: Any = None) -> Any:
-                try:
-                    assert released[number].wait(10), f"the test never released batch {number}"
-                    events.append(f"finish {number}")
-                finally:
-                    answer = finish(read)  # the buffer set goes back even when the test fails
-                return answer
-
-            return Started(held, released[number].is_set)
-
-    with ProcessBatcher(Held(engines), capacity=12, max_batch=4, max_wait_ms=1000) as batcher:
+    with ProcessBatcher(Held(engines, events, released), capacity=12, max_batch=4, max_wait_ms=1000) as batcher:
         wake = batcher._wake
         batcher._wake = lambda slots: (events.append(f"wake {sorted(slots.tolist())}"), wake(slots))[1]
         client = batcher.client_handle(12).connect()
