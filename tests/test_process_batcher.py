@@ -608,10 +608,65 @@ def test_a_finished_batch_is_answered_before_the_next_starts_while_the_gpu_runs_
         released[2].set()
         join_all(threads, timeout=20)
         client.close()
+    assert "start 3" in events and events.count("wake [0, 1, 2, 3]") == 1, events  # batch 1 woken once
     first_wake = next(e for e in events if e.startswith("wake"))
     assert first_wake == "wake [0, 1, 2, 3]", events
     order = events.index(first_wake) < events.index("start 3")
     assert order != second_done_first, events  # woken first while batch 2 ran; started first once it was done
+
+
+def test_a_finished_batch_is_answered_when_the_look_at_the_next_one_fails(engines: Engines) -> None:
+    """The batcher's look at whether the batch behind a finished one is done can fail (a broken GPU): the finished
+    batch's callers are still woken with their answers (not left to find them once the batcher's pipes close, which
+    forked clients never see); those of the batch behind it learn why the batcher stopped."""
+    from compiler.serve.engines import Started
+
+    events: list[str] = []
+    release = threading.Event()
+
+    class Broken(Held):
+        def start_parts(self, calls: Any, wait: bool = True) -> Any:
+            started = super().start_parts(calls, wait=wait)
+            if len(self.batches) != 3:  # batch 2 (the third call, after the probe)
+                return started
+
+            def broken() -> bool:
+                raise RuntimeError("the GPU is gone")
+
+            return Started(started.finish, broken)
+
+    answers: dict[int, Any] = {}
+
+    with ProcessBatcher(Broken(engines, events, {1: release}), capacity=8, max_batch=4, max_wait_ms=1000) as batcher:
+        wake = batcher._wake
+        batcher._wake = lambda slots: (events.append(f"wake {sorted(slots.tolist())}"), wake(slots))[1]
+        client = batcher.client_handle(8).connect()
+
+        def one(i: int) -> None:
+            try:
+                answers[i] = client.submit(rows(i), timeout=20)
+            except Exception as err:  # what the caller learns is the test's to check
+                answers[i] = err
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while "start 1" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        threads += [threading.Thread(target=one, args=(i,)) for i in range(4, 8)]
+        for t in threads[4:]:
+            t.start()
+        while "start 2" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        release.set()
+        join_all(threads, timeout=20)
+        client.close()
+    assert "wake [0, 1, 2, 3]" in events, events
+    for i in range(4):
+        np.testing.assert_allclose(answers[i], engines(rows(i)), rtol=1e-5, atol=1e-6)
+    for i in range(4, 8):
+        assert isinstance(answers[i], RequestFailed) and "the GPU is gone" in str(answers[i]), answers[i]
 
 
 class IntoAreas(Recording):

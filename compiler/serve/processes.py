@@ -816,19 +816,22 @@ class ProcessBatcher:
             if failure is not None and area is not None:
                 self._readers[area] = None
             running.popleft()
-            busy = bool(running) and not is_ready(running[0][1])  # the GPU runs another batch meanwhile
-            if busy:
-                self._answer(batch, failure)
-            if len(running) < self.in_flight:
-                follow = self._next_batch(block=False)
-                if follow:
-                    started = self._start(follow, wait=not running)
-                    if started is not None:
-                        running.append(started)
-            if not busy:
-                self._answer(batch, failure)
+            answered = False
+            try:  # answered whatever happens: it is in ``running`` no more, where ``_serve`` would fail it
+                if running and not is_ready(running[0][1]):  # the GPU runs another batch meanwhile
+                    self._wake_or_fail(batch, failure)
+                    answered = True
+                if len(running) < self.in_flight:
+                    follow = self._next_batch(block=False)
+                    if follow:
+                        started = self._start(follow, wait=not running)
+                        if started is not None:
+                            running.append(started)
+            finally:
+                if not answered:
+                    self._wake_or_fail(batch, failure)
 
-    def _answer(self, batch: _Requests, failure: str | None) -> None:
+    def _wake_or_fail(self, batch: _Requests, failure: str | None) -> None:
         """Wake the callers of a finished batch, or tell them why it failed."""
         if failure is None:
             self._wake(batch.slots)
