@@ -5,14 +5,16 @@ with the batcher's methods wrapped to note when each batch was taken, started, f
 callers woken, and when each client sent its next request after being woken. Per run it prints
 and writes percentiles (ms) of:
 
-* ``wait_before_start``: from a request's submission to its batch's start (the batch forming);
+* ``wait_before_start``: from a request's submission to its batch's start (the batch forming, and a
+  full batch waiting for a free buffer set);
 * ``start``: the batcher's thread starting the batch (gather, pack, copies and launch queued);
 * ``start_to_finish``: from the start to the batcher's call to finish it (the GPU, and the batch
   queued behind the one before);
 * ``finish``: that call (its wait for the GPU, and the answers pointed at);
 * ``finish_to_wake``: from the finish to the write that wakes the batch's client processes;
-* ``client_turnaround``: from that write to the client's next request on the same slot (its
-  process woke the caller, who read the answer and sent again);
+* ``client_turnaround``: from that write to the next request on the same slot (the client process
+  woke the caller, who read the answer and sent again; a slot goes back to its process's free slots,
+  so with threads interleaving the next request may be another thread's);
 * ``launch``: where a context queues its runs on a thread of its own (ONNX Runtime without CUDA
   graphs), each run there, with the thread's busy fraction.
 
@@ -123,7 +125,8 @@ def timeline(batches: list[dict[str, Any]], wakes: list[tuple[float, list[int]]]
 
     span = done[-1]["finished"] - done[0]["begin"]
     report: dict[str, Any] = {
-        "batches": len(done), "rows_per_s": sum(len(b["slots"]) for b in done) / span if span > 0 else None,
+        "batches": len(done), "requests": sum(len(b["slots"]) for b in done),
+        "requests_per_s": sum(len(b["slots"]) for b in done) / span if span > 0 else None,
         "wait_before_start": percentiles([b["begin"] - s for b in done for s in b["submitted"]]),
         "start": percentiles([b["started"] - b["begin"] for b in done]),
         "start_to_finish": percentiles([b["finish"] - b["started"] for b in done]),
@@ -173,8 +176,9 @@ def main() -> None:
         runs.append({"run": item, "bound_rows_per_s": bound["rows_per_s"],
                      "requests_per_s": run["requests_per_s"], "p99_ms": run["p99_ms"],
                      "batcher_thread_busy": run.get("batcher_thread_busy"), "timeline": trace})
+        p99 = "-" if run["p99_ms"] is None else f"{run['p99_ms']:.2f} ms"  # None: nothing answered
         print(f"{item}: bound {bound['rows_per_s']:,.0f} rows/s, {run['requests_per_s']:,.0f} req/s, "
-              f"p99 {run['p99_ms']:.2f} ms, batcher thread {run.get('batcher_thread_busy', 0):.0%} busy")
+              f"p99 {p99}, batcher thread {run.get('batcher_thread_busy', 0):.0%} busy")
         for what, value in trace.items():
             print(f"  {what}: {value}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

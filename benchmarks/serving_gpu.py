@@ -293,9 +293,11 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
         misrouted = sum(int(np.argmin(np.abs(refs - got).max(axis=1)) != index)
                         for index, got in answers)
     whole_ms = np.asarray(latencies) * 1e3
-    # the process modes: the latencies of the answers the steady rate counts, so that throughput and p99 describe one
-    # span (in the last batches, once a process is done, the rest wait out max_wait for company); the whole run's
-    # beside. Clients in this process stop together: their whole run is their steady span.
+    # the process modes: the latencies of the answers the steady rate counts (those that came within the span; a
+    # slow one sent just before its end is left out as a slow one from before its start is kept), so that throughput
+    # and p99 describe one span (in the last batches, once a process is done, the rest wait out max_wait for
+    # company); the whole run's beside, as are the batch counts and sizes. Clients in this process stop together:
+    # their whole run is their steady span.
     ms = np.asarray(steady_latencies) * 1e3 if steady_latencies is not None and len(steady_latencies) else whole_ms
     whole = len(latencies) / seconds if seconds else 0.0
     return {"mode": mode, "clients": clients, "client_processes": processes,
