@@ -414,7 +414,9 @@ def test_close_without_draining_fails_queued_requests(engines: Engines) -> None:
     time.sleep(0.2)
     closer = threading.Thread(target=batcher.close, kwargs={"drain": False})
     closer.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while not batcher._closed and time.monotonic() < deadline:  # closed before the running batch ends (a fixed
+        time.sleep(0.005)  # sleep here let a loaded machine release it first, and the queued request then ran)
     gate.set()
     join_all([closer, running, queued], timeout=20)
     np.testing.assert_allclose(results["running"], engines(rows(0)), rtol=1e-5, atol=1e-6)
