@@ -784,8 +784,8 @@ class ProcessBatcher:
         room for another batch, the thread looks for one until the oldest is done instead of waiting for the GPU
         (with 128 clients and two CNN batches in flight, waiting left the GPU idle until the next batch was
         copied in: 71 % of the bound on an H200). A finished batch's callers are woken before the next batch
-        starts while the GPU still runs another (starting one took the thread 0.2-0.4 ms for a small transformer
-        on an H200, and every answer of the batch waited for it: 71-76 k req/s from 192 thread clients against
+        starts while the GPU still runs another (starting one took the thread 0.3-0.4 ms for a small transformer
+        on torch on an H200, and every answer of the batch waited for it: 71-76 k req/s from 192 thread clients against
         79-83 k when woken first); with nothing left to run, the next batch starts first, so that the GPU is not
         idle meanwhile."""
         while True:
