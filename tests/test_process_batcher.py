@@ -539,6 +539,26 @@ class Held(Recording):
         return Started(held, release.is_set)
 
 
+def four_requests(client: Any, first: int, answers: dict[int, Any], events: list[str] | None = None,
+                  until: str = "") -> list[threading.Thread]:
+    """Rows ``first`` to ``first + 3`` sent from a thread each, the answers (or errors) into ``answers``; returns
+    the started threads once ``until`` is in ``events`` (a batch started)."""
+    def one(i: int) -> None:
+        try:
+            answers[i] = client.submit(rows(i), timeout=20)
+        except Exception as err:  # what the caller learns is the test's to check
+            answers[i] = err
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(first, first + 4)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while events is not None and until not in events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert events is None or until in events, events
+    return threads
+
+
 def test_the_next_batch_starts_while_the_last_one_runs(engines: Engines) -> None:
     """With room for a second batch, the batcher's thread does not wait for a running batch (not ``ready``): a batch
     that becomes full meanwhile starts at once, before the first is finished; both answer their own callers."""
@@ -548,25 +568,12 @@ def test_the_next_batch_starts_while_the_last_one_runs(engines: Engines) -> None
         assert batcher.in_flight == 2
         client = batcher.client_handle(8).connect()
         answers: dict[int, Any] = {}
-
-        def one(i: int) -> None:
-            answers[i] = client.submit(rows(i), timeout=20)
-
-        first = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in first:
-            t.start()
-        deadline = time.monotonic() + 10
-        while "start 1" not in events and time.monotonic() < deadline:
-            time.sleep(0.01)
-        second = [threading.Thread(target=one, args=(i,)) for i in range(4, 8)]
-        for t in second:
-            t.start()
-        while "start 2" not in events and time.monotonic() < deadline:
-            time.sleep(0.01)
+        threads = four_requests(client, 0, answers, events, "start 1")
+        threads += four_requests(client, 4, answers, events, "start 2")  # started while batch 1 is held
         started = list(events)
         release.set()
         assert started == ["start 1", "start 2"]  # batch 2 started while batch 1 still ran
-        join_all(first + second, timeout=20)
+        join_all(threads, timeout=20)
         client.close()
     assert events == ["start 1", "start 2", "finish 1"]
     for i in range(8):
@@ -584,22 +591,10 @@ def test_a_finished_batch_is_answered_before_the_next_starts_while_the_gpu_runs_
         wake = batcher._wake
         batcher._wake = lambda slots: (events.append(f"wake {sorted(slots.tolist())}"), wake(slots))[1]
         client = batcher.client_handle(12).connect()
-        threads: list[threading.Thread] = []
-
-        def send(first: int, until: str) -> None:
-            for i in range(first, first + 4):
-                threads.append(threading.Thread(target=client.submit, args=(rows(i),), kwargs={"timeout": 20}))
-                threads[-1].start()
-            deadline = time.monotonic() + 10
-            while until not in events and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert until in events, events
-
-        send(0, "start 1")
-        send(4, "start 2")
-        for i in range(8, 12):
-            threads.append(threading.Thread(target=client.submit, args=(rows(i),), kwargs={"timeout": 20}))
-            threads[-1].start()
+        answers: dict[int, Any] = {}
+        threads = four_requests(client, 0, answers, events, "start 1")
+        threads += four_requests(client, 4, answers, events, "start 2")  # started while batch 1 is held
+        threads += four_requests(client, 8, answers)  # batch 3: no buffer set is free until batch 1 finishes
         time.sleep(0.2)  # batch 3's requests are in the pipe
         if second_done_first:
             released[2].set()
@@ -643,24 +638,8 @@ def test_a_finished_batch_is_answered_when_the_look_at_the_next_one_fails(engine
         wake = batcher._wake
         batcher._wake = lambda slots: (events.append(f"wake {sorted(slots.tolist())}"), wake(slots))[1]
         client = batcher.client_handle(8).connect()
-
-        def one(i: int) -> None:
-            try:
-                answers[i] = client.submit(rows(i), timeout=20)
-            except Exception as err:  # what the caller learns is the test's to check
-                answers[i] = err
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 10
-        while "start 1" not in events and time.monotonic() < deadline:
-            time.sleep(0.01)
-        threads += [threading.Thread(target=one, args=(i,)) for i in range(4, 8)]
-        for t in threads[4:]:
-            t.start()
-        while "start 2" not in events and time.monotonic() < deadline:
-            time.sleep(0.01)
+        threads = four_requests(client, 0, answers, events, "start 1")
+        threads += four_requests(client, 4, answers, events, "start 2")  # started while batch 1 is held
         release.set()
         join_all(threads, timeout=20)
         client.close()
