@@ -594,7 +594,7 @@ def test_a_finished_batch_is_answered_before_the_next_starts_while_the_gpu_runs_
         answers: dict[int, Any] = {}
         threads = four_requests(client, 0, answers, events, "start 1")
         threads += four_requests(client, 4, answers, events, "start 2")  # started while batch 1 is held
-        threads += four_requests(client, 8, answers)  # batch 3: no buffer set is free until batch 1 finishes
+        threads += four_requests(client, 8, answers)  # batch 3: two in flight already, it waits for batch 1
         time.sleep(0.2)  # batch 3's requests are in the pipe
         if second_done_first:
             released[2].set()
