@@ -208,7 +208,6 @@ class InstantEngines:
         self.spec = engines.spec
         self.queues_on_gpu = engines.queues_on_gpu
         self.buffer_sets = engines.buffer_sets
-        self.launches_on_host = engines.launches_on_host
         self.starts_at_once = engines.starts_at_once
         self.contexts = engines.contexts
         self._outputs = outputs
