@@ -627,13 +627,25 @@ def _one_context_on_cuda(backend: str, tmp_path: Path) -> runtime.Engines:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("overlapped", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, tmp_path: Path) -> None:
+def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, overlapped: bool, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The second buffer set of one context: two batches queued before either is waited for, answered out of
     order; threads with host and CUDA feeds at once; ``map`` pipelines on torch's CUDA graphs (it ran the plain loop
-    with one set)."""
+    with one set). ``overlapped``: every host input goes through its set's copy stream and device staging (for
+    large inputs only otherwise), so that a set whose staging were overwritten too early would give wrong answers."""
+    from compiler.backends import contexts
+
+    if overlapped:
+        monkeypatch.setattr(contexts, "_OVERLAPPED_COPY_BYTES", 0)
     with _one_context_on_cuda(backend, tmp_path) as engines:
         assert (engines.contexts, engines.buffer_sets) == (1, 2)
+        sets: list[Any] = [engines._acquire() for _ in range(2)]
+        for s in sets:
+            engines._release(s)
+        assert all(bool(s._device_stage) == overlapped for s in sets)  # the mlp's inputs are small
+        assert len({id(s._copy_stream) for s in sets}) == (2 if overlapped else 1)  # else the context's stream
         assert not engines.launches_on_host and engines._can_overlap()  # both replay CUDA graphs
         rng = np.random.default_rng(11)
         a, b = (rng.standard_normal((n, 64)).astype(np.float32) for n in (16, 9))
