@@ -672,8 +672,8 @@ def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without CUDA graphs (a dynamic sequence length), ``start_parts`` hands ONNX Runtime's run to the context's
     launcher thread: two batches of other lengths in flight on one context's two sets, answered in either order;
-    threads calling ``engines(x)`` while a batch is in flight there; a batcher keeping two in flight; a run that
-    fails there fails its batch, and the set serves again."""
+    threads calling ``engines(x)`` while a batch is in flight there; ``map`` pipelined; a batcher keeping two in
+    flight; a run that fails there fails its batch, and the set serves again."""
     if not _ort_cuda_available():
         pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
     monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
@@ -705,6 +705,9 @@ def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_
             got_a = finish_a()[name]
         np.testing.assert_allclose(got_a, eager("per_position", {"x": a}), rtol=1e-3, atol=1e-3)
         for answer, x in zip(got, inputs):
+            np.testing.assert_allclose(answer, eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
+        assert engines._can_overlap()  # map pipelines on the one context's two sets, shapes changing as it goes
+        for answer, x in zip(engines.map(inputs), inputs, strict=True):
             np.testing.assert_allclose(answer, eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
         with DynamicBatcher(engines, max_wait_ms=2, workers=1, timeout=30) as batcher:  # two in flight
             assert engines.buffer_sets == 2

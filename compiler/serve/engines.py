@@ -539,11 +539,10 @@ class Engines:
             return False
         if context.on_gpu:
             # with one buffer set a batch's copy would wait for the last one's compute, so only post-processing
-            # could overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, docs/benchmarks.md);
-            # two sets of one ONNX Runtime context: its run holds the host launching kernels while the other set's
-            # batch computes (map 0.73-1.07x the loop), so only two contexts pipeline there
-            if self.launches_on_host:
-                return self._max_contexts > 1
+            # could overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, docs/benchmarks.md).
+            # An ONNX Runtime run without CUDA graphs holds its thread while it queues the kernels, but not the GIL
+            # nor the GPU: on one context, map pipelined ran 0.99-1.27x as fast as the loop beside it (the transformer,
+            # four pairs, session 10)
             return self._sets > 1
         return (os.cpu_count() or 1) > 1
 
