@@ -235,8 +235,7 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
             assert batcher["p99_ms"] >= batcher["p50_ms"] > 0 and r["targets"][f"batcher_{mode}_nothing_lost"]
         assert r["bound"]["rows_per_s"] > 0
         stages = r["map"]["copy_ms"], r["map"]["compute_ms"], r["map"]["post_ms"]
-        assert r["map"]["overlapped_bound_ms"] == max(stages)
-        assert r["map"]["bound_ms"] == (max(stages) if r["contexts"] > 1 else max(stages[0] + stages[1], stages[2]))
+        assert r["map"]["bound_ms"] == max(stages)  # one context's copies overlap its compute too
         assert (r["parallel_calls"] is None) == (r["contexts"] == 1)
         batcher_targets = {f"batcher_{mode}_{what}" for mode in ("threads", "asyncio", "processes", "processes-asyncio")
                            for what in ("throughput", "p99", "nothing_lost")}
