@@ -319,6 +319,23 @@ def test_map_stops_cleanly_and_reports_errors_in_order(mlp_engines: runtime.Engi
     assert not any(t.is_alive() for t in threads), "a context leaked: callers block"
 
 
+def test_a_map_left_early_ends_its_thread_and_the_process_exits_cleanly(dirs: dict[str, Path]) -> None:
+    """Left early, ``map`` waits for its submitting thread's last run: a process that exited while that thread ran
+    inside torch aborted ("terminate called without an active exception", exit code 134)."""
+    with load(dirs["mlp"], backend="torch", device="cpu") as engines:
+        for _ in engines.map([np.zeros((16, 64), np.float32)] * 100):
+            break
+        assert not [t for t in threading.enumerate() if t.name == "trtc-map-submit"]
+    code = ("import sys, numpy as np, compiler\n"
+            "engines = compiler.load(sys.argv[1], backend='torch', device='cpu')\n"
+            "for _ in engines.map([np.zeros((16, 64), np.float32)] * 100):\n"
+            "    break\n")
+    for _ in range(3):  # the abort came in two of three runs
+        done = subprocess.run([sys.executable, "-c", code, str(dirs["mlp"])], capture_output=True, text=True,
+                              timeout=120, cwd=Path(__file__).resolve().parent.parent)
+        assert done.returncode == 0, done.stderr[-500:]
+
+
 def test_every_context_is_created_at_load(dirs: dict[str, Path]) -> None:
     """Allocation (and, on a GPU, graph capture) never lands on a request: the pool is full after load."""
     with load(dirs["mlp"], backend="onnxruntime", device="cpu", contexts=3) as engines:

@@ -511,6 +511,7 @@ class Engines:
         finally:
             with gate:
                 stop.set()
+            in_flight.release()  # a submitter waiting for a buffer set sees the stop at once
             while True:  # contexts the submitter queued before the consumer stopped
                 try:
                     item = ready.get_nowait()
@@ -519,6 +520,9 @@ class Engines:
                 if item[0] == "context":
                     item[1].wait()
                     self._release(item[1])
+            # the submitter's last run: an interpreter that exits while it runs inside torch aborts ("terminate called
+            # without an active exception", seen on a loop left early)
+            worker.join(timeout=_SUBMITTER_JOIN)
             if worker.is_alive():
                 log.debug("map: the batch iterator is still producing; its thread ends with it")
 
@@ -547,6 +551,7 @@ class Engines:
         return (os.cpu_count() or 1) > 1
 
 
+_SUBMITTER_JOIN = 1.0  # seconds a map left early waits for its submitting thread (which may be in the batch iterator)
 _MAPPING_TYPES: dict[type, bool] = {}  # the types of feeds seen, and whether each is a dict of inputs
 
 
