@@ -160,18 +160,49 @@ class _Answers:
         self._by_loop.clear()
 
 
+class OverdueWaits:
+    """The ``infer`` waits of every event loop awaiting one batcher's answers (``DynamicBatcher``, or a
+    ``BatcherClient`` of a process batcher): one ``_Overdue`` per loop, each waiting future failed with
+    ``RequestTimeout`` once its time is over. Held weakly both ways (the waits hold their futures, which hold the
+    loop): the waiting ``infer`` calls and the scheduled look keep a loop's ``_Overdue``.
+
+    One look per event loop every ``_SWEEP`` seconds: a timer handle per request cost a fifth of the loop's time per
+    request (76 k against 95 k req/s with instant answers on the dev machine), and ``asyncio.timeout``'s context
+    manager and task cancellation a third before that; in a client process, an asyncio timer per request cost a
+    quarter of its time."""
+
+    def __init__(self, advice: str) -> None:
+        self._advice = advice  # what the timeout's message tells the user to do
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[_Overdue]] = (
+            weakref.WeakKeyDictionary())
+
+    def add(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], limit: float,
+            due: float) -> _Overdue:
+        """Fail ``future`` with "no answer within ``limit``" once ``time.monotonic()`` passes ``due``, unless it is
+        done by then; ``drop`` it from what this returns once it is."""
+        kept = self._by_loop.get(loop)
+        overdue = kept() if kept is not None else None
+        if overdue is None:
+            overdue = _Overdue(self._advice)
+            self._by_loop[loop] = weakref.ref(overdue)
+        overdue.add(loop, future, limit, due)
+        return overdue
+
+
 class _Overdue:
     """The ``infer`` requests of one event loop waiting for their answers; touched on that loop only. While any
     waits, one callback every ``_SWEEP`` seconds fails those past their time. Kept per timeout in the order
     they came, so that a look stops at the first one not yet due (a look over every waiting request cost 2 us
-    per request a second of waiting, as much as the timer it replaces, when a server is overloaded)."""
+    per request a second of waiting, as much as the timer it replaces, when a server is overloaded); a wait
+    added after a later-due one of its timeout fails when that one does."""
 
-    def __init__(self) -> None:
+    def __init__(self, advice: str) -> None:
         self.waits: dict[float, dict[asyncio.Future[Any], float]] = {}  # timeout -> {future: when it fails}
+        self._advice = advice
         self._armed = False
 
-    def add(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], limit: float) -> None:
-        self.waits.setdefault(limit, {})[future] = time.monotonic() + limit
+    def add(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], limit: float, due: float) -> None:
+        self.waits.setdefault(limit, {})[future] = due
         if not self._armed:
             self._armed = True
             loop.call_later(_SWEEP, self._sweep, loop)
@@ -186,19 +217,14 @@ class _Overdue:
                 late = list(itertools.takewhile(lambda item: item[1] <= now, waits.items()))
                 for future, _ in late:
                     del waits[future]
-                    _expire(future, limit)
+                    if not future.done():  # a request still queued is then dropped (``_Request.start``)
+                        future.set_exception(RequestTimeout(f"no answer within {limit * 1000:.0f} ms: {self._advice}"))
                 if not waits:
                     del self.waits[limit]
         finally:  # re-armed whatever happened, or no later timeout of this loop would fire
             self._armed = bool(self.waits)
             if self._armed:
                 loop.call_later(_SWEEP, self._sweep, loop)
-
-
-def _expire(future: Any, limit: float) -> None:
-    """On the event loop: fail an asyncio request still unanswered at its timeout (dropped if still queued)."""
-    if not future.done():
-        future.set_exception(RequestTimeout(f"no answer within {limit * 1000:.0f} ms: {_OVERLOADED}"))
 
 
 def _settle(items: list[tuple[Any, Any, BaseException | None]]) -> None:
@@ -269,10 +295,7 @@ class DynamicBatcher:
         self._closed = False
         self._drain = True
         self._workers = workers
-        # per event loop, its waiting ``infer`` requests; held weakly both ways (the waits hold their futures, which
-        # hold the loop): the waiting ``infer`` calls and the scheduled look keep it
-        self._overdue: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[_Overdue]] = (
-            weakref.WeakKeyDictionary())
+        self._overdue = OverdueWaits(_OVERLOADED)
         self._threads = [threading.Thread(target=self._work, name=f"trtc-batcher-{i}", daemon=True)
                          for i in range(workers)]
         for thread in self._threads:
@@ -327,15 +350,7 @@ class DynamicBatcher:
         limit = self.timeout if timeout is None else timeout
         if limit is None:
             return await future
-        # one look per event loop every ``_SWEEP`` seconds fails the late ones: a timer handle per request cost a
-        # fifth of the loop's time per request (76 k against 95 k req/s with instant answers on the dev machine),
-        # and asyncio.timeout's context manager and task cancellation a third before that
-        kept = self._overdue.get(loop)
-        overdue = kept() if kept is not None else None
-        if overdue is None:
-            overdue = _Overdue()
-            self._overdue[loop] = weakref.ref(overdue)
-        overdue.add(loop, future, limit)
+        overdue = self._overdue.add(loop, future, limit, time.monotonic() + limit)
         try:
             return await future
         finally:

@@ -69,7 +69,7 @@ import numpy as np
 
 from compiler.core.errors import FeedError, InputError
 from compiler.core.specs import BATCH_DIM, DimRange, ModelSpec
-from compiler.serve.batcher import BatcherClosed, RequestTimeout, check_settings, is_ready
+from compiler.serve.batcher import BatcherClosed, OverdueWaits, RequestTimeout, check_settings, is_ready
 from compiler.serve.feeds import InputCheck, check_shape, checks_for, mismatch
 
 __all__ = ["ProcessBatcher", "ClientHandle", "BatcherClient", "RequestFailed"]
@@ -92,7 +92,6 @@ _FEEDS_PER_SLOT = 8  # (rows, sizes) whose feed a slot keeps
 _GATHER_BYTES = 1 << 20
 _GONE = "the batcher is closed, or its process ended; restart the server"
 _GRACE = 1.0  # seconds a caller waits past its timeout for a batch that started just before it
-_SWEEP = 0.1  # seconds between the client's looks for overdue ``infer`` waits
 _OVERLOADED = "the server is overloaded; raise the timeout, or add contexts (in_flight) or GPUs"
 
 
@@ -246,9 +245,8 @@ class BatcherClient:
                 self._free.put(slot)
             else:  # a request of an earlier process with this handle is still unanswered
                 self._abandoned.add(slot)
-        # ``infer``'s waits: slot -> (its event loop, its future, when it is overdue)
-        self._futures: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None], float]] = {}
-        self._overdue_after = math.inf  # no wait in ``_futures`` is overdue before then
+        self._futures: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}  # ``infer``'s waits
+        self._overdue = OverdueWaits(_OVERLOADED)
         self._lock = threading.Lock()
         self._answers = handle.answers.fileno()
         self._gone = False  # the batcher's process ended (its end of the answers' pipe closed)
@@ -288,9 +286,9 @@ class BatcherClient:
 
     async def infer(self, x: Any, *, timeout: float | None = None) -> Any:
         """``submit`` for asyncio: ``await client.infer(x)`` in a coroutine; the event loop is never blocked (when
-        every slot is busy, it waits for one in steps of a millisecond). The client's thread that wakes the callers
-        also fails the overdue ones (within ``_SWEEP`` seconds of their time): an asyncio timer per request cost
-        the client process a quarter of its time per request."""
+        every slot is busy, it waits for one in steps of a millisecond). A wait past its time (a stalled batcher:
+        it answers every request by its deadline) is failed by a look of its event loop every 10 ms, as
+        ``DynamicBatcher.infer``'s are (``OverdueWaits``)."""
         limit, single, arrays, rows, dims = self._request(x, timeout)
         loop = asyncio.get_running_loop()
         end = time.monotonic() + (limit if limit is not None else math.inf)
@@ -305,14 +303,13 @@ class BatcherClient:
             with self._lock:  # before the request is sent: its answer may come at once
                 if self._gone:  # the wake thread has ended: nobody would settle the future
                     raise BatcherClosed(_GONE)
-                self._futures[slot] = (loop, future, end + _GRACE)
-                if limit is not None:
-                    self._overdue_after = min(self._overdue_after, end + _GRACE)
+                self._futures[slot] = (loop, future)
+            overdue = None if limit is None else self._overdue.add(loop, future, limit, end + _GRACE)
             try:
                 if number < 0:
                     number = self._send(slot, arrays, rows, dims, end)
                 await future
-            except BaseException as err:  # a timeout or the caller's cancellation: the slot is free once answered
+            except BaseException:  # a timeout or the caller's cancellation: the slot is free once answered
                 with self._lock:
                     self._futures.pop(slot, None)
                     if number < 0 or int(self._arrays["answered"][slot]) == number:  # never sent, or answered
@@ -321,9 +318,10 @@ class BatcherClient:
                         self._free.put(slot)
                     else:
                         self._abandoned.add(slot)  # its answer will release the slot's lock, as for ``submit``
-                if isinstance(err, _PastDue):
-                    raise RequestTimeout(f"no answer within {(limit or 0) * 1000:.0f} ms: {_OVERLOADED}") from None
                 raise
+            finally:
+                if overdue is not None and limit is not None:
+                    overdue.drop(future, limit)
             if self._gone or int(self._arrays["answered"][slot]) == number:
                 return self._finish(slot, number, rows, single)
 
@@ -432,16 +430,9 @@ class BatcherClient:
                 "(client_handle(slots=...)), or send fewer requests at once")
 
     def _wake_callers(self) -> None:
-        """The client's thread that reads the numbers of answered slots from its pipe and wakes their callers, and
-        fails ``infer``'s overdue waits."""
+        """The client's thread that reads the numbers of answered slots from its pipe and wakes their callers."""
         ready = self._ready
-        poll = select.poll()
-        poll.register(self._answers, select.POLLIN)
         while True:
-            if time.monotonic() >= self._overdue_after:
-                self._fail_overdue()
-            if not poll.poll(_SWEEP * 1000):  # never blocks for longer (ten wake-ups a second when idle): a wait
-                continue  # may be added meanwhile
             try:
                 data = os.read(self._answers, 1 << 12)
             except OSError:
@@ -465,19 +456,6 @@ class BatcherClient:
             _settle_on_loops(by_loop)
             if gone:
                 return
-
-    def _fail_overdue(self) -> None:
-        """Fail the ``infer`` waits past their time (the batcher answers every request by its deadline, so these
-        are only for a batcher that stalled)."""
-        now = time.monotonic()
-        by_loop: _ByLoop = {}
-        with self._lock:
-            for slot, (loop, future, after) in list(self._futures.items()):
-                if after <= now:
-                    del self._futures[slot]
-                    by_loop.setdefault(loop, []).append(future)
-            self._overdue_after = min((after for _, _, after in self._futures.values()), default=math.inf)
-        _settle_on_loops(by_loop, _PastDue)
 
     def _answer(self, slot: int, number: int, rows: int, single: bool) -> Any:
         arrays = self._arrays
@@ -532,29 +510,21 @@ class BatcherClient:
         self.close()
 
 
-class _PastDue(Exception):
-    """An ``infer`` wait past its time (``BatcherClient._fail_overdue``)."""
-
-
 _ByLoop = dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]]  # futures to settle, by their event loop
 
 
-def _settle_on_loops(by_loop: _ByLoop, error: type[Exception] | None = None) -> None:
+def _settle_on_loops(by_loop: _ByLoop) -> None:
     """From the client's thread: settle each loop's futures on that loop (``_settle``), one call per loop."""
     for loop, futures in by_loop.items():
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these
-            loop.call_soon_threadsafe(_settle, futures, error)
+            loop.call_soon_threadsafe(_settle, futures)
 
 
-def _settle(futures: list[asyncio.Future[None]], error: type[Exception] | None = None) -> None:
-    """On the event loop: wake the coroutines whose answers are in, or fail them with ``error`` (unless they stopped
-    waiting)."""
+def _settle(futures: list[asyncio.Future[None]]) -> None:
+    """On the event loop: wake the coroutines whose answers are in (unless they stopped waiting)."""
     for future in futures:
         if not future.done():
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error())
+            future.set_result(None)
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:
