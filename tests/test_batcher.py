@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from compiler.core.errors import InputError
-from compiler.serve.batcher import BatcherClosed, DynamicBatcher, RequestTimeout
+from compiler.serve.batcher import BatcherClosed, DynamicBatcher, OverdueWaits, RequestTimeout
 from compiler.serve.engines import Engines, FeedError, load
 from tests.test_runtime import build_directory
 
@@ -362,6 +362,33 @@ def test_late_infer_requests_fail_after_a_loop_restart_and_a_closed_loop_is_not_
         time.sleep(0.1)  # the last answer is handed to the closed loop (and dropped)
     gc.collect()
     assert closed() is None, "the batcher keeps a closed event loop and its waiting requests alive"
+
+
+def test_overdue_waits_fail_each_wait_at_its_own_time_and_only_once() -> None:
+    """Of two waits with one timeout, the one added later but due first fails first (a process batcher client's
+    wait counts from its call, before it waited for a free slot); an answered (dropped) wait never fails; a future
+    already settled keeps its answer, and the look raises nothing."""
+    loop = asyncio.new_event_loop()
+    errors: list[Any] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        waits = OverdueWaits("add GPUs")
+        now = time.monotonic()
+        later, first, answered, settled = (loop.create_future() for _ in range(4))
+        overdue = waits.add(loop, later, 0.1, now + 30)
+        for future in (first, answered, settled):
+            assert waits.add(loop, future, 0.1, now + 0.05) is overdue  # one look per event loop
+        overdue.drop(answered)
+        settled.set_result("the answer")
+        loop.run_until_complete(asyncio.sleep(0.3))
+        assert isinstance(first.exception(), RequestTimeout)
+        assert "no answer within 100 ms: add GPUs" in str(first.exception())
+        assert not later.done() and not answered.done() and settled.result() == "the answer"
+        assert not errors, errors
+        overdue.drop(later)
+        assert not overdue.live
+    finally:
+        loop.close()
 
 
 def test_workers_are_woken_per_batch_not_per_request(engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:

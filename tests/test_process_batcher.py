@@ -111,11 +111,15 @@ def test_threads_of_one_client_many_rows_and_dicts(engines: Engines) -> None:
 
 
 def test_coroutines_of_one_client_each_get_their_own_rows(engines: Engines) -> None:
-    """40 coroutines on 6 slots: the ones without a slot wait for one; every answer is the caller's own."""
+    """40 coroutines on 6 slots: the ones without a slot wait for one; every answer is the caller's own, and no
+    answered wait is left for the look that fails overdue ones."""
     requests = [rows(i, 1 + i % 2) for i in range(40)]
 
     async def main(client: Any) -> list[Any]:
-        return await asyncio.gather(*(client.infer(x, timeout=20) for x in requests))
+        answers = await asyncio.gather(*(client.infer(x, timeout=20) for x in requests))
+        overdue = client._overdue._by_loop[asyncio.get_running_loop()]()
+        assert overdue is not None and not overdue.live  # every answered wait was dropped from the timeouts' look
+        return answers
 
     with ProcessBatcher(engines, capacity=6, slot_rows=2, max_wait_ms=5) as batcher:
         client = batcher.client_handle(6).connect()

@@ -32,6 +32,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import heapq
 import itertools
 import logging
 import threading
@@ -191,38 +192,46 @@ class OverdueWaits:
 
 class _Overdue:
     """The ``infer`` requests of one event loop waiting for their answers; touched on that loop only. While any
-    waits, one callback every ``_SWEEP`` seconds fails those past their time. Kept per timeout in the order
-    they came, so that a look stops at the first one not yet due (a look over every waiting request cost 2 us
-    per request a second of waiting, as much as the timer it replaces, when a server is overloaded); a wait
-    added after a later-due one of its timeout fails when that one does."""
+    waits, one callback every ``_SWEEP`` seconds fails those past their time. A heap by due time, so that a look
+    pops only the due ones (a look over every waiting request cost 2 us per request a second of waiting, as much as
+    the timer it replaces, when a server is overloaded); a wait dropped before its time (an answered one) leaves
+    its heap entry behind, and the heap is rebuilt from the live waits once it holds twice as many."""
 
     def __init__(self, advice: str) -> None:
-        self.waits: dict[float, dict[asyncio.Future[Any], float]] = {}  # timeout -> {future: when it fails}
+        self.live: dict[asyncio.Future[Any], tuple[float, float]] = {}  # future -> (when it fails, its timeout)
+        self._heap: list[tuple[float, int, asyncio.Future[Any]]] = []  # (when it fails, order added, future)
+        self._added = itertools.count()
         self._advice = advice
         self._armed = False
 
     def add(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], limit: float, due: float) -> None:
-        self.waits.setdefault(limit, {})[future] = due
+        self.live[future] = (due, limit)
+        heapq.heappush(self._heap, (due, next(self._added), future))
+        if len(self._heap) > 2 * len(self.live) + 64:
+            self._heap = [(when, next(self._added), waiting) for waiting, (when, _) in self.live.items()]
+            heapq.heapify(self._heap)
         if not self._armed:
             self._armed = True
             loop.call_later(_SWEEP, self._sweep, loop)
 
-    def drop(self, future: asyncio.Future[Any], limit: float) -> None:
-        self.waits.get(limit, {}).pop(future, None)
+    def drop(self, future: asyncio.Future[Any]) -> None:
+        self.live.pop(future, None)
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             now = time.monotonic()
-            for limit, waits in list(self.waits.items()):
-                late = list(itertools.takewhile(lambda item: item[1] <= now, waits.items()))
-                for future, _ in late:
-                    del waits[future]
-                    if not future.done():  # a request still queued is then dropped (``_Request.start``)
-                        future.set_exception(RequestTimeout(f"no answer within {limit * 1000:.0f} ms: {self._advice}"))
-                if not waits:
-                    del self.waits[limit]
+            heap, live = self._heap, self.live
+            while heap and heap[0][0] <= now:
+                future = heapq.heappop(heap)[2]
+                entry = live.pop(future, None)
+                if entry is None:  # answered (dropped) before its time
+                    continue
+                if not future.done():  # a request still queued is then dropped (``_Request.start``)
+                    future.set_exception(RequestTimeout(f"no answer within {entry[1] * 1000:.0f} ms: {self._advice}"))
+            if not live:
+                heap.clear()
         finally:  # re-armed whatever happened, or no later timeout of this loop would fire
-            self._armed = bool(self.waits)
+            self._armed = bool(self.live)
             if self._armed:
                 loop.call_later(_SWEEP, self._sweep, loop)
 
@@ -354,7 +363,7 @@ class DynamicBatcher:
         try:
             return await future
         finally:
-            overdue.drop(future, limit)
+            overdue.drop(future)
 
     def _enqueue(self, x: Any, timeout: float | None, priority: bool, future: Any,
                  loop: asyncio.AbstractEventLoop | None) -> None:

@@ -320,8 +320,8 @@ class BatcherClient:
                         self._abandoned.add(slot)  # its answer will release the slot's lock, as for ``submit``
                 raise
             finally:
-                if overdue is not None and limit is not None:
-                    overdue.drop(future, limit)
+                if overdue is not None:
+                    overdue.drop(future)
             if self._gone or int(self._arrays["answered"][slot]) == number:
                 return self._finish(slot, number, rows, single)
 
