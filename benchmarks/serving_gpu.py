@@ -27,8 +27,9 @@ contexts (batcher workers = contexts):
   packing the requests costs against one contiguous array;
 * ``map`` vs the sequential loop ``post(engines(x))`` over ``--map-batches`` batches of
   ``--map-batch`` rows (five runs of each, in turns), and the bound max(copy, compute, post) per
-  batch measured stage by stage on one context (with one context as with two: its buffer sets copy
-  large inputs on streams of their own); targets: map >= 90 % of the bound and never slower than the loop.
+  batch measured stage by stage on one context, the issue's bound with one context as with two (a context's
+  buffer sets copy inputs of 1 MiB or more on streams of their own; the transformer's small copies stay on
+  the context's stream); targets: map >= 90 % of the bound and never slower than the loop.
 
 ``--ort-cuda-option KEY=VALUE`` overrides the runtime's ONNX Runtime CUDA options, to compare
 (e.g. ``cudnn_conv_algo_search=EXHAUSTIVE``, ONNX Runtime's default); the JSON records whether each
@@ -428,9 +429,9 @@ def paired_walls(first: Any, second: Any, repeat: int) -> tuple[float, float]:
 def map_run(engines: Any, model: Model, rows: int, count: int) -> dict[str, Any]:
     """``map`` vs the sequential loop, and the stages alone on one context: copy (upload + download), compute,
     post-processing. The bound is max(copy, compute, post) per batch, with one context as with two: each of a
-    context's two buffer sets copies large inputs on its own copy stream, so a batch's copy overlaps the batch
-    before it (until session 10 one context queued its copies behind the compute, and the bound was then
-    max(copy + compute, post))."""
+    context's two buffer sets copies inputs of 1 MiB or more on its own copy stream, so a batch's copy overlaps
+    the batch before it (until session 10 one context queued its copies behind the compute, and the bound was
+    then max(copy + compute, post)). Smaller copies (the transformer's) stay on the context's stream."""
     batches = [feed_of(engines, model, rows, seed=i) for i in range(4)]
     work = [batches[i % len(batches)] for i in range(count)]
     args = [b if len(b) > 1 else next(iter(b.values())) for b in work]

@@ -6,7 +6,8 @@ and the two kinds of context that hold a bucket's buffers.
   (TensorRT, ONNX Runtime's CUDA provider and eager PyTorch on a GPU), with ``_ComputeOrder``
   keeping the model runs of one backend's contexts in sequence and ``_capture`` for CUDA graphs.
   Each has ``BUFFER_SETS`` buffer sets (``lane``): the host copies the next batch into one set's
-  pinned staging while the last batch, from the other set, runs on the GPU.
+  pinned staging while the last batch, from the other set, runs on the GPU; large inputs go to the
+  device on a copy stream of the set's own.
 
 The front end (``Engines``, ``load``) is ``compiler.serve.engines``; the backends are
 ``compiler.backends.trt``, ``compiler.backends.onnxrt`` and ``compiler.backends.pytorch``.
@@ -302,7 +303,11 @@ class _GpuContext:
     in 0.02 ms on an H200, against 0.70 ms from pinned memory). So one context's copy of a batch
     overlaps the model run of the batch before it, as copies of two contexts already overlapped: on an
     H200, ``map`` of a ResNet-50-sized CNN with one context went from 0.78-0.81 of its bound (the
-    slowest stage alone) to 0.96-1.00 (docs/benchmarks.md, session 10).
+    slowest stage alone) to 0.95-1.00 (docs/benchmarks.md, "Session 10"). It costs each set device
+    memory for the largest bucket's large inputs (2 x 38.5 MB per context for that CNN at 64), and a
+    stream from torch's pool (32 per device, handed out in turn: past about ten contexts in a process, a
+    set's copy stream may be another's stream, which stays correct but overlaps less). Outputs go back
+    on the context's stream.
     """
 
     on_gpu = True
@@ -349,14 +354,13 @@ class _GpuContext:
         self._host_flat = {key: torch.zeros(flat.numel(), dtype=flat.dtype, pin_memory=True)
                            for key, flat in self._device_flat.items()}
         self._host_np = {key: flat.numpy() for key, flat in self._host_flat.items()}
-        largest: dict[str, Any] = {}
-        for (_, name), flat in self._device_flat.items():
-            if name not in largest or flat.numel() > largest[name].numel():
-                largest[name] = flat
-        self._device_stage: dict[str, Any] = {name: torch.empty_like(flat) for name, flat in largest.items()
-                              if flat.numel() * flat.element_size() >= _OVERLAPPED_COPY_BYTES}
+        largest = max(bucket for bucket, _ in self._device_flat)
+        self._device_stage: dict[str, Any] = {
+            name: torch.empty_like(flat) for (bucket, name), flat in self._device_flat.items()
+            if bucket == largest and flat.numel() * flat.element_size() >= _OVERLAPPED_COPY_BYTES}
         self._copy_stream = torch.cuda.Stream(self.device) if self._device_stage else self.stream
-        self._copied = torch.cuda.Event()
+        self._copied = torch.cuda.Event()  # on the copy stream: this set's staging holds the batch
+        self._stage_read = torch.cuda.Event()  # on the context's stream: its copies out of the staging are done
 
     def lane(self) -> _GpuContext:
         """Another buffer set of this context (see the class docstring): what ``Engines`` pools besides it."""
@@ -463,9 +467,7 @@ class _GpuContext:
                 staged.append((target, stage[:source.numel()].view(source.shape), source))
         if not staged:
             return
-        # this set's last run has read its staging (the host waited for it before reusing the set; this makes the
-        # GPU wait for it too)
-        self._copy_stream.wait_event(self._done)
+        self._copy_stream.wait_event(self._stage_read)  # the last batch through this staging has left it
         with torch.cuda.stream(self._copy_stream):
             for _, stage, source in staged:
                 stage.copy_(source, non_blocking=True)
@@ -473,6 +475,7 @@ class _GpuContext:
         self.stream.wait_event(self._copied)
         for target, stage, _ in staged:
             target.copy_(stage, non_blocking=True)
+        self._stage_read.record(self.stream)
 
     def _upload(self, bucket: int, call: CheckedFeed, start: int, stop: int) -> None:
         """Queue the copy of rows ``start:stop`` into the bucket's device inputs (through pinned memory); a

@@ -29,9 +29,10 @@ Thread safety: an ``Engines`` may be called from any number of threads. Each cal
 buffer set from a small pool and gives it back when its outputs are copied out; callers beyond
 the pool wait for a free one. The pool: ``contexts`` (default 2, all created at load, so that
 graph capture and allocation never land on a request), each with two buffer sets on a GPU
-(``buffer_sets``: pinned staging and host outputs of their own, sharing the context's device
-buffers, stream and model; their runs are queued on the stream one whole run at a time), so the
-host copies one batch in while the context computes another; one set per context on the CPU.
+(``buffer_sets``: pinned staging and host outputs of their own, and a copy stream for large inputs,
+sharing the context's device buffers, stream and model; their runs are queued on the stream one whole
+run at a time), so the host copies one batch in while the context computes another; one set per
+context on the CPU.
 
 ``trtc bench`` times these same backends (``Engines.borrow`` and a context's ``upload`` /
 ``compute`` / ``download``); there is no second way to run a model.
@@ -428,7 +429,8 @@ class Engines:
         CUDA stream), on a CPU backend with the compute in a second thread. A buffer set is given back as soon
         as its outputs are copied out, before ``postprocess`` runs, so post-processing never holds
         up the copies and compute of the next batches. Everything is synchronized before the last
-        result is yielded; leaving the loop early stops the work. Where the host cannot be free while
+        result is yielded; leaving the loop early stops the work (it waits up to a second for the thread that
+        queues the batches, which may be inside the batch iterator). Where the host cannot be free while
         a batch computes (eager torch without CUDA graphs launches every kernel under the GIL; a
         one-core CPU), it runs the plain loop instead, which is then at least as fast.
         """
@@ -456,9 +458,7 @@ class Engines:
 
         def submit_all() -> None:
             for batch in batches:
-                while not in_flight.acquire(timeout=0.05):
-                    if stop.is_set():
-                        return
+                in_flight.acquire()  # the consumer releases it once more when it stops
                 if stop.is_set():
                     return
                 single = not isinstance(batch, Mapping)
@@ -511,7 +511,7 @@ class Engines:
         finally:
             with gate:
                 stop.set()
-            in_flight.release()  # a submitter waiting for a buffer set sees the stop at once
+            in_flight.release()  # a submitter waiting for a buffer set wakes, and sees the stop
             while True:  # contexts the submitter queued before the consumer stopped
                 try:
                     item = ready.get_nowait()
