@@ -366,8 +366,8 @@ def test_late_infer_requests_fail_after_a_loop_restart_and_a_closed_loop_is_not_
 
 def test_overdue_waits_fail_each_wait_at_its_own_time_and_only_once() -> None:
     """Of two waits with one timeout, the one added later but due first fails first (a process batcher client's
-    wait counts from its call, before it waited for a free slot); an answered (dropped) wait never fails; a future
-    already settled keeps its answer, and the look raises nothing."""
+    wait counts from its call, before it waited for a free slot); an answered (dropped) wait never fails and is not
+    kept; a future already settled keeps its answer, and the look raises nothing."""
     loop = asyncio.new_event_loop()
     errors: list[Any] = []
     loop.set_exception_handler(lambda _, context: errors.append(context))
@@ -376,8 +376,9 @@ def test_overdue_waits_fail_each_wait_at_its_own_time_and_only_once() -> None:
         now = time.monotonic()
         later, first, answered, settled = (loop.create_future() for _ in range(4))
         overdue = waits.add(loop, later, 0.1, now + 30)
-        for future in (first, answered, settled):
-            assert waits.add(loop, future, 0.1, now + 0.05) is overdue  # one look per event loop
+        assert waits.add(loop, first, 0.1, now + 0.001) is overdue  # one look per event loop; due before it looks
+        for future in (answered, settled):
+            waits.add(loop, future, 0.1, now + 0.05)
         overdue.drop(answered)
         settled.set_result("the answer")
         loop.run_until_complete(asyncio.sleep(0.3))
@@ -385,8 +386,16 @@ def test_overdue_waits_fail_each_wait_at_its_own_time_and_only_once() -> None:
         assert "no answer within 100 ms: add GPUs" in str(first.exception())
         assert not later.done() and not answered.done() and settled.result() == "the answer"
         assert not errors, errors
+        for _ in range(5000):  # answered waits leave nothing behind: neither their futures nor their ticks
+            gone = loop.create_future()
+            waits.add(loop, gone, 0.1, time.monotonic() + 0.1)
+            overdue.drop(gone)
+        dropped = weakref.ref(gone)
+        del gone
+        gc.collect()
+        assert dropped() is None and list(overdue.live) == [later] and len(overdue._ticks) == 1
         overdue.drop(later)
-        assert not overdue.live
+        assert not overdue.live and not overdue._ticks
     finally:
         loop.close()
 

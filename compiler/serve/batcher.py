@@ -32,8 +32,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import heapq
-import itertools
 import logging
 import threading
 import time
@@ -192,44 +190,55 @@ class OverdueWaits:
 
 class _Overdue:
     """The ``infer`` requests of one event loop waiting for their answers; touched on that loop only. While any
-    waits, one callback every ``_SWEEP`` seconds fails those past their time. A heap by due time, so that a look
-    pops only the due ones (a look over every waiting request cost 2 us per request a second of waiting, as much as
-    the timer it replaces, when a server is overloaded); a wait dropped before its time (an answered one) leaves
-    its heap entry behind, and the heap is rebuilt from the live waits once it holds twice as many."""
+    waits, one callback every ``_SWEEP`` seconds fails those past their time. The waits are kept by the ``_SWEEP``
+    tick they fall due in, so that adding and dropping one costs two dict operations and a look goes over the
+    ticks since the last look only (a look over every waiting request cost 2 us per request a second of waiting,
+    as much as the timer it replaces, when a server is overloaded), and a dropped (answered) wait keeps nothing
+    alive."""
 
     def __init__(self, advice: str) -> None:
-        self.live: dict[asyncio.Future[Any], tuple[float, float]] = {}  # future -> (when it fails, its timeout)
-        self._heap: list[tuple[float, int, asyncio.Future[Any]]] = []  # (when it fails, order added, future)
-        self._added = itertools.count()
+        self.live: dict[asyncio.Future[Any], int] = {}  # future -> the tick it falls due in
+        self._ticks: dict[int, dict[asyncio.Future[Any], tuple[float, float]]] = {}  # tick -> {future: (due, limit)}
+        self._next = 0  # the first tick the next look goes over
         self._advice = advice
         self._armed = False
 
     def add(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], limit: float, due: float) -> None:
-        self.live[future] = (due, limit)
-        heapq.heappush(self._heap, (due, next(self._added), future))
-        if len(self._heap) > 2 * len(self.live) + 64:
-            self._heap = [(when, next(self._added), waiting) for waiting, (when, _) in self.live.items()]
-            heapq.heapify(self._heap)
+        tick = int(due // _SWEEP)
+        self._ticks.setdefault(tick, {})[future] = (due, limit)
+        self.live[future] = tick
+        self._next = min(self._next, tick) if self._armed else tick
         if not self._armed:
             self._armed = True
             loop.call_later(_SWEEP, self._sweep, loop)
 
     def drop(self, future: asyncio.Future[Any]) -> None:
-        self.live.pop(future, None)
+        tick = self.live.pop(future, None)
+        if tick is None:
+            return
+        waits = self._ticks[tick]
+        del waits[future]
+        if not waits:
+            del self._ticks[tick]
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             now = time.monotonic()
-            heap, live = self._heap, self.live
-            while heap and heap[0][0] <= now:
-                future = heapq.heappop(heap)[2]
-                entry = live.pop(future, None)
-                if entry is None:  # answered (dropped) before its time
+            last = int(now // _SWEEP)
+            for tick in range(self._next, last + 1):
+                waits = self._ticks.get(tick)
+                if not waits:
                     continue
-                if not future.done():  # a request still queued is then dropped (``_Request.start``)
-                    future.set_exception(RequestTimeout(f"no answer within {entry[1] * 1000:.0f} ms: {self._advice}"))
-            if not live:
-                heap.clear()
+                for future, (due, limit) in list(waits.items()):
+                    if due > now:  # the last tick's later part
+                        continue
+                    del waits[future]
+                    del self.live[future]
+                    if not future.done():  # a request still queued is then dropped (``_Request.start``)
+                        future.set_exception(RequestTimeout(f"no answer within {limit * 1000:.0f} ms: {self._advice}"))
+                if not waits:
+                    del self._ticks[tick]
+            self._next = last
         finally:  # re-armed whatever happened, or no later timeout of this loop would fire
             self._armed = bool(self.live)
             if self._armed:
