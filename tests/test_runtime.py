@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -324,10 +325,20 @@ def test_a_map_left_early_ends_its_thread_and_the_process_exits_cleanly(dirs: di
     inside torch aborted ("terminate called without an active exception", exit code 134). The thread's end is the
     guard; the exit codes depend on timing (without the wait, 5 of 5 runs aborted on the 2-core dev machine, while a
     reviewer's 10 of 10 did not)."""
+    def submitters() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "trtc-map-submit"]
+
     with load(dirs["mlp"], backend="torch", device="cpu") as engines:
         for _ in engines.map([np.zeros((16, 64), np.float32)] * 100):
             break
-        assert not [t for t in threading.enumerate() if t.name == "trtc-map-submit"]
+        assert not submitters()
+        for batches in ([np.zeros((4, 64), np.float32)] * 100, [np.zeros((16 * 20000, 64), np.float32)] * 3):
+            mapped = engines.map(batches)  # a submitter blocked for a free set; one inside a batch of 20,000 chunks
+            next(mapped)
+            time.sleep(0.3)
+            start = time.monotonic()
+            mapped.close()
+            assert time.monotonic() - start < 0.5 and not submitters()
     code = ("import sys, numpy as np, compiler\n"
             "engines = compiler.load(sys.argv[1], backend='torch', device='cpu')\n"
             "for _ in engines.map([np.zeros((16, 64), np.float32)] * 100):\n"
@@ -343,12 +354,17 @@ def test_map_pipelines_on_one_context_that_launches_its_kernels_from_the_host(di
     ``map`` on its two buffer sets: its run holds its thread, not the GIL. Taken as a CPU context dressed as one."""
     with load(dirs["mlp"], backend="onnxruntime", device="cpu", contexts=1) as engines:
         context: Any = engines._contexts[0]
+        saved = context.on_gpu, context.launches_on_host, engines._sets
         context.on_gpu, context.launches_on_host = True, True
         engines._sets = 2
         try:
             assert engines.launches_on_host and engines._can_overlap()
+            xs = [np.random.default_rng(i).standard_normal((i + 1, 64)).astype(np.float32) for i in range(8)]
+            want = [engines(x) for x in xs]  # not inside the loop: map may hold the one set
+            for got, expected in zip(engines.map(xs), want, strict=True):
+                np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
         finally:
-            engines._sets = 1  # ``close`` waits for every buffer set
+            context.on_gpu, context.launches_on_host, engines._sets = saved  # ``close`` waits for every buffer set
 
 
 def test_every_context_is_created_at_load(dirs: dict[str, Path]) -> None:

@@ -305,9 +305,10 @@ class _GpuContext:
     H200, ``map`` of a ResNet-50-sized CNN with one context went from 0.78-0.81 of its bound (the
     slowest stage alone) to 0.95-1.00 (docs/benchmarks.md, "Session 10"). It costs each set device
     memory for the largest bucket's large inputs (2 x 38.5 MB per context for that CNN at 64), and a
-    stream from torch's pool (32 per device, handed out in turn: past about ten contexts in a process, a
-    set's copy stream may be another's stream, which stays correct but overlaps less). Outputs go back
-    on the context's stream.
+    stream from torch's high-priority pool, apart from the contexts' own streams (a copy stream that were a
+    context's stream could have other threads' copies captured into that context's CUDA graphs); past 32
+    buffer sets in a process two share a copy stream, which only queues their copies one after the other.
+    Outputs go back on the context's stream.
     """
 
     on_gpu = True
@@ -358,7 +359,8 @@ class _GpuContext:
         self._device_stage: dict[str, Any] = {
             name: torch.empty_like(flat) for (bucket, name), flat in self._device_flat.items()
             if bucket == largest and flat.numel() * flat.element_size() >= _OVERLAPPED_COPY_BYTES}
-        self._copy_stream = torch.cuda.Stream(self.device) if self._device_stage else self.stream
+        # from torch's high-priority pool: never a context's own stream (those come from the default pool)
+        self._copy_stream = torch.cuda.Stream(self.device, priority=-1) if self._device_stage else self.stream
         self._copied = torch.cuda.Event()  # on the copy stream: this set's staging holds the batch
         self._stage_read = torch.cuda.Event()  # on the context's stream: its copies out of the staging are done
 

@@ -397,14 +397,19 @@ class Engines:
         """The bucket a batch of ``rows`` runs in (at most the largest: larger batches run in chunks of it)."""
         return self._route[min(rows, self._largest)]
 
-    def _run(self, call: CheckedFeed) -> dict[str, Any]:
+    def _run(self, call: CheckedFeed, stopped: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Run ``call`` (in chunks of the largest bucket beyond it); raises ``_Stopped`` when ``stopped()`` turns
+        true between two chunks (``map`` left early)."""
         context = self._acquire()
         try:
             largest = self.buckets[-1]
             if call.rows <= largest:
                 return self._run_chunk(context, call, 0, call.rows)
-            parts = [self._run_chunk(context, call, start, min(start + largest, call.rows))
-                     for start in range(0, call.rows, largest)]
+            parts = []
+            for start in range(0, call.rows, largest):
+                if stopped is not None and stopped():
+                    raise _Stopped
+                parts.append(self._run_chunk(context, call, start, min(start + largest, call.rows)))
         finally:
             self._release(context)
         return {name: _concatenate([p[name] for p in parts]) for name in self.output_names}
@@ -463,8 +468,12 @@ class Engines:
                     return
                 single = not isinstance(batch, Mapping)
                 call = self.check(batch)
-                if call.rows > largest:  # chunked: runs whole, outputs copied out
-                    ready.put(("done", self._run(call), call, single))
+                if call.rows > largest:  # chunked: runs whole (unless the consumer stops), outputs copied out
+                    try:
+                        outputs = self._run(call, stop.is_set)
+                    except _Stopped:
+                        return
+                    ready.put(("done", outputs, call, single))
                     continue
                 context = self._acquire()
                 try:
@@ -549,6 +558,10 @@ class Engines:
             # four pairs, session 10)
             return self._sets > 1
         return (os.cpu_count() or 1) > 1
+
+
+class _Stopped(Exception):
+    """``map``'s consumer stopped while a batch ran in chunks (``Engines._run``)."""
 
 
 _SUBMITTER_JOIN = 1.0  # seconds a map left early waits for its submitting thread (which may be in the batch iterator)
