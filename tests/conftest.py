@@ -35,11 +35,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason="needs TensorRT and a GPU: " + ("no CUDA GPU here" if has_trt else
                                                "no real TensorRT imports here (install trtc[tensorrt] on a "
                                                "machine with an NVIDIA GPU)"))
+    skip_ort_cuda = pytest.mark.skip(reason="needs ONNX Runtime's CUDA provider: the CPU build of onnxruntime is "
+                                            "installed here")
     for item in items:
         if "tensorrt" in item.keywords and not (has_trt and has_gpu):
             item.add_marker(skip_trt)
         elif "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+        elif "ort_cuda" in item.keywords and not (has_gpu and _ort_cuda()):
+            item.add_marker(skip_ort_cuda)
+
+
+def _ort_cuda() -> bool:
+    import onnxruntime as ort
+
+    return "CUDAExecutionProvider" in ort.get_available_providers()
 
 
 # --- engine builds without TensorRT ---------------------------------------------------------------------------

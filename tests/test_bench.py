@@ -543,12 +543,9 @@ def test_the_table_fits_120_columns_and_says_when_there_is_no_reference(report: 
 
 
 @pytest.mark.gpu
+@pytest.mark.ort_cuda
 def test_cuda_onnxruntime_rows_run_the_serving_cuda_backend(build: Path, tmp_path: Path) -> None:
     """ONNX Runtime on CUDA is timed on the serving context's stream: its kernels fall between the CUDA events."""
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
     settings = BenchSettings(iterations=3, min_seconds=0.0, warmup=1, warmup_seconds=0.0, backends=("onnxruntime",),
                              report_dir=tmp_path, tf32=False)
     data = bench_directory(build, settings).data

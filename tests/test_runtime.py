@@ -618,17 +618,10 @@ def test_tensorrt_engines_match_onnx_runtime(tmp_path: Path) -> None:
         np.testing.assert_allclose(np.concatenate(results), reference(x).sum(axis=1), rtol=1e-3, atol=1e-3)
 
 
-def _ort_cuda_available() -> bool:
-    import onnxruntime as ort
-
-    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
-
-
 @pytest.mark.gpu
+@pytest.mark.ort_cuda
 @pytest.mark.parametrize("name", ["mlp", "transformer_encoder"])
 def test_onnxruntime_cuda_backend(name: str, tmp_path: Path) -> None:
-    if not _ort_cuda_available():
-        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
     directory = build_directory(tmp_path / name, name)
     engines = load(directory, backend="onnxruntime", device="cuda")
     assert str(engines.device).startswith("cuda")
@@ -648,10 +641,9 @@ def test_onnxruntime_cuda_backend(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.ort_cuda
 def test_onnxruntime_cuda_contexts_have_sessions_of_their_own_on_their_streams(tmp_path: Path) -> None:
     """Two contexts never share a session (stream, arena, cuDNN handles); concurrent callers get their own rows."""
-    if not _ort_cuda_available():
-        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
     directory = build_directory(tmp_path / "mlp", "mlp")
     with load(directory, backend="onnxruntime", device="cuda", contexts=2) as engines:
         first, second = engines._contexts
@@ -669,14 +661,12 @@ def test_onnxruntime_cuda_contexts_have_sessions_of_their_own_on_their_streams(t
 def _one_context_on_cuda(backend: str, tmp_path: Path) -> runtime.Engines:
     if backend == "torch":
         return engines_from_module(models.mlp(), ["x:Bx64"], buckets=BUCKETS, device="cuda", contexts=1)
-    if not _ort_cuda_available():
-        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
     return load(build_directory(tmp_path / "mlp", "mlp"), backend="onnxruntime", device="cuda", contexts=1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlapped", [False, True])
-@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("onnxruntime", marks=pytest.mark.ort_cuda)])
 def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, overlapped: bool, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The second buffer set of one context: two batches queued before either is waited for, answered out of
@@ -716,14 +706,13 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
 
 
 @pytest.mark.gpu
+@pytest.mark.ort_cuda
 def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_own(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without CUDA graphs (a dynamic sequence length), ``start_parts`` hands ONNX Runtime's run to the context's
     launcher thread: two batches of other lengths in flight on one context's two sets, answered in either order;
     threads calling ``engines(x)`` while a batch is in flight there; ``map`` pipelined; a batcher keeping two in
     flight; a run that fails there fails its batch, and the set serves again."""
-    if not _ort_cuda_available():
-        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
     monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
     directory = build_directory(tmp_path / "per_position", "per_position")
     rng = np.random.default_rng(5)
@@ -853,13 +842,12 @@ def test_a_convolution_without_a_bias_is_found_in_subgraphs_and_functions() -> N
 
 
 @pytest.mark.gpu
+@pytest.mark.ort_cuda
 def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ONNX Runtime's runs as CUDA graphs, one per bucket captured at load (40 buckets too), each giving the eager
     model's outputs, and a graph that does not write a bucket's outputs fails the check; without graphs (not asked
     for, a dynamic sequence length, or refused by ONNX Runtime) the run launches its kernels from the host and still
     answers right."""
-    if not _ort_cuda_available():
-        pytest.skip("ONNX Runtime's CUDA provider is not available here (the CPU build of onnxruntime is installed)")
     rng = np.random.default_rng(5)
     mlp = build_directory(tmp_path / "mlp", "mlp")
     with load(mlp, backend="onnxruntime", device="cuda", contexts=2) as engines:

@@ -529,6 +529,7 @@ def test_binning_goes_to_cuda_only_with_the_cuda_provider_and_torch_cuda(monkeyp
 
 
 @pytest.mark.gpu
+@pytest.mark.ort_cuda
 @pytest.mark.parametrize("case", ["mlp", "padding", "mask bias", "baked mask"])
 def test_cuda_binning_gives_the_host_histograms_of_the_same_cuda_runs(case: str) -> None:
     model, names, batches, max_abs = _cases()[case]

@@ -241,6 +241,7 @@ def test_a_failed_gpu_check_is_judged_on_the_cpu(caplog: pytest.LogCaptureFixtur
 
 
 @pytest.mark.gpu
+@pytest.mark.ort_cuda
 def test_export_checks_run_on_cuda_with_tf32_off_and_pass_fp32_noise(caplog: pytest.LogCaptureFixture,
                                                                      tmp_path: Path) -> None:
     import torch
