@@ -163,15 +163,14 @@ def main() -> None:
         backend, precision, contexts, mode, clients = item.split(":")
         if precision not in builds:
             builds[precision] = serving_gpu.build(model, precision, args.work, tensorrt=False)
-        engines = load(builds[precision], backend=backend, contexts=int(contexts),
-                       device="cpu" if args.smoke else None)
-        feed = serving_gpu.feed_of(engines, model, largest, seed=1)
-        bound = serving_gpu.throughput(engines, feed, largest, 0.2 if args.smoke else 1.0)
-        _batches.clear()
-        _wakes.clear()
-        _launches.clear()
-        run = serving_gpu.batcher_run(engines, model, int(contexts), int(clients), requests, 5.0, mode=mode)
-        engines.close()
+        with load(builds[precision], backend=backend, contexts=int(contexts),
+                  device="cpu" if args.smoke else None) as engines:
+            feed = serving_gpu.feed_of(engines, model, largest, seed=1)
+            bound = serving_gpu.throughput(engines, feed, largest, 0.2 if args.smoke else 1.0)
+            _batches.clear()
+            _wakes.clear()
+            _launches.clear()
+            run = serving_gpu.batcher_run(engines, model, int(contexts), int(clients), requests, 5.0, mode=mode)
         trace = timeline(list(_batches), list(_wakes), list(_launches))
         runs.append({"run": item, "bound_rows_per_s": bound["rows_per_s"],
                      "requests_per_s": run["requests_per_s"], "p99_ms": run["p99_ms"],

@@ -245,7 +245,8 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     requests_of = [{n: a[i:i + 1] for n, a in pool.items()} for i in range(clients)]
     inputs_of = [r if len(r) > 1 else next(iter(r.values())) for r in requests_of]
     names = engines.output_names
-    processes = steady = steady_latencies = None
+    processes = steady = None
+    steady_ms = np.zeros(0)  # the process modes: the latencies of the answers the steady rate counts
     process_stats: dict[str, float] = {}  # the process modes': batches each way, and where the CPU went
     if mode.startswith("processes"):
         from compiler.serve.processes import ProcessBatcher
@@ -265,7 +266,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
             batcher_cpu = process_batcher.cpu_seconds - batcher_cpu
         seconds, latencies, answers, lost = ran["seconds"], ran["latencies"].tolist(), ran["answers"], ran["lost"]
         processes, steady = ran["processes"], ran["steady_requests_per_s"]
-        steady_latencies = ran["steady_latencies"] if steady is not None else None
+        steady_ms = np.asarray(ran["steady_latencies"]) * 1e3  # empty exactly when ``steady`` is None
         # batches answered from a page-locked results area (GPU), and through the slots; where the CPU went: the
         # batcher's one thread (busy near 1.0: it is the limit), this whole process (with the CUDA runtime's
         # threads and the spawning), the client processes while they sent (cores)
@@ -298,7 +299,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
     # and p99 describe one span (in the last batches, once a process is done, the rest wait out max_wait for
     # company); the whole run's beside, as are the batch counts and sizes. Clients in this process stop together:
     # their whole run is their steady span.
-    ms = np.asarray(steady_latencies) * 1e3 if steady_latencies is not None and len(steady_latencies) else whole_ms
+    ms = steady_ms if len(steady_ms) else whole_ms
     whole = len(latencies) / seconds if seconds else 0.0
     return {"mode": mode, "clients": clients, "client_processes": processes,
             "in_flight": in_flight if mode.startswith("processes") else None,
@@ -307,12 +308,14 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
             "misrouted": misrouted, "duplicated_rows": max(0, counting.rows - requests), "seconds": seconds,
             # the process modes: while every client process was sending (``process_clients.steady_rate``)
             "requests_per_s": steady if steady is not None else whole, "requests_per_s_whole_run": whole,
-            "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
-            "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None,
-            "p50_ms_whole_run": float(np.percentile(whole_ms, 50)) if len(whole_ms) else None,
-            "p99_ms_whole_run": float(np.percentile(whole_ms, 99)) if len(whole_ms) else None,
+            "p50_ms": _percentile(ms, 50), "p99_ms": _percentile(ms, 99),
+            "p50_ms_whole_run": _percentile(whole_ms, 50), "p99_ms_whole_run": _percentile(whole_ms, 99),
             "batches": counting.batches, "mean_batch_rows": counting.rows / max(1, counting.batches),
             "mean_batch_ms": 1e3 * counting.seconds / max(1, counting.batches), **process_stats}
+
+
+def _percentile(ms: np.ndarray, p: float) -> float | None:
+    return float(np.percentile(ms, p)) if len(ms) else None
 
 
 def capacity_run(engines: Any, model: Model, workers: int, clients: int, step: int, most: int, requests: int,
