@@ -39,6 +39,11 @@ the host, ``launches_on_host``); ``--no-results-areas`` has ``ProcessBatcher`` w
 its slot instead of the GPU copying the outputs into its shared memory (each process run records how
 many batches went each way).
 
+``--models segmenter`` measures a per-pixel classifier (``examples.models:segmenter``, 21 classes at
+3x224x224) whose outputs are seven times its inputs: with ``--map-only``, ``engines(x)`` and ``map``
+only, where the copy back to the host is as long as the model (a context's large outputs go back on its
+download stream, so that copy overlaps the next batch's model run).
+
 Writes one JSON (``--out``) and prints a table. ``--smoke`` runs tiny sizes on the CPU in seconds
 (the test suite runs it). On an H200 (about 5 minutes):
 
@@ -54,6 +59,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,14 +84,25 @@ class Model:
     values: dict[str, int]  # the dynamic dims' values the feeds use
 
 
-def models_for(smoke: bool) -> list[Model]:
+def models_for(smoke: bool, names: Sequence[str] = ()) -> list[Model]:
+    """The models ``names`` names; by default the CNN and the transformer (the segmenter, whose
+    outputs are seven times its inputs, only when named)."""
     if smoke:
-        return [Model("cnn", "examples.models:resnet_digits", ("images:Bx1x8x8",), (), (1, 4, 8), {}),
-                Model("transformer", "examples.models:transformer_encoder",
-                      ("input_ids:BxS:int64", "attention_mask:BxS:int64"), ("S=1:16:16",), (1, 4, 8), {"S": 16})]
-    return [Model("resnet50", "examples.models:resnet50_like", ("images:Bx3x224x224",), (), (1, 16, 64), {}),
-            Model("transformer", "examples.models:transformer_encoder",
-                  ("input_ids:BxS:int64", "attention_mask:BxS:int64"), ("S=1:128:128",), (1, 16, 64), {"S": 128})]
+        known = [Model("cnn", "examples.models:resnet_digits", ("images:Bx1x8x8",), (), (1, 4, 8), {}),
+                 Model("transformer", "examples.models:transformer_encoder",
+                       ("input_ids:BxS:int64", "attention_mask:BxS:int64"), ("S=1:16:16",), (1, 4, 8), {"S": 16}),
+                 Model("segmenter", "examples.models:segmenter", ("images:Bx3x16x16",), (), (1, 4, 8), {})]
+    else:
+        known = [Model("resnet50", "examples.models:resnet50_like", ("images:Bx3x224x224",), (), (1, 16, 64), {}),
+                 Model("transformer", "examples.models:transformer_encoder",
+                       ("input_ids:BxS:int64", "attention_mask:BxS:int64"), ("S=1:128:128",), (1, 16, 64),
+                       {"S": 128}),
+                 Model("segmenter", "examples.models:segmenter", ("images:Bx3x224x224",), (), (1, 16, 64), {})]
+    unknown = set(names) - {m.name for m in known}
+    if unknown:
+        sys.exit(f"--models {','.join(names)}: no model {', '.join(sorted(unknown))}; choose from "
+                 f"{', '.join(m.name for m in known)}")
+    return [m for m in known if m.name in names] if names else known[:2]
 
 
 def build(model: Model, precision: str, root: Path, tensorrt: bool) -> Path:
@@ -406,12 +423,16 @@ def parallel_throughput(engines: Any, feed: Any, rows: int, threads: int, second
 
 
 def postprocess(out: Any) -> Any:
-    """A classifier's softmax + top-5, or a mean over tokens for an embedding model (numpy, on the host)."""
+    """A classifier's softmax + top-5, a mean over tokens for an embedding model, or for a segmenter the label of
+    every 8th pixel across and down (a full-size label map in numpy takes longer than the GPU's whole batch, and
+    would leave nothing for the copies to overlap): numpy, on the host."""
     x = np.asarray(out if not isinstance(out, dict) else next(iter(out.values())), dtype=np.float32)
     if x.ndim == 2:
         z = np.exp(x - x.max(axis=1, keepdims=True))
         z /= z.sum(axis=1, keepdims=True)
         return np.argsort(-z, axis=1)[:, :5]
+    if x.ndim == 4:
+        return x[:, :, ::8, ::8].argmax(axis=1)
     return x.mean(axis=1)
 
 
@@ -496,7 +517,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("build/serving-gpu"), help="Build directories go here.")
     parser.add_argument("--smoke", action="store_true", help="Tiny models and counts, on the CPU: seconds.")
     parser.add_argument("--backends", default="", help="onnxruntime,torch,tensorrt (default: those that run here).")
-    parser.add_argument("--models", default="", help="Which models, by name (default: both).")
+    parser.add_argument("--models", default="",
+                        help="Which models, by name: resnet50, transformer, segmenter (default: the first two).")
+    parser.add_argument("--map-only", action="store_true",
+                        help="Measure engines(x) and map only, without the batcher modes.")
     parser.add_argument("--ort-cuda-option", action="append", default=[], metavar="KEY=VALUE",
                         help="An ONNX Runtime CUDA provider option over the runtime's (repeatable), to compare, e.g. "
                              "cudnn_conv_algo_search=EXHAUSTIVE.")
@@ -575,8 +599,9 @@ def main() -> None:
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
     ceilings: dict[str, dict[str, Any]] = {}
-    chosen = [m for m in args.models.split(",") if m]
-    for model in [m for m in models_for(smoke) if not chosen or m.name in chosen]:
+    if args.map_only:
+        wanted_modes = []
+    for model in models_for(smoke, [m for m in args.models.split(",") if m]):
         dirs = {p: build(model, p, args.work, trt and "tensorrt" in wanted) for p in ("fp32", "fp16")}
         configs = [(b, p) for b in wanted for p in (("fp32",) if b == "torch" else ("fp32", "fp16"))]
         for backend, precision in configs:
@@ -591,7 +616,7 @@ def main() -> None:
                 bound = throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest, seconds)
                 parts = parts_throughput(engines, one, largest, seconds)
                 parallel = parallel_throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest,
-                                               contexts, seconds) if contexts > 1 else None
+                                               contexts, seconds) if contexts > 1 and wanted_modes else None
                 # coroutines and clients in other processes: two batches (one runs while the next waits behind it:
                 # the batchers keep two in flight on a GPU), and one batch more when a batch takes under 2 ms, where
                 # the clients' own turnaround (woken, answer copied out, next request sent: 0.5-1 ms on the H200
@@ -610,7 +635,7 @@ def main() -> None:
                                             client_processes=args.client_processes, in_flight=args.in_flight)
                          for mode in wanted_modes}
                 mapped = map_run(engines, model, map_batch, map_batches)
-                if model.name not in ceilings:  # once per model: the batcher with answers that cost nothing
+                if model.name not in ceilings and wanted_modes:  # once per model: the batcher, instant answers
                     ready = engines(one)
                     ready = ready if isinstance(ready, dict) else {engines.output_names[0]: ready}
                     instant = InstantEngines(engines, {n: np.asarray(a) for n, a in ready.items()})
@@ -673,7 +698,8 @@ def main() -> None:
         table.add_row(r["model"], f"{r['backend']}/{r['precision']}", str(r["contexts"]),
                       f"{r['bound']['rows_per_s']:,.0f}",
                       *[t for b in batched for t in (f"{b['requests_per_s']:,.0f}", f"{b['p99_ms']:.1f}")],
-                      f"{batched[0]['p99_bound_ms']:.1f}", str(sum(b["lost"] + b["misrouted"] for b in batched)),
+                      f"{batched[0]['p99_bound_ms']:.1f}" if batched else "-",
+                      str(sum(b["lost"] + b["misrouted"] for b in batched)),
                       f"{m['map_ms']:.2f}", f"{m['sequential_ms']:.2f}", f"{m['bound_ms']:.2f}",
                       ", ".join(missed) or "none")
     console.print(table)
@@ -687,7 +713,7 @@ def main() -> None:
                            "async_requests": async_requests, "ort_runs_ordered": args.ort_ordered,
                            "modes": wanted_modes, "client_processes": args.client_processes,
                            "in_flight": args.in_flight, "sweep": not args.no_sweep,
-                           "max_wait_ms": args.max_wait_ms,
+                           "max_wait_ms": args.max_wait_ms, "map_only": args.map_only,
                            "seconds": seconds, "map_batches": map_batches, "map_batch": map_batch,
                            "backends": wanted, "ort_cuda_options": ort_options,
                            "cuda_graphs": not args.no_cuda_graphs, "results_areas": not args.no_results_areas,

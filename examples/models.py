@@ -11,8 +11,8 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["ResNetCNN", "MLP", "TransformerEncoder", "TwoInput", "resnet_cnn", "resnet_digits", "mlp",
-           "transformer_encoder", "two_input"]
+__all__ = ["ResNetCNN", "MLP", "TransformerEncoder", "TwoInput", "Segmenter", "resnet_cnn", "resnet_digits", "mlp",
+           "transformer_encoder", "two_input", "segmenter"]
 
 
 class BasicBlock(nn.Module):
@@ -130,6 +130,22 @@ class TwoInput(nn.Module):
         return self.head(torch.cat([self.conv(image), self.dense(features)], dim=1))
 
 
+class Segmenter(nn.Module):
+    """A fully convolutional per-pixel classifier, B x classes x H x W out of B x 3 x H x W: its output is seven
+    times its input, so copying it back to the host takes about as long as the model runs."""
+
+    def __init__(self, width: int = 64, layers: int = 3, num_classes: int = 21) -> None:
+        super().__init__()
+        convs: list[nn.Module] = []
+        for c_in in (3, *(width,) * layers):
+            convs += [nn.Conv2d(c_in, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+        self.body = nn.Sequential(*convs)
+        self.head = nn.Conv2d(width, num_classes, 1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(images))
+
+
 def _randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
     """Give BatchNorm layers non-trivial statistics so that folding them is actually tested."""
     gen = torch.Generator().manual_seed(seed)
@@ -174,3 +190,9 @@ def transformer_encoder() -> TransformerEncoder:
 def two_input() -> TwoInput:
     torch.manual_seed(0)
     return _randomize_bn(TwoInput())  # type: ignore[return-value]
+
+
+def segmenter() -> Segmenter:
+    """Input ``images``: B x 3 x H x W; output B x 21 x H x W (class scores per pixel), for benchmarks."""
+    torch.manual_seed(0)
+    return _randomize_bn(Segmenter())  # type: ignore[return-value]

@@ -245,6 +245,36 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_the_serving_benchmark_measures_map_alone_for_the_segmenter(tmp_path: Path) -> None:
+    """``--models segmenter --map-only``: engines(x) and map per context count, no batcher, no ceiling; its
+    post-processing is a coarse label map of the outputs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks import serving_gpu
+
+    labels = serving_gpu.postprocess(np.arange(2 * 3 * 16 * 16, dtype=np.float32).reshape(2, 3, 16, 16) % 7)
+    assert labels.shape == (2, 2, 2) and set(np.unique(labels)) <= {0, 1, 2}
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "serving.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "serving_gpu.py"), "--smoke", "--models",
+                           "segmenter", "--map-only", "--backends", "torch", "--out", str(out), "--work",
+                           str(tmp_path / "work")], capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["map_only"] and report["settings"]["modes"] == [] and report["batcher_ceiling"] == {}
+    assert [(r["model"], r["contexts"]) for r in report["runs"]] == [("segmenter", 1), ("segmenter", 2)]
+    for r in report["runs"]:
+        assert set(r["targets"]) == {"map_vs_bound", "map_not_slower_than_loop"} and r["map"]["map_ms"] > 0
+    wrong = subprocess.run([sys.executable, str(root / "benchmarks" / "serving_gpu.py"), "--smoke", "--models",
+                            "segmentor", "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=root)
+    assert wrong.returncode != 0 and "no model segmentor; choose from cnn, transformer, segmenter" in wrong.stderr
+
+
+@pytest.mark.slow
 def test_the_process_batcher_trace_runs_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/process_batcher_trace.py --smoke: a timeline of every batch, whose batches hold every answered
     request, and whose stages are all measured."""
