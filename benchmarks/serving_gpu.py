@@ -451,11 +451,13 @@ def paired_walls(first: Any, second: Any, repeat: int) -> tuple[float, float]:
 
 
 def map_run(engines: Any, model: Model, rows: int, count: int) -> dict[str, Any]:
-    """``map`` vs the sequential loop, and the stages alone on one context: copy (upload + download), compute,
-    post-processing. The bound is max(copy, compute, post) per batch, with one context as with two: each of a
-    context's two buffer sets copies inputs of 1 MiB or more on its own copy stream, so a batch's copy overlaps
-    the batch before it (until session 10 one context queued its copies behind the compute, and the bound was
-    then max(copy + compute, post)). Smaller copies (the transformer's) stay on the context's stream."""
+    """``map`` vs the sequential loop, and the stages alone on one context: copy (upload, download, and the outputs
+    copied out of pinned memory into arrays of the caller's own), compute, post-processing. The bound is max(copy,
+    compute, post) per batch, with one context as with two: each of a context's two buffer sets copies inputs of
+    1 MiB or more on its own copy stream, and outputs of 1 MiB or more go back on the context's download stream,
+    so a batch's copies overlap the batch before it (until session 10 one context queued its copies behind the
+    compute, and the bound was then max(copy + compute, post)). Smaller copies (the transformer's) stay on the
+    context's stream."""
     batches = [feed_of(engines, model, rows, seed=i) for i in range(4)]
     work = [batches[i % len(batches)] for i in range(count)]
     args = [b if len(b) > 1 else next(iter(b.values())) for b in work]
@@ -481,6 +483,7 @@ def map_run(engines: Any, model: Model, rows: int, count: int) -> dict[str, Any]
             context.upload(bucket, call, 0, call.rows)
             context.download(True)
             context.wait()
+            context.copy_outputs()
 
         def compute() -> None:
             context.compute(bucket, call)

@@ -692,13 +692,18 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
         finish_a = engines.start_parts([engines.check(a)])
         finish_b = engines.start_parts([engines.check(b[:4]), engines.check(b[4:])])
         name = engines.output_names[0]
-        np.testing.assert_allclose(finish_b()[name], eager("mlp", {"x": b}), rtol=1e-3, atol=1e-3)
-        assert finish_a.ready()  # queued before b: on the one stream, or the one download stream
+        try:  # a batch left unfinished holds its buffer set, and the engines' close waits for it
+            got_b = finish_b()[name]
+            a_ready = finish_a.ready()
+        finally:
+            got_a = finish_a()[name]
+        np.testing.assert_allclose(got_b, eager("mlp", {"x": b}), rtol=1e-3, atol=1e-3)
+        assert a_ready  # queued before b: on the one stream, or the one download stream
+        np.testing.assert_allclose(got_a, eager("mlp", {"x": a}), rtol=1e-3, atol=1e-3)
         download = sets[0]._downloads.stream
         assert (download is not None) == overlapped and sets[1]._downloads.stream is download  # one per context
         assert download != sets[0].stream  # the context's own stream runs the next batch meanwhile
         assert all(bool(s._output_stage) == overlapped for s in sets)
-        np.testing.assert_allclose(finish_a()[name], eager("mlp", {"x": a}), rtol=1e-3, atol=1e-3)
         inputs = [rng.standard_normal((int(rng.integers(1, 17)), 64)).astype(np.float32) for _ in range(48)]
         feeds: list[Any] = [torch.from_numpy(x).cuda() if i % 3 == 0 else x for i, x in enumerate(inputs)]
         got: list[Any] = [None] * len(feeds)
@@ -970,6 +975,32 @@ def test_pack_puts_every_part_at_its_offset(threads: int, monkeypatch: pytest.Mo
     out32 = np.zeros((18, 7), np.int32)
     contexts._pack(ids, out32)
     np.testing.assert_array_equal(out32, np.concatenate(ids))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_outputs_are_copied_out_whole_into_arrays_of_the_callers_own(threads: int, mlp_engines: runtime.Engines,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_copy_out`` splits a large output over threads: every byte lands where ``copy()`` puts it, at sizes that
+    do not divide evenly; an answer is the caller's own (the next call does not change it); a strided view is
+    copied whole."""
+    from compiler.backends import contexts
+
+    monkeypatch.setattr(contexts, "_PACK_THREADS", threads)
+    monkeypatch.setattr(contexts, "_PACK_GROUP_BYTES", 64)
+    rng = np.random.default_rng(3)
+    for shape in ((1, 7), (5, 3, 11), (64, 10)):
+        view = rng.random(shape).astype(np.float32)
+        out = contexts._copy_out(view)
+        np.testing.assert_array_equal(out, view)
+        assert out.dtype == view.dtype and not np.shares_memory(out, view)
+    strided = rng.random((8, 10)).astype(np.float32)[:, ::2]
+    np.testing.assert_array_equal(contexts._copy_out(strided), strided)
+    x, y = (rng.standard_normal((16, 64)).astype(np.float32) for _ in range(2))
+    first = mlp_engines(x)
+    kept = first.copy()
+    second = mlp_engines(y)
+    np.testing.assert_array_equal(first, kept)  # the buffers the second call wrote are not the first's answer
+    assert not np.allclose(first, second)
 
 
 def test_start_parts_without_waiting_gives_none_while_every_buffer_set_is_taken(mlp_engines: runtime.Engines) -> None:
