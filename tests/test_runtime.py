@@ -671,14 +671,12 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The second buffer set of one context: two batches queued before either is waited for, answered out of
     order; threads with host and CUDA feeds at once; ``map`` pipelines on torch's CUDA graphs (it ran the plain loop
-    with one set). ``overlapped``: every host input goes through its set's copy stream and device staging, and
-    every output back through the context's download stream and its set's device staging (large ones only
-    otherwise), and every answer is still the caller's own."""
+    with one set). ``overlapped``: every host input goes through its set's copy stream and device staging (large
+    inputs only otherwise), and every answer is still the caller's own."""
     from compiler.backends import contexts
 
     if overlapped:
         monkeypatch.setattr(contexts, "_OVERLAPPED_COPY_BYTES", 0)
-        monkeypatch.setattr(contexts, "_OVERLAPPED_DOWNLOAD_BYTES", 0)
     with _one_context_on_cuda(backend, tmp_path) as engines:
         assert (engines.contexts, engines.buffer_sets) == (1, 2)
         sets: list[Any] = [engines._acquire() for _ in range(2)]
@@ -698,12 +696,8 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
         finally:
             got_a = finish_a()[name]
         np.testing.assert_allclose(got_b, eager("mlp", {"x": b}), rtol=1e-3, atol=1e-3)
-        assert a_ready  # queued before b: on the one stream, or the one download stream
+        assert a_ready  # queued before b on the one stream
         np.testing.assert_allclose(got_a, eager("mlp", {"x": a}), rtol=1e-3, atol=1e-3)
-        download = sets[0]._downloads.stream
-        assert (download is not None) == overlapped and sets[1]._downloads.stream is download  # one per context
-        assert download != sets[0].stream  # the context's own stream runs the next batch meanwhile
-        assert all(bool(s._output_stage) == overlapped for s in sets)
         inputs = [rng.standard_normal((int(rng.integers(1, 17)), 64)).astype(np.float32) for _ in range(48)]
         feeds: list[Any] = [torch.from_numpy(x).cuda() if i % 3 == 0 else x for i, x in enumerate(inputs)]
         got: list[Any] = [None] * len(feeds)

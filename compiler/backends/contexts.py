@@ -49,9 +49,6 @@ BUFFER_SETS = 2
 # copy overlaps the model run the context's stream is busy with; smaller ones, whose copy takes microseconds, stay on
 # the context's stream without the extra device-to-device copy and two events.
 _OVERLAPPED_COPY_BYTES = 1 << 20
-# Outputs this large go back to the host on the context's download stream (``_GpuContext._download``), so that copy
-# overlaps the next batch's model run too; smaller ones stay on the context's stream.
-_OVERLAPPED_DOWNLOAD_BYTES = 1 << 20
 
 
 @dataclass
@@ -311,13 +308,9 @@ class _GpuContext:
     stream from torch's high-priority pool, apart from the contexts' own streams (a copy stream that were a
     context's stream could have other threads' copies captured into that context's CUDA graphs); past 32
     buffer sets in a process two share a copy stream, which only queues their copies one after the other.
-
-    Large outputs (``_OVERLAPPED_DOWNLOAD_BYTES``) go back the same way in reverse: the context's stream copies
-    them device to device into the set's device staging, and the context's download stream (one, shared by
-    its sets, from the same pool) copies them to the set's pinned memory while the context's stream runs the
-    next batch. A context gets its download stream at its first host download with such an output; from then
-    on every run's done event is recorded on it, so that a context's runs are done in the order they were
-    queued, as on one stream. It costs each set device memory for the largest outputs it has copied back.
+    Outputs go back on the context's stream: for a segmenter whose outputs are seven times its inputs, a
+    download stream of the context's own changed nothing on an H200, where copying the outputs out of pinned
+    memory on the host took longer than the GPU's run and both copies (docs/benchmarks.md, "Session 11").
     """
 
     on_gpu = True
@@ -350,7 +343,6 @@ class _GpuContext:
                                                            device=self.device)
         self._host_flat: dict[tuple[int, str], torch.Tensor] = {}
         self._host_np: dict[tuple[int, str], np.ndarray] = {}
-        self._downloads = _DownloadStream()  # shared by the lanes
         self._stage_buffers()
         self._views: dict[tuple[int, tuple[int, ...]], dict[str, tuple[Any, Any, np.ndarray]]] = {}
         self._host_out: dict[str, torch.Tensor] = {}
@@ -373,8 +365,6 @@ class _GpuContext:
         self._copy_stream = torch.cuda.Stream(self.device, priority=-1) if self._device_stage else self.stream
         self._copied = torch.cuda.Event()  # on the copy stream: this set's staging holds the batch
         self._stage_read = torch.cuda.Event()  # on the context's stream: its copies out of the staging are done
-        self._output_stage: dict[str, Any] = {}  # device staging per large output, grown to what it has held
-        self._queued = torch.cuda.Event()  # on the context's stream: its part of the run is queued up to here
 
     def lane(self) -> _GpuContext:
         """Another buffer set of this context (see the class docstring): what ``Engines`` pools besides it."""
@@ -528,7 +518,6 @@ class _GpuContext:
         ``into`` that have room), or to new device tensors that the ``caller`` stream owns (the context's own
         outputs are the next run's, perhaps another set's)."""
         torch = self._torch
-        large: list[tuple[Any, Any]] = []  # (pinned target, device staging) for the download stream
         if host:
             staged = {}
             for name, out in self._computed.items():
@@ -541,12 +530,7 @@ class _GpuContext:
                 if pinned is None:
                     pinned = self._pinned_output(name, out.numel(), out.dtype)[:out.numel()]
                 pinned = pinned.view(out.shape)
-                if out.numel() * out.element_size() >= _OVERLAPPED_DOWNLOAD_BYTES:
-                    stage = self._staged_output(name, out)
-                    stage.copy_(out, non_blocking=True)  # device to device: the context's outputs are the next run's
-                    large.append((pinned, stage))
-                else:
-                    pinned.copy_(out, non_blocking=True)
+                pinned.copy_(out, non_blocking=True)
                 staged[name] = pinned.numpy()
             self._last = staged
         else:
@@ -555,29 +539,7 @@ class _GpuContext:
                 copies[name].copy_(out, non_blocking=True)
                 copies[name].record_stream(caller)  # the caller's stream uses them: freed, they wait for it
             self._last = copies
-        if large and self._downloads.stream is None:
-            self._downloads.stream = torch.cuda.Stream(self.device, priority=-1)  # not a context's (the pool above)
-        side = self._downloads.stream
-        if side is None:
-            self._done.record(self.stream)
-            return
-        self._queued.record(self.stream)
-        side.wait_event(self._queued)
-        if large:
-            with torch.cuda.stream(side):
-                for pinned, stage in large:
-                    pinned.copy_(stage, non_blocking=True)
-        self._done.record(side)
-
-    def _staged_output(self, name: str, out: Any) -> Any:
-        """This set's device staging for a large output, at its shape (grown when a larger one comes)."""
-        flat = self._output_stage.get(name)
-        if flat is None or flat.numel() < out.numel() or flat.dtype != out.dtype:
-            if flat is not None and self._downloads.stream is not None:
-                flat.record_stream(self._downloads.stream)  # not reused until a copy still queued from it is done
-            flat = self._torch.empty(out.numel(), dtype=out.dtype, device=self.device)
-            self._output_stage[name] = flat
-        return flat[:out.numel()].view(out.shape)
+        self._done.record(self.stream)
 
     def stage(self, host_np: np.ndarray, host_view: Any, source: np.ndarray) -> None:
         """Copy a host array into pinned memory: numpy for small arrays, torch's parallel copy (GIL released)
@@ -619,21 +581,12 @@ class _GpuContext:
     def close(self) -> None:
         """Free the context: called on the context itself, never on its lanes (``Engines`` drops those)."""
         self.stream.synchronize()
-        if self._downloads.stream is not None:
-            self._downloads.stream.synchronize()
         self._views.clear()
         self._device_flat.clear()
         self._host_flat.clear()
         self._host_np.clear()
         self._host_out.clear()
         self._device_stage.clear()
-        self._output_stage.clear()
-
-
-class _DownloadStream:
-    """A GPU context's download stream, shared by its buffer sets (``_GpuContext._download``); None until needed."""
-
-    stream: Any = None
 
 
 _PACK_GROUP_BYTES = 8 << 20  # a batch this large per pack thread is packed by several threads
@@ -660,9 +613,9 @@ def _pack(parts: list[np.ndarray], out: np.ndarray) -> None:
 
 
 def _copy_out(view: np.ndarray) -> np.ndarray:
-    """``view.copy()``, by up to ``_PACK_THREADS`` threads for a large output. The new array's pages are faulted in
-    as they are first written (and zeroed by the kernel): a 67 MB output copied out of pinned memory took about
-    20 ms on the H200's host, longer than the GPU's run and both copies together; threads share that."""
+    """``view.copy()``, by up to ``_PACK_THREADS`` threads for a large output: the new array's pages are faulted in
+    (and zeroed by the kernel) as they are first written. A segmenter's batch of 16 (67 MB out) took 19-21 ms with
+    one thread and 12-13 ms with four on the H200's host; ``map`` 16-19 ms and 7.2-7.8 ms (docs/benchmarks.md)."""
     groups = min(_PACK_THREADS, view.nbytes // _PACK_GROUP_BYTES)
     if groups <= 1 or not view.flags.c_contiguous:
         return view.copy()
