@@ -39,7 +39,7 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
         kind: str = "threads") -> dict[str, Any]:
     """Run ``len(inputs)`` clients in ``processes`` processes against ``batcher`` until ``requests`` are answered.
 
-    Returns seconds, latencies (s) of every answer and of those while every process sent (``steady_latencies``),
+    Returns seconds, latencies (s) of every answer and of those while every process sent (``steady``),
     answers as (client index, first values), lost requests and the CPU time the client processes used while they
     sent."""
     clients = len(inputs)
@@ -65,28 +65,22 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
         raise RuntimeError(f"a client process failed: {failures[0]}")
     latencies = np.concatenate([r["latencies"] for r in reports])
     answers = [pair for r in reports for pair in r["answers"]]
+    rate, steady_latencies = steady(reports)
     return {"seconds": max(r["end"] for r in reports) - min(r["begin"] for r in reports),
-            "steady_requests_per_s": steady_rate(reports), "steady_latencies": steady_latencies(reports),
+            "steady_requests_per_s": rate, "steady_latencies": steady_latencies,
             "latencies": latencies, "answers": answers, "lost": sum(r["lost"] for r in reports),
             "processes": len(workers), "cpu_seconds": sum(r["cpu"] for r in reports)}
 
 
-def steady_rate(reports: list[dict[str, Any]]) -> float | None:
-    """Answers per second while every process was sending: from the last process's start to the first one's end
-    (None when that span is empty or holds no answer)."""
+def steady(reports: list[dict[str, Any]]) -> tuple[float | None, np.ndarray]:
+    """Answers per second while every process was sending, from the last process's start to the first one's end
+    (None when that span is empty or holds no answer), and those answers' latencies (empty exactly then)."""
     span = _steady_span(reports)
     if span is None:
-        return None
-    count = sum(int(_in_span(r["ends"], span).sum()) for r in reports)
-    return count / (span[1] - span[0]) if count else None
-
-
-def steady_latencies(reports: list[dict[str, Any]]) -> np.ndarray:
-    """The latencies of the answers ``steady_rate`` counts (empty when there are none)."""
-    span = _steady_span(reports)
-    if span is None:
-        return np.zeros(0)
-    return np.concatenate([np.asarray(r["latencies"])[_in_span(r["ends"], span)] for r in reports])
+        return None, np.zeros(0)
+    kept = [_in_span(r["ends"], span) for r in reports]
+    latencies = np.concatenate([np.asarray(r["latencies"])[k] for r, k in zip(reports, kept, strict=True)])
+    return (len(latencies) / (span[1] - span[0]), latencies) if len(latencies) else (None, latencies)
 
 
 def _steady_span(reports: list[dict[str, Any]]) -> tuple[float, float] | None:

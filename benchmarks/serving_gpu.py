@@ -323,7 +323,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
             "requests": requests,
             "answered": len(latencies), "lost": lost,
             "misrouted": misrouted, "duplicated_rows": max(0, counting.rows - requests), "seconds": seconds,
-            # the process modes: while every client process was sending (``process_clients.steady_rate``)
+            # the process modes: while every client process was sending (``process_clients.steady``)
             "requests_per_s": steady if steady is not None else whole, "requests_per_s_whole_run": whole,
             "p50_ms": _percentile(ms, 50), "p99_ms": _percentile(ms, 99),
             "p50_ms_whole_run": _percentile(whole_ms, 50), "p99_ms_whole_run": _percentile(whole_ms, 99),

@@ -646,21 +646,21 @@ def test_the_serving_benchmark_adds_clients_until_a_run_meets_both_targets(
     assert tried == [128, 192, 256, 320] and best["clients"] == 128
 
 
-def test_the_process_clients_steady_rate_counts_only_while_every_process_sends(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``process_clients.steady_rate``: answers from the last process's start to the first one's end, per second;
-    ``steady_latencies``: the latencies of those answers, each its own."""
+def test_the_process_clients_steady_span_counts_only_while_every_process_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``process_clients.steady``: answers from the last process's start to the first one's end, per second, and the
+    latencies of those answers, each its own; no rate and no latencies without a span or an answer in it."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
     from benchmarks import process_clients
     early = {"begin": 0.0, "end": 1.0, "ends": np.array([0.05, 0.5, 0.9, 1.0]), "latencies": np.array([1, 2, 3, 4.0])}
     late = {"begin": 0.2, "end": 2.0, "ends": np.array([0.3, 0.6, 1.5, 2.0]), "latencies": np.array([5, 6, 7, 8.0])}
-    assert process_clients.steady_rate([early, late]) == pytest.approx(5 / 0.8)  # 0.5, 0.9, 1.0, 0.3, 0.6
-    assert process_clients.steady_latencies([early, late]).tolist() == [2, 3, 4, 5, 6]
-    assert process_clients.steady_latencies([{"begin": 1.0, "end": 2.0, "ends": [1.5], "latencies": [1.0]},
-                                             {"begin": 2.5, "end": 3.0, "ends": [2.7], "latencies": [2.0]}]).size == 0
-    assert process_clients.steady_rate([{"begin": 1.0, "end": 2.0, "ends": np.array([1.5])},
-                                        {"begin": 2.5, "end": 3.0, "ends": np.array([2.7])}]) is None  # no span
-    assert process_clients.steady_rate([{"begin": 0.0, "end": 2.0, "ends": np.array([0.1, 1.9])},
-                                        {"begin": 0.5, "end": 1.5, "ends": np.array([], float)}]) is None  # no answer
+    rate, latencies = process_clients.steady([early, late])
+    assert rate == pytest.approx(5 / 0.8) and latencies.tolist() == [2, 3, 4, 5, 6]  # 0.5, 0.9, 1.0, 0.3, 0.6
+    rate, latencies = process_clients.steady([{"begin": 1.0, "end": 2.0, "ends": [1.5], "latencies": [1.0]},
+                                              {"begin": 2.5, "end": 3.0, "ends": [2.7], "latencies": [2.0]}])
+    assert rate is None and latencies.size == 0  # no span
+    rate, latencies = process_clients.steady([{"begin": 0.0, "end": 2.0, "ends": [0.1, 1.9], "latencies": [1.0, 2.0]},
+                                              {"begin": 0.5, "end": 1.5, "ends": [], "latencies": []}])
+    assert rate is None and latencies.size == 0  # no answer in the span
 
 
 def test_the_closed_loop_pairs_each_answer_time_with_its_own_latency(monkeypatch: pytest.MonkeyPatch) -> None:
