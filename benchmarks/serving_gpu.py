@@ -522,9 +522,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="Tiny models and counts, on the CPU: seconds.")
     parser.add_argument("--backends", default="", help="onnxruntime,torch,tensorrt (default: those that run here).")
     parser.add_argument("--models", default="",
-                        help="Which models, by name: resnet50, transformer, segmenter (default: the first two).")
+                        help="Which models, by name: resnet50, transformer, segmenter (default: the first two; with "
+                             "--smoke cnn, transformer, segmenter).")
     parser.add_argument("--map-only", action="store_true",
-                        help="Measure engines(x) and map only, without the batcher modes.")
+                        help="Measure engines(x) (and run_parts) and map only: no batcher modes, no batcher ceilings, "
+                             "no calls from two threads at once.")
     parser.add_argument("--ort-cuda-option", action="append", default=[], metavar="KEY=VALUE",
                         help="An ONNX Runtime CUDA provider option over the runtime's (repeatable), to compare, e.g. "
                              "cudnn_conv_algo_search=EXHAUSTIVE.")
@@ -703,7 +705,7 @@ def main() -> None:
                       f"{r['bound']['rows_per_s']:,.0f}",
                       *[t for b in batched for t in (f"{b['requests_per_s']:,.0f}", f"{b['p99_ms']:.1f}")],
                       f"{batched[0]['p99_bound_ms']:.1f}" if batched else "-",
-                      str(sum(b["lost"] + b["misrouted"] for b in batched)),
+                      str(sum(b["lost"] + b["misrouted"] for b in batched)) if batched else "-",
                       f"{m['map_ms']:.2f}", f"{m['sequential_ms']:.2f}", f"{m['bound_ms']:.2f}",
                       ", ".join(missed) or "none")
     console.print(table)

@@ -245,6 +245,26 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_map_runs_post_stage_copies_the_outputs_out_of_the_context_then_post_processes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serving_gpu.map_run``'s post stage is what ``map``'s thread does per batch: the outputs copied out of the
+    context (arrays of their own, not views of its buffers), then post-processed; each of its 20 timed calls."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    from benchmarks import serving_gpu
+    from compiler.serve.engines import engines_from_module
+    from examples import models
+
+    seen: list[Any] = []
+    post = serving_gpu.postprocess
+    monkeypatch.setattr(serving_gpu, "postprocess", lambda out: (seen.append(out), post(out))[1])
+    model = serving_gpu.Model("mlp", "", ("x:Bx64",), (), (1, 4, 8), {})
+    with engines_from_module(models.mlp(), ["x:Bx64"], buckets=(1, 4, 8), device="cpu", contexts=1) as engines:
+        result = serving_gpu.map_run(engines, model, 4, 6)
+    copied_out = [out for out in seen if isinstance(out, dict)]  # the loop and map post-process arrays
+    assert len(copied_out) == 20 and result["post_ms"] > 0
+    assert all(a.flags.owndata and a.shape == (4, 10) for out in copied_out for a in out.values())
+
+
 def test_the_serving_benchmark_measures_map_alone_for_the_segmenter(tmp_path: Path) -> None:
     """``--models segmenter --map-only``: engines(x) and map per context count, no batcher, no ceiling; its
     post-processing is a coarse label map of the outputs."""
@@ -255,8 +275,13 @@ def test_the_serving_benchmark_measures_map_alone_for_the_segmenter(tmp_path: Pa
 
     from benchmarks import serving_gpu
 
-    labels = serving_gpu.postprocess(np.arange(2 * 3 * 16 * 16, dtype=np.float32).reshape(2, 3, 16, 16) % 7)
-    assert labels.shape == (2, 2, 2) and set(np.unique(labels)) <= {0, 1, 2}
+    scores = np.zeros((2, 3, 16, 16), np.float32)
+    scores[0, 2, ::8, ::8] = 1.0  # image 0: class 2 at the pixels kept; image 1: class 1 at one of them
+    scores[1, 1, 8, 0] = 1.0
+    labels = serving_gpu.postprocess(scores)
+    np.testing.assert_array_equal(labels, [[[2, 2], [2, 2]], [[0, 0], [1, 0]]])
+    assert [m.name for m in serving_gpu.models_for(True)] == ["cnn", "transformer"]  # the segmenter when named
+    assert [m.name for m in serving_gpu.models_for(False)] == ["resnet50", "transformer"]
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "serving.json"
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "serving_gpu.py"), "--smoke", "--models",
@@ -269,6 +294,7 @@ def test_the_serving_benchmark_measures_map_alone_for_the_segmenter(tmp_path: Pa
     assert [(r["model"], r["contexts"]) for r in report["runs"]] == [("segmenter", 1), ("segmenter", 2)]
     for r in report["runs"]:
         assert set(r["targets"]) == {"map_vs_bound", "map_not_slower_than_loop"} and r["map"]["map_ms"] > 0
+        assert r["parallel_calls"] is None and not any(k.startswith("batcher") for k in r)
     wrong = subprocess.run([sys.executable, str(root / "benchmarks" / "serving_gpu.py"), "--smoke", "--models",
                             "segmentor", "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=root)
     assert wrong.returncode != 0 and "no model segmentor; choose from cnn, transformer, segmenter" in wrong.stderr

@@ -687,13 +687,13 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
         assert not engines.launches_on_host and engines._can_overlap()  # both replay CUDA graphs
         rng = np.random.default_rng(11)
         a, b = (rng.standard_normal((n, 64)).astype(np.float32) for n in (16, 9))
-        finish_a = engines.start_parts([engines.check(a)])
-        finish_b = engines.start_parts([engines.check(b[:4]), engines.check(b[4:])])
         name = engines.output_names[0]
-        try:  # a batch left unfinished holds its buffer set, and the engines' close waits for it
+        finish_a = engines.start_parts([engines.check(a)])
+        try:
+            finish_b = engines.start_parts([engines.check(b[:4]), engines.check(b[4:])])
             got_b = finish_b()[name]
             a_ready = finish_a.ready()
-        finally:
+        finally:  # a batch left unfinished holds its buffer set, and the engines' close waits for it
             got_a = finish_a()[name]
         np.testing.assert_allclose(got_b, eager("mlp", {"x": b}), rtol=1e-3, atol=1e-3)
         assert a_ready  # queued before b on the one stream
@@ -974,27 +974,70 @@ def test_pack_puts_every_part_at_its_offset(threads: int, monkeypatch: pytest.Mo
 @pytest.mark.parametrize("threads", [1, 3])
 def test_outputs_are_copied_out_whole_into_arrays_of_the_callers_own(threads: int, mlp_engines: runtime.Engines,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """``_copy_out`` splits a large output over threads: every byte lands where ``copy()`` puts it, at sizes that
-    do not divide evenly; an answer is the caller's own (the next call does not change it); a strided view is
-    copied whole."""
+    """``_copy_out`` splits a large output over the pack threads, in parts of ``_PACK_GROUP_BYTES`` or more: every
+    byte lands where ``copy()`` puts it, for sizes that do not divide evenly and other dtypes; a view that is not
+    C-contiguous is copied whole by ``copy()``; an answer is the caller's own (the next call does not change it)."""
     from compiler.backends import contexts
 
     monkeypatch.setattr(contexts, "_PACK_THREADS", threads)
     monkeypatch.setattr(contexts, "_PACK_GROUP_BYTES", 64)
+    pool = contexts._pool()
+    submitted: list[Any] = []
+
+    class Counting:
+        def submit(self, call: Any) -> Any:
+            submitted.append(call)
+            return pool.submit(call)
+
+    monkeypatch.setattr(contexts, "_pool", Counting)
     rng = np.random.default_rng(3)
-    for shape in ((1, 7), (5, 3, 11), (64, 10)):
-        view = rng.random(shape).astype(np.float32)
+    cases = [rng.random((1, 7)).astype(np.float32),  # 28 bytes: one part
+             rng.random((7, 11)).astype(np.float32),  # 308 bytes, 77 values: parts of 25, 26, 26
+             rng.random((13, 7)).astype(np.float16),  # 182 bytes: two parts
+             rng.random(300) > 0.5,  # bool, 300 bytes
+             np.asfortranarray(rng.random((10, 20)).astype(np.float32))]  # 800 bytes, not C-contiguous
+    for view in cases:
+        before = len(submitted)
         out = contexts._copy_out(view)
         np.testing.assert_array_equal(out, view)
-        assert out.dtype == view.dtype and not np.shares_memory(out, view)
-    strided = rng.random((8, 10)).astype(np.float32)[:, ::2]
-    np.testing.assert_array_equal(contexts._copy_out(strided), strided)
+        assert out.dtype == view.dtype and out.flags.c_contiguous and not np.shares_memory(out, view)
+        parts = min(threads, view.nbytes // 64) if view.flags.c_contiguous else 0
+        assert len(submitted) - before == (parts if parts > 1 else 0)
     x, y = (rng.standard_normal((16, 64)).astype(np.float32) for _ in range(2))
     first = mlp_engines(x)
     kept = first.copy()
     second = mlp_engines(y)
     np.testing.assert_array_equal(first, kept)  # the buffers the second call wrote are not the first's answer
     assert not np.allclose(first, second)
+
+
+def test_the_pack_threads_copy_in_the_callers_thread_where_the_pool_cannot_take_the_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy out called from a pack thread runs there (four such calls at once would otherwise wait for the pool
+    they hold); once the pool takes no more work (the interpreter is shutting down), every part is copied in the
+    caller's thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from compiler.backends import contexts
+
+    monkeypatch.setattr(contexts, "_PACK_THREADS", 2)
+    monkeypatch.setattr(contexts, "_PACK_GROUP_BYTES", 64)
+    views = [np.arange(100 * (i + 1), dtype=np.float32) for i in range(4)]
+    busy = ThreadPoolExecutor(4, thread_name_prefix=contexts._PACK_THREAD_NAME)
+    monkeypatch.setattr(contexts, "_pool", lambda: busy)  # the pool itself, all of whose threads copy out
+    try:
+        copies = [busy.submit(contexts._copy_out, v) for v in views]
+        for copy, view in zip(copies, views, strict=True):
+            np.testing.assert_array_equal(copy.result(timeout=10), view)
+    finally:  # threads that wait for parts queued behind them are let go: those parts are cancelled
+        busy.shutdown(cancel_futures=True)
+    closed = ThreadPoolExecutor(2)
+    closed.shutdown()
+    monkeypatch.setattr(contexts, "_pool", lambda: closed)
+    out = np.zeros(400, np.float32)
+    contexts._pack([views[0], views[2][:300]], out)
+    np.testing.assert_array_equal(out, np.concatenate([views[0], views[2][:300]]))
+    np.testing.assert_array_equal(contexts._copy_out(views[3]), views[3])
 
 
 def test_start_parts_without_waiting_gives_none_while_every_buffer_set_is_taken(mlp_engines: runtime.Engines) -> None:

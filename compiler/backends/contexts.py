@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import logging
 import math
@@ -589,10 +590,11 @@ class _GpuContext:
         self._device_stage.clear()
 
 
-_PACK_GROUP_BYTES = 8 << 20  # a batch this large per pack thread is packed by several threads
+_PACK_GROUP_BYTES = 8 << 20  # a batch packed, or an output copied out, is split over threads in parts this large
 _PACK_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 _pack_pool: ThreadPoolExecutor | None = None
 _pack_pool_lock = threading.Lock()
+_PACK_THREAD_NAME = "trtc-pack"
 
 
 def _pack(parts: list[np.ndarray], out: np.ndarray) -> None:
@@ -606,10 +608,8 @@ def _pack(parts: list[np.ndarray], out: np.ndarray) -> None:
         return
     offsets = [0, *itertools.accumulate(len(p) for p in parts)]  # row offsets of the parts in ``out``
     cuts = [len(parts) * g // groups for g in range(groups + 1)]  # parts per thread, about equal
-    jobs = [_pool().submit(np.concatenate, parts[a:b], out=out[offsets[a]:offsets[b]], casting="same_kind")
-            for a, b in itertools.pairwise(cuts)]
-    for job in jobs:
-        job.result()
+    _in_parallel([functools.partial(np.concatenate, parts[a:b], out=out[offsets[a]:offsets[b]], casting="same_kind")
+                  for a, b in itertools.pairwise(cuts)])
 
 
 def _copy_out(view: np.ndarray) -> np.ndarray:
@@ -622,9 +622,27 @@ def _copy_out(view: np.ndarray) -> np.ndarray:
     out = np.empty_like(view)
     source, target = view.reshape(-1), out.reshape(-1)
     cuts = [len(source) * g // groups for g in range(groups + 1)]
-    for job in [_pool().submit(np.copyto, target[a:b], source[a:b]) for a, b in itertools.pairwise(cuts)]:
-        job.result()
+    _in_parallel([functools.partial(np.copyto, target[a:b], source[a:b]) for a, b in itertools.pairwise(cuts)])
     return out
+
+
+def _in_parallel(calls: list[Callable[[], Any]]) -> None:
+    """Run ``calls`` on the pack threads and wait for them all. In the calling thread, one after the other, where the
+    pool cannot take them: the caller is one of its threads (waiting there for the pool could wait for itself), or
+    the interpreter is shutting down (a server's daemon thread still answering)."""
+    if threading.current_thread().name.startswith(_PACK_THREAD_NAME):
+        for call in calls:
+            call()
+        return
+    jobs = []
+    try:
+        for call in calls:
+            jobs.append(_pool().submit(call))
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        for call in calls[len(jobs):]:
+            call()
+    for job in jobs:
+        job.result()
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -632,7 +650,7 @@ def _pool() -> ThreadPoolExecutor:
     global _pack_pool
     with _pack_pool_lock:
         if _pack_pool is None:
-            _pack_pool = ThreadPoolExecutor(_PACK_THREADS, thread_name_prefix="trtc-pack")
+            _pack_pool = ThreadPoolExecutor(_PACK_THREADS, thread_name_prefix=_PACK_THREAD_NAME)
         return _pack_pool
 
 
