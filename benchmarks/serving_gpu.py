@@ -522,8 +522,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="Tiny models and counts, on the CPU: seconds.")
     parser.add_argument("--backends", default="", help="onnxruntime,torch,tensorrt (default: those that run here).")
     parser.add_argument("--models", default="",
-                        help="Which models, by name: resnet50, transformer, segmenter (default: the first two; with "
-                             "--smoke cnn, transformer, segmenter).")
+                        help="Which models, by name: resnet50, transformer, segmenter (default: the first two; "
+                             "with --smoke the names are cnn, transformer, segmenter).")
     parser.add_argument("--map-only", action="store_true",
                         help="Measure engines(x) (and run_parts) and map only: no batcher modes, no batcher ceilings, "
                              "no calls from two threads at once.")

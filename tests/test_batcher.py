@@ -244,7 +244,6 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     assert "serving at its bound" in done.stdout
 
 
-@pytest.mark.slow
 def test_map_runs_post_stage_copies_the_outputs_out_of_the_context_then_post_processes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``serving_gpu.map_run``'s post stage is what ``map``'s thread does per batch: the outputs copied out of the
@@ -265,6 +264,7 @@ def test_map_runs_post_stage_copies_the_outputs_out_of_the_context_then_post_pro
     assert all(a.flags.owndata and a.shape == (4, 10) for out in copied_out for a in out.values())
 
 
+@pytest.mark.slow
 def test_the_serving_benchmark_measures_map_alone_for_the_segmenter(tmp_path: Path) -> None:
     """``--models segmenter --map-only``: engines(x) and map per context count, no batcher, no ceiling; its
     post-processing is a coarse label map of the outputs."""

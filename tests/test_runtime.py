@@ -1014,8 +1014,8 @@ def test_outputs_are_copied_out_whole_into_arrays_of_the_callers_own(threads: in
 def test_the_pack_threads_copy_in_the_callers_thread_where_the_pool_cannot_take_the_work(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy out called from a pack thread runs there (four such calls at once would otherwise wait for the pool
-    they hold); once the pool takes no more work (the interpreter is shutting down), every part is copied in the
-    caller's thread."""
+    they hold); a part's error is raised once every part has ended; once the pool takes no more work (the
+    interpreter is shutting down), every part is copied in the caller's thread."""
     from concurrent.futures import ThreadPoolExecutor
 
     from compiler.backends import contexts
@@ -1023,14 +1023,34 @@ def test_the_pack_threads_copy_in_the_callers_thread_where_the_pool_cannot_take_
     monkeypatch.setattr(contexts, "_PACK_THREADS", 2)
     monkeypatch.setattr(contexts, "_PACK_GROUP_BYTES", 64)
     views = [np.arange(100 * (i + 1), dtype=np.float32) for i in range(4)]
-    busy = ThreadPoolExecutor(4, thread_name_prefix=contexts._PACK_THREAD_NAME)
+    busy = ThreadPoolExecutor(4, initializer=contexts._mark_pack_thread)
     monkeypatch.setattr(contexts, "_pool", lambda: busy)  # the pool itself, all of whose threads copy out
+    gate = threading.Barrier(4)  # every thread of the pool busy before any copies
+
+    def copy_out(view: np.ndarray) -> np.ndarray:
+        gate.wait(timeout=10)
+        return contexts._copy_out(view)
+
     try:
-        copies = [busy.submit(contexts._copy_out, v) for v in views]
+        copies = [busy.submit(copy_out, v) for v in views]
         for copy, view in zip(copies, views, strict=True):
             np.testing.assert_array_equal(copy.result(timeout=10), view)
     finally:  # threads that wait for parts queued behind them are let go: those parts are cancelled
         busy.shutdown(cancel_futures=True)
+    ended = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.2)
+        ended.set()
+
+    def failing() -> None:
+        raise ValueError("a part failed")
+
+    with ThreadPoolExecutor(2) as two:
+        monkeypatch.setattr(contexts, "_pool", lambda: two)
+        with pytest.raises(ValueError, match="a part failed"):
+            contexts._in_parallel([failing, slow])
+        assert ended.is_set()  # raised only once every part had ended
     closed = ThreadPoolExecutor(2)
     closed.shutdown()
     monkeypatch.setattr(contexts, "_pool", lambda: closed)

@@ -594,7 +594,7 @@ _PACK_GROUP_BYTES = 8 << 20  # a batch packed, or an output copied out, is split
 _PACK_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 _pack_pool: ThreadPoolExecutor | None = None
 _pack_pool_lock = threading.Lock()
-_PACK_THREAD_NAME = "trtc-pack"
+_in_pack_thread = threading.local()
 
 
 def _pack(parts: list[np.ndarray], out: np.ndarray) -> None:
@@ -627,22 +627,33 @@ def _copy_out(view: np.ndarray) -> np.ndarray:
 
 
 def _in_parallel(calls: list[Callable[[], Any]]) -> None:
-    """Run ``calls`` on the pack threads and wait for them all. In the calling thread, one after the other, where the
-    pool cannot take them: the caller is one of its threads (waiting there for the pool could wait for itself), or
-    the interpreter is shutting down (a server's daemon thread still answering)."""
-    if threading.current_thread().name.startswith(_PACK_THREAD_NAME):
+    """Run ``calls`` on the pack threads and wait for them all (the first error, if any, is raised once every call has
+    ended, so that none still writes the caller's buffers). In the calling thread, one after the other, where the pool
+    cannot take them: the caller is one of its threads (waiting there for the pool could wait for itself), or the
+    interpreter is shutting down (a server's daemon thread still answering)."""
+    if getattr(_in_pack_thread, "yes", False):
         for call in calls:
             call()
         return
     jobs = []
+    error: BaseException | None = None
     try:
         for call in calls:
             jobs.append(_pool().submit(call))
-    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-        for call in calls[len(jobs):]:
-            call()
-    for job in jobs:
-        job.result()
+    except RuntimeError as err:  # "cannot schedule new futures after (interpreter) shutdown"
+        error = err if "shutdown" not in str(err) else None
+        try:
+            for call in calls[len(jobs):] if error is None else []:
+                call()
+        except BaseException as failed:
+            error = failed
+    for job in jobs:  # every part ends before an error is raised: none may still write the caller's buffers
+        try:
+            job.result()
+        except BaseException as failed:
+            error = error or failed
+    if error is not None:
+        raise error
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -650,8 +661,14 @@ def _pool() -> ThreadPoolExecutor:
     global _pack_pool
     with _pack_pool_lock:
         if _pack_pool is None:
-            _pack_pool = ThreadPoolExecutor(_PACK_THREADS, thread_name_prefix=_PACK_THREAD_NAME)
+            _pack_pool = ThreadPoolExecutor(_PACK_THREADS, thread_name_prefix="trtc-pack",
+                                            initializer=_mark_pack_thread)
         return _pack_pool
+
+
+def _mark_pack_thread() -> None:
+    """A pack thread's initializer: ``_in_parallel`` called from it runs its parts there."""
+    _in_pack_thread.yes = True
 
 
 def _capture(stream: Any, launch: Callable[[], Any], what: str) -> tuple[Any, Any] | None:
