@@ -424,8 +424,8 @@ def parallel_throughput(engines: Any, feed: Any, rows: int, threads: int, second
 
 def postprocess(out: Any) -> Any:
     """A classifier's softmax + top-5, a mean over tokens for an embedding model, or for a segmenter the label of
-    every 8th pixel across and down (a full-size label map in numpy takes longer than the GPU's whole batch, and
-    would leave nothing for the copies to overlap): numpy, on the host."""
+    every 8th pixel across and down (numpy's full-size label map alone takes longer than the GPU's whole batch):
+    numpy, on the host."""
     x = np.asarray(out if not isinstance(out, dict) else next(iter(out.values())), dtype=np.float32)
     if x.ndim == 2:
         z = np.exp(x - x.max(axis=1, keepdims=True))

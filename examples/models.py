@@ -132,7 +132,8 @@ class TwoInput(nn.Module):
 
 class Segmenter(nn.Module):
     """A fully convolutional per-pixel classifier, B x classes x H x W out of B x 3 x H x W: its output is seven
-    times its input, so copying it back to the host takes about as long as the model runs."""
+    times its input, and handing it back to the host (the GPU's copy, then the copy into the caller's arrays) takes
+    longer than the model runs (docs/benchmarks.md, "Session 11")."""
 
     def __init__(self, width: int = 64, layers: int = 3, num_classes: int = 21) -> None:
         super().__init__()

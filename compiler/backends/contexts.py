@@ -640,13 +640,15 @@ def _in_parallel(calls: list[Callable[[], Any]]) -> None:
     try:
         for call in calls:
             jobs.append(_pool().submit(call))
-    except RuntimeError as err:  # "cannot schedule new futures after (interpreter) shutdown"
-        error = err if "shutdown" not in str(err) else None
-        try:
-            for call in calls[len(jobs):] if error is None else []:
-                call()
-        except BaseException as failed:
-            error = failed
+    except RuntimeError as err:
+        if "shutdown" not in str(err):  # "cannot schedule new futures after (interpreter) shutdown" is the one we take
+            error = err
+        else:
+            try:
+                for call in calls[len(jobs):]:
+                    call()
+            except BaseException as failed:
+                error = failed
     for job in jobs:  # every part ends before an error is raised: none may still write the caller's buffers
         try:
             job.result()
