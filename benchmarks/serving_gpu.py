@@ -87,17 +87,13 @@ class Model:
 def models_for(smoke: bool, names: Sequence[str] = ()) -> list[Model]:
     """The models ``names`` names; by default the CNN and the transformer (the segmenter, whose
     outputs are seven times its inputs, only when named)."""
-    if smoke:
-        known = [Model("cnn", "examples.models:resnet_digits", ("images:Bx1x8x8",), (), (1, 4, 8), {}),
-                 Model("transformer", "examples.models:transformer_encoder",
-                       ("input_ids:BxS:int64", "attention_mask:BxS:int64"), ("S=1:16:16",), (1, 4, 8), {"S": 16}),
-                 Model("segmenter", "examples.models:segmenter", ("images:Bx3x16x16",), (), (1, 4, 8), {})]
-    else:
-        known = [Model("resnet50", "examples.models:resnet50_like", ("images:Bx3x224x224",), (), (1, 16, 64), {}),
-                 Model("transformer", "examples.models:transformer_encoder",
-                       ("input_ids:BxS:int64", "attention_mask:BxS:int64"), ("S=1:128:128",), (1, 16, 64),
-                       {"S": 128}),
-                 Model("segmenter", "examples.models:segmenter", ("images:Bx3x224x224",), (), (1, 16, 64), {})]
+    buckets, side, seq = ((1, 4, 8), 16, 16) if smoke else ((1, 16, 64), 224, 128)
+    cnn = (Model("cnn", "examples.models:resnet_digits", ("images:Bx1x8x8",), (), buckets, {}) if smoke else
+           Model("resnet50", "examples.models:resnet50_like", ("images:Bx3x224x224",), (), buckets, {}))
+    known = [cnn,
+             Model("transformer", "examples.models:transformer_encoder",
+                   ("input_ids:BxS:int64", "attention_mask:BxS:int64"), (f"S=1:{seq}:{seq}",), buckets, {"S": seq}),
+             Model("segmenter", "examples.models:segmenter", (f"images:Bx3x{side}x{side}",), (), buckets, {})]
     unknown = set(names) - {m.name for m in known}
     if unknown:
         sys.exit(f"--models {','.join(names)}: no model {', '.join(sorted(unknown))}; choose from "
