@@ -50,11 +50,11 @@ _launches: list[tuple[int, float, float]] = []  # (the launcher's id, begin, end
 
 def _wrap() -> None:
     """Note the batcher's batches, wakes and launcher runs (``_batches``, ``_wakes``, ``_launches``)."""
-    from compiler.backends.onnxrt import _OrtCudaContext
+    from compiler.backends.onnxrt import OrtCudaContext
     from compiler.serve.engines import Started
     from compiler.serve.processes import ProcessBatcher
 
-    start, wake, queue = ProcessBatcher._start, ProcessBatcher._wake, _OrtCudaContext._queue_parts
+    start, wake, queue = ProcessBatcher._start, ProcessBatcher._wake, OrtCudaContext._queue_parts
 
     def traced_start(self: Any, batch: Any, wait: bool) -> Any:
         begin = time.monotonic()
@@ -88,7 +88,7 @@ def _wrap() -> None:
 
     ProcessBatcher._start = traced_start  # type: ignore[method-assign]
     ProcessBatcher._wake = traced_wake  # type: ignore[method-assign]
-    _OrtCudaContext._queue_parts = traced_queue  # type: ignore[method-assign,assignment]
+    OrtCudaContext._queue_parts = traced_queue  # type: ignore[method-assign,assignment]
 
 
 def percentiles(seconds: list[float]) -> dict[str, float] | None:

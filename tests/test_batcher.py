@@ -328,10 +328,10 @@ def test_the_process_batcher_trace_runs_on_the_cpu(tmp_path: Path) -> None:
 def test_requests_go_straight_into_the_contexts_buffers(engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
     """No batch array of the batcher's own: 5 requests (6 rows) are 5 row-copies into the context's input buffer
     (``upload_parts``), never a concatenation first; answers stay right."""
-    from compiler.backends import contexts
+    from compiler.backends.host import HostContext
 
     uploads: list[list[int]] = []
-    upload_parts = contexts._HostContext.upload_parts
+    upload_parts = HostContext.upload_parts
 
     def recording(self: Any, bucket: int, calls: Any) -> None:
         uploads.append([c.rows for c in calls])
@@ -340,7 +340,7 @@ def test_requests_go_straight_into_the_contexts_buffers(engines: Engines, monkey
     def no_concatenate(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the batcher packed a batch array")
 
-    monkeypatch.setattr(contexts._HostContext, "upload_parts", recording)
+    monkeypatch.setattr(HostContext, "upload_parts", recording)
     monkeypatch.setattr(np, "concatenate", no_concatenate)
     with DynamicBatcher(engines, max_batch=5, max_wait_ms=2000, workers=1) as batcher:
         futures = [batcher.submit_async(rows(i, 1 + i % 2)) for i in range(3)] + [

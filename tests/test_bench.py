@@ -378,19 +378,19 @@ def _copy(build: Path, where: Path) -> Path:
 def test_rows_run_the_serving_backends(build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every row is timed through a serving context of compiler.load's backends, not a runner of its own."""
     from compiler.backends import runners
-    from compiler.backends.contexts import _HostContext
+    from compiler.backends.host import HostContext
 
     computed: list[str] = []
-    real = _HostContext.compute
+    real = HostContext.compute
 
     def counting(self: Any, bucket: int, call: Any) -> None:
         computed.append(type(self).__name__)
         real(self, bucket, call)
 
-    monkeypatch.setattr(_HostContext, "compute", counting)
+    monkeypatch.setattr(HostContext, "compute", counting)
     data = bench_directory(build, BenchSettings(**FAST, backends=("torch", "onnxruntime"), buckets=(4,),  # type: ignore[arg-type]
                                                 report_dir=tmp_path, plot=False)).data
-    assert {"_OrtCpuContext", "_TorchCpuContext"} <= set(computed)
+    assert {"OrtCpuContext", "TorchCpuContext"} <= set(computed)
     assert len(computed) >= 3 * len(data["results"])  # first run, warm-up and timed runs all went through it
     assert {r["runner"] for r in data["results"]} == {"torch", "onnxruntime[CPUExecutionProvider]"}
     assert not hasattr(runners, "TrtRunner") and not hasattr(runners, "CudaGraphRunner")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import compiler
+from compiler.backends.onnxrt import OrtCpuContext
 from compiler.core.errors import InputError, TensorRTNotInstalled
 from compiler.core.manifest import onnx_entry, write_manifest
 from compiler.core.onnx_io import load_onnx, ort_session, save_onnx
@@ -84,13 +85,13 @@ def eager(name: str, feed: dict[str, np.ndarray]) -> np.ndarray:
 def buckets_run(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(bucket, rows) of every chunk the CPU contexts run."""
     seen: list[tuple[int, int]] = []
-    original = runtime._OrtCpuContext.run
+    original = OrtCpuContext.run
 
     def spy(self: Any, bucket: int, call: Any, start: int, stop: int, host: bool) -> None:
         seen.append((bucket, stop - start))
         original(self, bucket, call, start, stop, host)
 
-    monkeypatch.setattr(runtime._OrtCpuContext, "run", spy)
+    monkeypatch.setattr(OrtCpuContext, "run", spy)
     return seen
 
 
@@ -673,10 +674,10 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
     order; threads with host and CUDA feeds at once; ``map`` pipelines on torch's CUDA graphs (it ran the plain loop
     with one set). ``overlapped``: every host input goes through its set's copy stream and device staging (large
     inputs only otherwise), and every answer is still the caller's own."""
-    from compiler.backends import contexts
+    from compiler.backends import gpu
 
     if overlapped:
-        monkeypatch.setattr(contexts, "_OVERLAPPED_COPY_BYTES", 0)
+        monkeypatch.setattr(gpu, "OVERLAPPED_COPY_BYTES", 0)
     with _one_context_on_cuda(backend, tmp_path) as engines:
         assert (engines.contexts, engines.buffer_sets) == (1, 2)
         sets: list[Any] = [engines._acquire() for _ in range(2)]
@@ -801,21 +802,21 @@ def test_onnxruntime_graphs_only_where_no_run_frees_what_another_buckets_graph_r
         bias: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA graphs for ONNX Runtime: models whose only dynamic dimension is the batch, with outputs in our buffers;
     a convolution without a bias (ONNX Runtime reallocates a zero bias per input shape) only with one bucket."""
-    from compiler.backends.onnxrt import _OrtBackend
+    from compiler.backends.onnxrt import OrtBackend
 
     monkeypatch.setitem(MODELS, "conv", (conv_relu(bias), ["x:Bx3x8x8"], {}))
     directory = build_directory(tmp_path / "conv", "conv")
     spec = ModelSpec((parse_input_spec("x:Bx3x8x8"),), {})
-    assert _OrtBackend(directory / "model.onnx", spec, (1, 4), "cpu", 0).capturable == bias
-    assert _OrtBackend(directory / "model.onnx", spec, (4,), "cpu", 0).capturable
-    assert not _OrtBackend(directory / "model.onnx", spec, (4,), "cpu", 0, cuda_graphs=False).capturable
+    assert OrtBackend(directory / "model.onnx", spec, (1, 4), "cpu", 0).capturable == bias
+    assert OrtBackend(directory / "model.onnx", spec, (4,), "cpu", 0).capturable
+    assert not OrtBackend(directory / "model.onnx", spec, (4,), "cpu", 0, cuda_graphs=False).capturable
     with load(directory, backend="onnxruntime", device="cpu") as engines:  # the CPU runs it either way
         x = np.random.default_rng(0).standard_normal((3, 3, 8, 8)).astype(np.float32)
         np.testing.assert_allclose(engines(x), eager("conv", {"x": x}), rtol=1e-4, atol=1e-5)
     sequences = ModelSpec((parse_input_spec("x:BxSx16"),), dict([parse_dim_range("S=1:16:32")]))
     monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
     path = build_directory(tmp_path / "per_position", "per_position") / "model.onnx"
-    assert not _OrtBackend(path, sequences, (1, 4), "cpu", 0).capturable  # a shape per call: no graphs
+    assert not OrtBackend(path, sequences, (1, 4), "cpu", 0).capturable  # a shape per call: no graphs
 
 
 def test_a_convolution_without_a_bias_is_found_in_subgraphs_and_functions() -> None:
@@ -919,7 +920,7 @@ def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, mo
 def test_serving_sessions_do_not_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A CUDA context's ONNX Runtime session gets one intra-op thread that sleeps when idle (threads that spin
     after each CPU node took the cores from the server's threads); ``spinning=False`` reaches ONNX Runtime."""
-    from compiler.backends.onnxrt import _OrtBackend
+    from compiler.backends.onnxrt import OrtBackend
     from compiler.core import onnx_io
     from compiler.core.manifest import read_manifest
     from compiler.serve.engines import onnx_for_precision
@@ -943,7 +944,7 @@ def test_serving_sessions_do_not_spin(tmp_path: Path, monkeypatch: pytest.Monkey
 
     with load(directory, backend="onnxruntime", device="cpu") as engines:
         backend = engines._backend
-        assert isinstance(backend, _OrtBackend)
+        assert isinstance(backend, OrtBackend)
         monkeypatch.setattr(onnx_io, "ort_session", recording)
         backend.context_session(None)
         backend.threads = 3
@@ -955,19 +956,19 @@ def test_serving_sessions_do_not_spin(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_pack_puts_every_part_at_its_offset(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The batcher's pack into pinned staging, split over threads for large batches: exactly ``np.concatenate``,
     also for parts of several rows and for int64 ids into an engine's int32 buffer."""
-    from compiler.backends import contexts
+    from compiler.backends import copies
 
-    monkeypatch.setattr(contexts, "_PACK_THREADS", threads)
-    monkeypatch.setattr(contexts, "_PACK_GROUP_BYTES", 64)
+    monkeypatch.setattr(copies, "PACK_THREADS", threads)
+    monkeypatch.setattr(copies, "PACK_GROUP_BYTES", 64)
     rng = np.random.default_rng(0)
     for count in (1, 2, 5, 64):
         parts = [rng.random((int(rng.integers(1, 4)), 3, 5)).astype(np.float32) for _ in range(count)]
         out = np.zeros((sum(len(p) for p in parts), 3, 5), np.float32)
-        contexts._pack(parts, out)
+        copies.pack(parts, out)
         np.testing.assert_array_equal(out, np.concatenate(parts))
     ids = [rng.integers(0, 1000, size=(2, 7)) for _ in range(9)]
     out32 = np.zeros((18, 7), np.int32)
-    contexts._pack(ids, out32)
+    copies.pack(ids, out32)
     np.testing.assert_array_equal(out32, np.concatenate(ids))
 
 
@@ -977,11 +978,11 @@ def test_outputs_are_copied_out_whole_into_arrays_of_the_callers_own(threads: in
     """``_copy_out`` splits a large output over the pack threads, in parts of ``_PACK_GROUP_BYTES`` or more: every
     byte lands where ``copy()`` puts it, for sizes that do not divide evenly and other dtypes; a view that is not
     C-contiguous is copied whole by ``copy()``; an answer is the caller's own (the next call does not change it)."""
-    from compiler.backends import contexts
+    from compiler.backends import copies
 
-    monkeypatch.setattr(contexts, "_PACK_THREADS", threads)
-    monkeypatch.setattr(contexts, "_PACK_GROUP_BYTES", 64)
-    pool = contexts._pool()
+    monkeypatch.setattr(copies, "PACK_THREADS", threads)
+    monkeypatch.setattr(copies, "PACK_GROUP_BYTES", 64)
+    pool = copies.pool()
     submitted: list[Any] = []
 
     class Counting:
@@ -989,7 +990,7 @@ def test_outputs_are_copied_out_whole_into_arrays_of_the_callers_own(threads: in
             submitted.append(call)
             return pool.submit(call)
 
-    monkeypatch.setattr(contexts, "_pool", Counting)
+    monkeypatch.setattr(copies, "pool", Counting)
     rng = np.random.default_rng(3)
     cases = [rng.random((1, 7)).astype(np.float32),  # 28 bytes: one part
              rng.random((7, 11)).astype(np.float32),  # 308 bytes, 77 values: parts of 25, 26, 26
@@ -998,7 +999,7 @@ def test_outputs_are_copied_out_whole_into_arrays_of_the_callers_own(threads: in
              np.asfortranarray(rng.random((10, 20)).astype(np.float32))]  # 800 bytes, not C-contiguous
     for view in cases:
         before = len(submitted)
-        out = contexts._copy_out(view)
+        out = copies.copy_out(view)
         np.testing.assert_array_equal(out, view)
         assert out.dtype == view.dtype and out.flags.c_contiguous and not np.shares_memory(out, view)
         parts = min(threads, view.nbytes // 64) if view.flags.c_contiguous else 0
@@ -1018,22 +1019,22 @@ def test_the_pack_threads_copy_in_the_callers_thread_where_the_pool_cannot_take_
     interpreter is shutting down), every part is copied in the caller's thread."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from compiler.backends import contexts
+    from compiler.backends import copies
 
-    monkeypatch.setattr(contexts, "_PACK_THREADS", 2)
-    monkeypatch.setattr(contexts, "_PACK_GROUP_BYTES", 64)
+    monkeypatch.setattr(copies, "PACK_THREADS", 2)
+    monkeypatch.setattr(copies, "PACK_GROUP_BYTES", 64)
     views = [np.arange(100 * (i + 1), dtype=np.float32) for i in range(4)]
-    busy = ThreadPoolExecutor(4, initializer=contexts._mark_pack_thread)
-    monkeypatch.setattr(contexts, "_pool", lambda: busy)  # the pool itself, all of whose threads copy out
+    busy = ThreadPoolExecutor(4, initializer=copies.mark_pack_thread)
+    monkeypatch.setattr(copies, "pool", lambda: busy)  # the pool itself, all of whose threads copy out
     gate = threading.Barrier(4)  # every thread of the pool busy before any copies
 
     def copy_out(view: np.ndarray) -> np.ndarray:
         gate.wait(timeout=10)
-        return contexts._copy_out(view)
+        return copies.copy_out(view)
 
     try:
-        copies = [busy.submit(copy_out, v) for v in views]
-        for copy, view in zip(copies, views, strict=True):
+        copied = [busy.submit(copy_out, v) for v in views]
+        for copy, view in zip(copied, views, strict=True):
             np.testing.assert_array_equal(copy.result(timeout=10), view)
     finally:  # threads that wait for parts queued behind them are let go: those parts are cancelled
         busy.shutdown(cancel_futures=True)
@@ -1047,17 +1048,17 @@ def test_the_pack_threads_copy_in_the_callers_thread_where_the_pool_cannot_take_
         raise ValueError("a part failed")
 
     with ThreadPoolExecutor(2) as two:
-        monkeypatch.setattr(contexts, "_pool", lambda: two)
+        monkeypatch.setattr(copies, "pool", lambda: two)
         with pytest.raises(ValueError, match="a part failed"):
-            contexts._in_parallel([failing, slow])
+            copies.in_parallel([failing, slow])
         assert ended.is_set()  # raised only once every part had ended
     closed = ThreadPoolExecutor(2)
     closed.shutdown()
-    monkeypatch.setattr(contexts, "_pool", lambda: closed)
+    monkeypatch.setattr(copies, "pool", lambda: closed)
     out = np.zeros(400, np.float32)
-    contexts._pack([views[0], views[2][:300]], out)
+    copies.pack([views[0], views[2][:300]], out)
     np.testing.assert_array_equal(out, np.concatenate([views[0], views[2][:300]]))
-    np.testing.assert_array_equal(contexts._copy_out(views[3]), views[3])
+    np.testing.assert_array_equal(copies.copy_out(views[3]), views[3])
 
 
 def test_start_parts_without_waiting_gives_none_while_every_buffer_set_is_taken(mlp_engines: runtime.Engines) -> None:

@@ -47,18 +47,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from compiler.backends.contexts import (
-    _NUMPY_DTYPES,
-    CheckedFeed,
-    _call_values,
-    _capture,
-    _ComputeOrder,
-    _Context,
-    _GpuContext,
-    _HostContext,
-    _max_values,
-    _remember,
-)
+from compiler.backends.base import Context, call_sizes, largest_sizes, remember
+from compiler.backends.feeds import NUMPY_DTYPES, CheckedFeed
+from compiler.backends.gpu import ComputeOrder, GpuContext, capture_graph
+from compiler.backends.host import HostContext
 from compiler.core.errors import InputError, first_line
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
@@ -70,7 +62,7 @@ log = logging.getLogger(__name__)
 # CUDA provider options every context gets (``cuda_options`` adds to or overrides them)
 CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_workspace": "1"}
 # Whether the runs of a backend's CUDA contexts that only queue their kernels go to the GPU one after the other
-# (``_ComputeOrder``), as TensorRT's and torch's do. Off: on an H200 (docs/benchmarks.md) ordering won 15-20 % for a
+# (``ComputeOrder``), as TensorRT's and torch's do. Off: on an H200 (docs/benchmarks.md) ordering won 15-20 % for a
 # CNN with two concurrent callers but lost 30 % for a transformer, and behind a batcher with 64 client threads it
 # collapsed (489 req/s against 3,302): the thread that runs it holds the order across ONNX Runtime's run, which
 # releases the GIL, and then waits for the GIL with the order held. ``benchmarks/serving_gpu.py --ort-ordered``
@@ -78,7 +70,7 @@ CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_works
 ORDER_RUNS = False
 
 
-class _OrtBackend:
+class OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, path: Path, spec: ModelSpec, buckets: Sequence[int], device: str | None, threads: int,
@@ -119,7 +111,7 @@ class _OrtBackend:
         # on the CPU the contexts share one session (its runs are independent); on CUDA each context has its own
         self.session: Any = (ort_session(path, ["CPUExecutionProvider"], threads=threads) if self.device == "cpu"
                              else None)
-        self.order = _ComputeOrder() if self.device != "cpu" and ORDER_RUNS else None
+        self.order = ComputeOrder() if self.device != "cpu" and ORDER_RUNS else None
         self.output_names = [o.name for o in graph.output]
         self.output_dtypes = {o.name: tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type) for o in graph.output}
         self._output_dims: dict[str, list[int | str | None]] = {
@@ -192,14 +184,14 @@ class _OrtBackend:
 
     def largest_outputs(self, bucket: int) -> dict[str, tuple[int, Any]]:
         """(element count, numpy dtype) of every output at the bucket's largest shapes: the buffers to allocate."""
-        values = _max_values(self.spec, bucket)
+        values = largest_sizes(self.spec, bucket)
         return {name: (math.prod(self.output_shape(name, values)), self.output_dtypes[name])
                 for name in self.output_names}
 
-    def new_context(self) -> _Context:
+    def new_context(self) -> Context:
         if self.device == "cpu":
-            return _OrtCpuContext(self)
-        return _OrtCudaContext(self)
+            return OrtCpuContext(self)
+        return OrtCudaContext(self)
 
     def close(self) -> None:
         self.session = None
@@ -222,17 +214,17 @@ def _conv_without_bias(model: Any) -> bool:
 
 
 @dataclass
-class _OrtBinding:
+class OrtBinding:
     binding: Any  # onnxruntime.IOBinding
     inputs: list[tuple[str, np.ndarray, bool]]  # as ``input_views`` gives them
     outputs: dict[str, np.ndarray] | None  # preallocated outputs; None: ONNX Runtime allocates them
     keep: list[Any] = field(default_factory=list)  # OrtValues bound by pointer
 
 
-class _OrtCpuContext(_HostContext):
+class OrtCpuContext(HostContext):
     """ONNX Runtime on the CPU: one IOBinding per bucket (and dynamic sizes) over preallocated arrays."""
 
-    def __init__(self, backend: _OrtBackend) -> None:
+    def __init__(self, backend: OrtBackend) -> None:
         super().__init__(backend.spec, backend.buckets)
         self._backend = backend
         self._out_flat: dict[tuple[int, str], np.ndarray] = {}
@@ -240,11 +232,11 @@ class _OrtCpuContext(_HostContext):
             for b in backend.buckets:
                 for name, (numel, dtype) in backend.largest_outputs(b).items():
                     self._out_flat[b, name] = np.zeros(numel, dtype)
-        self._bindings: dict[tuple[int, tuple[int, ...]], _OrtBinding] = {}
+        self._bindings: dict[tuple[int, tuple[int, ...]], OrtBinding] = {}
         self._run_bound = backend.session.run_with_iobinding
 
     def run(self, bucket: int, call: CheckedFeed, start: int, stop: int, host: bool) -> None:
-        """``_HostContext.run`` with the binding's views: one lookup per call (this is the CPU hot path)."""
+        """``HostContext.run`` with the binding's views: one lookup per call (this is the CPU hot path)."""
         entry = self._bindings.get((bucket, call.key)) or self._binding(bucket, call)
         rows = stop - start
         whole = rows == call.rows
@@ -258,10 +250,10 @@ class _OrtCpuContext(_HostContext):
         self._last = entry.outputs if entry.outputs is not None else self._allocated(entry)
         self._rows = rows
 
-    def _allocated(self, entry: _OrtBinding) -> dict[str, np.ndarray]:
+    def _allocated(self, entry: OrtBinding) -> dict[str, np.ndarray]:
         return dict(zip(self._backend.output_names, entry.binding.copy_outputs_to_cpu()))
 
-    def _binding(self, bucket: int, call: CheckedFeed) -> _OrtBinding:
+    def _binding(self, bucket: int, call: CheckedFeed) -> OrtBinding:
         entry = self._bindings.get((bucket, call.key))
         if entry is not None:
             return entry
@@ -277,7 +269,7 @@ class _OrtCpuContext(_HostContext):
             keep.append(value)
         outputs: dict[str, np.ndarray] | None = None
         if self._backend.outputs_resolvable:
-            values = _call_values(call, bucket)
+            values = call_sizes(call, bucket)
             outputs = {}
             for name in self._backend.output_names:
                 shape = self._backend.output_shape(name, values)
@@ -288,8 +280,8 @@ class _OrtCpuContext(_HostContext):
         else:
             for name in self._backend.output_names:
                 binding.bind_output(name, "cpu")
-        entry = _OrtBinding(binding, inputs, outputs, keep)
-        _remember(self._bindings, (bucket, call.key), entry)
+        entry = OrtBinding(binding, inputs, outputs, keep)
+        remember(self._bindings, (bucket, call.key), entry)
         return entry
 
     def execute(self, bucket: int, call: CheckedFeed) -> dict[str, Any]:
@@ -335,7 +327,7 @@ class _Handoff:
         return self._job is None or self._job.done()
 
 
-class _OrtCudaContext(_GpuContext):
+class OrtCudaContext(GpuContext):
     """ONNX Runtime's CUDA provider on device buffers bound by pointer, in a session of the context's own that
     computes on the context's stream. Its run only queues the kernels (no synchronization at the end of the
     run) when the session computes on our stream into our buffers; otherwise it returns when the stream is
@@ -344,7 +336,7 @@ class _OrtCudaContext(_GpuContext):
 
     launches_on_host = True  # without CUDA graphs its run launches every kernel; set per context below
 
-    def __init__(self, backend: _OrtBackend) -> None:
+    def __init__(self, backend: OrtBackend) -> None:
         import torch
 
         super().__init__(backend.spec, backend.buckets, backend.device, None, None)
@@ -372,9 +364,9 @@ class _OrtCudaContext(_GpuContext):
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="trtc-ort-launch") if not self._graphs else None
         self._handoff = _Handoff(self._launcher) if self._launcher is not None else None  # this set's
 
-    def lane(self) -> _GpuContext:
+    def lane(self) -> GpuContext:
         other = super().lane()
-        assert isinstance(other, _OrtCudaContext)
+        assert isinstance(other, OrtCudaContext)
         other._handoff = _Handoff(self._launcher) if self._launcher is not None else None
         return other
 
@@ -391,7 +383,7 @@ class _OrtCudaContext(_GpuContext):
 
     def _queue_parts(self, bucket: int, call: CheckedFeed, views: dict[str, Any],
                      out: Mapping[str, np.ndarray] | None) -> None:
-        """On the launcher: what ``_GpuContext.start`` queues after the pack, under the same lock."""
+        """On the launcher: what ``GpuContext.start`` queues after the pack, under the same lock."""
         torch = self._torch
         with self._queueing, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self._copy_parts(views)
@@ -431,10 +423,10 @@ class _OrtCudaContext(_GpuContext):
             inputs = self.device_inputs(bucket, call)
             for i in backend.spec.inputs:
                 view = inputs[i.name]
-                binding.bind_input(i.name, "cuda", index, _NUMPY_DTYPES[i.dtype], tuple(view.shape), view.data_ptr())
+                binding.bind_input(i.name, "cuda", index, NUMPY_DTYPES[i.dtype], tuple(view.shape), view.data_ptr())
             outputs: dict[str, Any] | None = None
             if backend.outputs_resolvable:
-                values = _call_values(call, bucket)
+                values = call_sizes(call, bucket)
                 outputs = {}
                 for name in backend.output_names:
                     shape = backend.output_shape(name, values)
@@ -445,7 +437,7 @@ class _OrtCudaContext(_GpuContext):
                 for name in backend.output_names:
                     binding.bind_output(name, "cuda", index)
             entry = (binding, outputs)
-            _remember(self._bindings, (bucket, call.key), entry)
+            remember(self._bindings, (bucket, call.key), entry)
         return entry
 
     def _captured_all(self) -> dict[int, tuple[Any, dict[str, Any]]]:
@@ -459,7 +451,7 @@ class _OrtCudaContext(_GpuContext):
         for bucket in self._backend.buckets:
             binding, outputs = self._binding(bucket, CheckedFeed("numpy", {}, bucket, {}, ()))
             assert outputs is not None  # ``capturable``: the outputs are our buffers
-            capture = _capture(self.stream, functools.partial(self._session.run_with_iobinding, binding,
+            capture = capture_graph(self.stream, functools.partial(self._session.run_with_iobinding, binding,
                                                               self._queue_only), f"{name}: bucket {bucket}")
             if capture is None:
                 return {}

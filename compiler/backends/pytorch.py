@@ -9,19 +9,14 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from compiler.backends.contexts import (
-    CheckedFeed,
-    _capture,
-    _ComputeOrder,
-    _Context,
-    _GpuContext,
-    _HostContext,
-    _remember,
-)
+from compiler.backends.base import Context, remember
+from compiler.backends.feeds import CheckedFeed
+from compiler.backends.gpu import ComputeOrder, GpuContext, capture_graph
+from compiler.backends.host import HostContext
 from compiler.core.specs import ModelSpec
 
 
-class _TorchBackend:
+class TorchBackend:
     name = "torch"
 
     def __init__(self, module: Any, spec: ModelSpec, buckets: Sequence[int], output_names: Sequence[str] | None,
@@ -39,7 +34,7 @@ class _TorchBackend:
         self.device = str(target)
         self.cuda_graphs = cuda_graphs
         self.autocast = autocast_fp16 and target.type == "cuda"
-        self.order = _ComputeOrder() if target.type == "cuda" else None
+        self.order = ComputeOrder() if target.type == "cuda" else None
         with contextlib.suppress(NotImplementedError):  # an ExportedProgram's module() has no eval(): runs as exported
             module = module.eval()
         self.module = module.to(target)
@@ -56,19 +51,19 @@ class _TorchBackend:
             flat, _ = tree_flatten(self.module(*args))
         return flat
 
-    def new_context(self) -> _Context:
+    def new_context(self) -> Context:
         if self.device == "cpu":
-            return _TorchCpuContext(self)
-        return _TorchCudaContext(self)
+            return TorchCpuContext(self)
+        return TorchCudaContext(self)
 
     def close(self) -> None:
         pass
 
 
-class _TorchCpuContext(_HostContext):
+class TorchCpuContext(HostContext):
     """Eager PyTorch on the CPU, reading the preallocated input arrays in place."""
 
-    def __init__(self, backend: _TorchBackend) -> None:
+    def __init__(self, backend: TorchBackend) -> None:
         super().__init__(backend.spec, backend.buckets)
         self._backend = backend
 
@@ -79,16 +74,16 @@ class _TorchCpuContext(_HostContext):
         return {name: t.numpy() for name, t in zip(self._backend.output_names, self._backend.forward(args))}
 
 
-class _TorchCudaContext(_GpuContext):
+class TorchCudaContext(GpuContext):
     """Eager PyTorch on the context's stream, with CUDA graphs: one per bucket, captured at load, for a model whose
     only dynamic dimension is the batch; one per bucket and size of the other dynamic dimensions (a sequence
-    length), captured the first time that shape runs and kept for the last ``_BINDING_CACHE`` shapes, for the rest.
+    length), captured the first time that shape runs and kept for the last ``BINDING_CACHE`` shapes, for the rest.
 
     Without a graph the host launches every kernel in Python, holding the GIL: it is not free while
     the model runs (``overlaps`` False), so ``map`` runs such contexts in its sequential loop.
     """
 
-    def __init__(self, backend: _TorchBackend) -> None:
+    def __init__(self, backend: TorchBackend) -> None:
         assert backend.order is not None
         super().__init__(backend.spec, backend.buckets, backend.device, None, backend.order)
         self._backend = backend
@@ -106,7 +101,7 @@ class _TorchCudaContext(_GpuContext):
         return [inputs[name] for name in self._spec.input_names]
 
     def _captured(self, bucket: int, call: CheckedFeed) -> tuple[Any, dict[str, Any]] | None:
-        captured = _capture(self.stream, functools.partial(self._backend.forward, self._args(bucket, call)),
+        captured = capture_graph(self.stream, functools.partial(self._backend.forward, self._args(bucket, call)),
                             f"bucket {bucket}" + (f" at {call.dims}" if call.dims else ""))
         return None if captured is None else (captured[0], dict(zip(self._backend.output_names, captured[1])))
 
@@ -115,7 +110,7 @@ class _TorchCudaContext(_GpuContext):
         if key not in self._graphs and self._on_demand:
             # the inputs are already queued on our stream: capture reads them when it warms up, then the graph
             # replays below like every later call of this shape
-            _remember(self._graphs, key, self._captured(bucket, call))
+            remember(self._graphs, key, self._captured(bucket, call))
         captured = self._graphs.get(key)
         if captured is not None:
             captured[0].replay()  # on the current stream: run() has made it the context's

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from compiler.backends.contexts import CheckedFeed, _call_values, _capture, _ComputeOrder, _GpuContext, _max_values
+from compiler.backends.base import call_sizes, largest_sizes
+from compiler.backends.feeds import CheckedFeed
+from compiler.backends.gpu import ComputeOrder, GpuContext, capture_graph
 from compiler.core.errors import InputError, TrtcError
 from compiler.core.manifest import inside
 from compiler.core.specs import ModelSpec
@@ -110,7 +112,7 @@ class _TensorRTBackend:
                                  for engine, profile in self.profiles.values())
         self.graph_fallback_said = False
         with torch.cuda.device(torch.device(device)):
-            self.order = _ComputeOrder()
+            self.order = ComputeOrder()
 
     def new_context(self) -> _TensorRTContext:
         return _TensorRTContext(self)
@@ -145,7 +147,7 @@ class _CheckedLaunch:
         return accepted
 
 
-class _TensorRTContext(_GpuContext):
+class _TensorRTContext(GpuContext):
     """One IExecutionContext per bucket with its optimization profile; addresses bound once, at creation.
 
     The bucket contexts share one USER_MANAGED activation buffer (``backend.scratch_bytes``). Warm-up and
@@ -173,7 +175,7 @@ class _TensorRTContext(_GpuContext):
                 if engine.num_optimization_profiles > 1:
                     context.set_optimization_profile_async(profile, handle)
                 context.set_device_memory(self._scratch.data_ptr(), backend.scratch_bytes)
-                values = _max_values(backend.spec, b)
+                values = largest_sizes(backend.spec, b)
                 for i in backend.spec.inputs:
                     if not context.set_input_shape(i.name, i.shape(values)):
                         raise EnginesNotRunnable(f"bucket {b}: the engine's profile does not take {i.name} shaped "
@@ -201,7 +203,7 @@ class _TensorRTContext(_GpuContext):
         launch = _CheckedLaunch(context.execute_async_v3, handle)
         with backend.order.lock:  # after every run queued by the other contexts, as run() orders them
             self.stream.wait_event(backend.order.done)
-            captured = _capture(self.stream, launch, f"bucket {bucket}")
+            captured = capture_graph(self.stream, launch, f"bucket {bucket}")
             backend.order.done.record(self.stream)
         if captured is not None and launch.all_accepted:
             return captured[0]
@@ -213,7 +215,7 @@ class _TensorRTContext(_GpuContext):
         return None
 
     def _set_shapes(self, bucket: int, state: _TrtBucket, call: CheckedFeed) -> None:
-        values = _call_values(call, bucket)
+        values = call_sizes(call, bucket)
         for i in self._spec.inputs:
             state.context.set_input_shape(i.name, i.shape(values))
         state.outputs = {}

@@ -661,8 +661,8 @@ def _tensorrt_unavailable() -> str | None:
 
 def _plans(target: _Target, settings: BenchSettings, device: str, buckets: tuple[int, ...], tf32: bool,
            ) -> tuple[list[_Plan], list[Skipped]]:
-    from compiler.backends.onnxrt import _OrtBackend
-    from compiler.backends.pytorch import _TorchBackend
+    from compiler.backends.onnxrt import OrtBackend
+    from compiler.backends.pytorch import TorchBackend
     from compiler.serve.engines import Engines, load
 
     manifest, spec, model = target.manifest, target.spec, target.model
@@ -684,7 +684,7 @@ def _plans(target: _Target, settings: BenchSettings, device: str, buckets: tuple
 
     def torch_runner(precision: str, graphs: bool) -> Callable[[], StagedRunner]:
         def open_torch() -> StagedRunner:
-            backend = _TorchBackend(model, spec, buckets, outputs, device, cuda_graphs=graphs,
+            backend = TorchBackend(model, spec, buckets, outputs, device, cuda_graphs=graphs,
                                     autocast_fp16=precision == "fp16")
             name = ("torch-cudagraph" if graphs else "torch") + ("[autocast-fp16]" if precision == "fp16" else "")
             return ServedRunner(Engines(backend, contexts=1), name)
@@ -693,7 +693,7 @@ def _plans(target: _Target, settings: BenchSettings, device: str, buckets: tuple
 
     def ort_runner(path: Path, ort_device: str | None) -> Callable[[], StagedRunner]:
         def open_ort() -> StagedRunner:
-            backend = _OrtBackend(path, spec, buckets, ort_device, settings.threads, tf32=tf32)
+            backend = OrtBackend(path, spec, buckets, ort_device, settings.threads, tf32=tf32)
             return ServedRunner(Engines(backend, contexts=1), f"onnxruntime[{backend.provider}]")
 
         return open_ort

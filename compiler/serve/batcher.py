@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from compiler.backends.contexts import CheckedFeed, as_kind
+from compiler.backends.feeds import CheckedFeed, as_kind
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
 

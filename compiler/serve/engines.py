@@ -53,15 +53,14 @@ from typing import Any
 
 import numpy as np
 
-from compiler.backends.contexts import CheckedFeed, _Backend, _Context, as_kind
-from compiler.backends.onnxrt import _OrtBackend
-from compiler.backends.onnxrt import _OrtCpuContext as _OrtCpuContext  # where tests reach it, as before the split
-from compiler.backends.pytorch import _TorchBackend
+from compiler.backends.base import Backend, Context
+from compiler.backends.feeds import CheckedFeed, FeedChecker, as_kind
+from compiler.backends.onnxrt import OrtBackend
+from compiler.backends.pytorch import TorchBackend
 from compiler.backends.trt import EnginesNotRunnable, _tensorrt_backend
 from compiler.core import defaults
 from compiler.core.errors import FeedError, InputError
 from compiler.core.specs import DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
-from compiler.serve.feeds import InputCheck, check_shape, checks_for, mismatch
 
 __all__ = ["load", "engines_from_module", "onnx_for_precision", "tf32_policy", "tensorrt_available", "Engines",
            "CheckedFeed", "FeedError", "EnginesNotRunnable", "BACKENDS"]
@@ -69,38 +68,6 @@ __all__ = ["load", "engines_from_module", "onnx_for_precision", "tf32_policy", "
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
-
-
-# --- the feed ----------------------------------------------------------------------------------------------------
-
-def _array_of(value: Any, check: InputCheck) -> tuple[str, Any]:
-    """("numpy" | "torch" | "cuda", the array to run): numpy arrays and CPU tensors as numpy, CUDA tensors as is."""
-    if isinstance(value, np.ndarray):
-        if value.dtype != check.np_dtype:
-            how = f"x.astype(np.{check.dtype})" if check.np_dtype is not None else "a torch.bfloat16 tensor"
-            raise FeedError(f"input {check.name!r} has dtype {value.dtype}, the model takes {check.dtype}: pass {how}")
-        return "numpy", value
-    torch = sys.modules.get("torch")
-    if torch is not None and type(value) is torch.Tensor:
-        # The common case with a single call into torch: after a model run every call into torch starts cold and
-        # costs microseconds, so the dtype is checked on the numpy view, and numpy() itself refuses the tensors that
-        # need more (grad, a GPU, no numpy dtype such as bfloat16); those and a wrong dtype take the checks below.
-        try:
-            array = value.numpy()
-        except (RuntimeError, TypeError):
-            array = None
-        if array is not None and array.dtype == check.np_dtype:
-            return "torch", array
-    if torch is not None and isinstance(value, torch.Tensor):
-        want = getattr(torch, check.dtype)
-        if value.dtype != want:
-            raise FeedError(f"input {check.name!r} has dtype {value.dtype}, the model takes {want}: pass x.to({want})")
-        if value.requires_grad:
-            value = value.detach()
-        if value.is_cuda:
-            return "cuda", value
-        return "torch", value.numpy()
-    raise FeedError(f"input {check.name!r} is a {type(value).__name__}; pass a numpy array or a torch tensor")
 
 
 # --- the front end ------------------------------------------------------------------------------------------------
@@ -117,7 +84,7 @@ class Engines:
     the contexts and their buffers.
     """
 
-    def __init__(self, backend: _Backend, contexts: int = 2) -> None:
+    def __init__(self, backend: Backend, contexts: int = 2) -> None:
         if contexts < 1:
             raise InputError(f"contexts={contexts}: an Engines needs at least one execution context")
         self._backend = backend
@@ -126,18 +93,17 @@ class Engines:
         self.output_names: list[str] = list(backend.output_names)
         self.input_names: list[str] = backend.spec.input_names
         self.name = f"trtc-runtime[{backend.name}]"  # as a ``compiler.backends.runners.Runner``
-        self._checks = checks_for(backend.spec)
-        self._dim_names = tuple(backend.spec.dims)
+        self._feeds = FeedChecker(backend.spec)
         self._largest = largest = self.buckets[-1]
         self._sole_output = self.output_names[0] if len(self.output_names) == 1 else None
         # smallest bucket holding n rows, for n = 1 .. largest
         self._route = [0] + [next(b for b in self.buckets if b >= n) for n in range(1, largest + 1)]
-        self._idle: queue.SimpleQueue[_Context] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[Context] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._max_contexts = contexts
         # all now: errors, allocation and graph capture at load, never on a request (a context created inside
         # ``map`` or under the batcher's first concurrent batch cost more than the batches it served)
-        self._contexts: list[_Context] = []
+        self._contexts: list[Context] = []
         try:
             for _ in range(contexts):
                 self._contexts.append(backend.new_context())
@@ -259,7 +225,7 @@ class Engines:
         memory, where its clients read their answers). Ignored on the CPU, and for an output it has no
         room for."""
         rows = sum(call.rows for call in calls)
-        free: _Context | None = None
+        free: Context | None = None
         if not wait:
             try:
                 free = self._idle.get_nowait()
@@ -270,7 +236,7 @@ class Engines:
                 self._idle.put(free)  # ``_run`` takes one itself (and may wait for it, as ``engines(x)`` does)
             first = calls[0].arrays
             joined = {c.name: _concatenate([call.arrays[c.name] for call in calls]) if c.batched else first[c.name]
-                      for c in self._checks}
+                      for c in self._feeds.checks}
             outputs = self._run(self.check(joined))
             return Started(lambda read=None: outputs if read is None else read(outputs), lambda: True)
         bucket = self._route[rows]
@@ -318,42 +284,10 @@ class Engines:
         return self._check(x, not isinstance(x, Mapping))
 
     def _check(self, x: Any, single: bool) -> CheckedFeed:
-        if single:
-            if len(self.input_names) != 1:
-                raise FeedError(f"the model takes inputs {self.input_names}: pass a dict {{name: array}}")
-            x = {self.input_names[0]: x}
-        kind = ""
-        rows = -1
-        dims: dict[str, int] = {}
-        arrays: dict[str, Any] = {}
-        for check in self._checks:
-            value = x.get(check.name)
-            if value is None:
-                raise self._mismatch(x)
-            if type(value) is np.ndarray:
-                if value.dtype != check.np_dtype:
-                    _array_of(value, check)  # raises with the message
-                this, array = "numpy", value
-            else:
-                this, array = _array_of(value, check)
-            if this != kind:
-                if kind:
-                    raise FeedError(f"input {check.name!r} is a {this} array and another input a {kind} array: pass "
-                                    "all inputs as numpy arrays, or all as torch tensors on one device")
-                kind = this
-            rows = check_shape(check, array.shape, rows, dims, self.spec.dims)
-            arrays[check.name] = array
-        if len(x) != len(self.input_names):
-            raise self._mismatch(x)
-        if rows == 0:
-            raise FeedError("the batch is empty (0 rows): pass at least one row")
-        call = CheckedFeed(kind, arrays, rows, dims, tuple(dims[d] for d in self._dim_names) if dims else ())
-        if kind == "cuda":
+        call = self._feeds.check(x, single)
+        if call.kind == "cuda":
             self._place(call)
         return call
-
-    def _mismatch(self, x: Mapping[str, Any]) -> FeedError:
-        return mismatch(self.input_names, x)
 
     def _place(self, call: CheckedFeed) -> None:
         """A CUDA feed stays on the device for a GPU backend (same device) and is copied to the host otherwise."""
@@ -367,7 +301,7 @@ class Engines:
         else:
             call.arrays = {n: a.cpu().numpy() for n, a in arrays.items()}
 
-    def _acquire(self) -> _Context:
+    def _acquire(self) -> Context:
         try:
             return self._idle.get_nowait()
         except queue.Empty:
@@ -377,11 +311,11 @@ class Engines:
                 raise RuntimeError("these engines are closed")
         return self._idle.get()
 
-    def _release(self, context: _Context) -> None:
+    def _release(self, context: Context) -> None:
         self._idle.put(context)
 
     @contextlib.contextmanager
-    def borrow(self) -> Iterator[_Context]:
+    def borrow(self) -> Iterator[Context]:
         """One buffer set of the pool, with its context held, for the caller alone until the block ends (what ``trtc
         bench`` times: its ``upload``, ``compute`` and ``download`` are separate calls). Start no batch of these
         engines (``start_parts``, a batcher) from the same thread in the block: an ONNX Runtime context's launcher
@@ -414,7 +348,7 @@ class Engines:
             self._release(context)
         return {name: _concatenate([p[name] for p in parts]) for name in self.output_names}
 
-    def _run_chunk(self, context: _Context, call: CheckedFeed, start: int, stop: int) -> dict[str, Any]:
+    def _run_chunk(self, context: Context, call: CheckedFeed, start: int, stop: int) -> dict[str, Any]:
         host = not (call.on_device and context.on_gpu)
         context.run(self._route[stop - start], call, start, stop, host)
         if not host:
@@ -604,7 +538,7 @@ _FALLBACK_LOGGED: set[str] = set()
 _FALLBACK_LOCK = threading.Lock()
 
 
-def _log_fallback_once(directory: Path, backend: _OrtBackend) -> None:
+def _log_fallback_once(directory: Path, backend: OrtBackend) -> None:
     key = str(directory.resolve())
     with _FALLBACK_LOCK:
         if key in _FALLBACK_LOGGED:
@@ -685,11 +619,11 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
     chosen = backend
     if backend == "auto":
         chosen = "tensorrt" if tensorrt_available() else "onnxruntime"
-    impl: _Backend
+    impl: Backend
     if chosen == "tensorrt":
         impl = _tensorrt_backend(directory, manifest, spec, device, cuda_graphs)
     elif chosen == "onnxruntime":
-        ort_backend = _OrtBackend(onnx_for_precision(directory, manifest, precision), spec, buckets, device, threads,
+        ort_backend = OrtBackend(onnx_for_precision(directory, manifest, precision), spec, buckets, device, threads,
                                   tf32=tf32_policy(manifest) if tf32 is None else tf32, cuda_options=ort_cuda_options,
                                   cuda_graphs=cuda_graphs)
         if backend == "auto":
@@ -698,7 +632,7 @@ def load(directory: str | Path, backend: str = "auto", *, device: str | None = N
     else:
         if manifest.get("precision", "fp32") != "fp32":
             log.info("backend torch runs the FP32 source model, not the %s graph", manifest["precision"])
-        impl = _TorchBackend(_source_module(directory, manifest, trust_pickle), spec, buckets,
+        impl = TorchBackend(_source_module(directory, manifest, trust_pickle), spec, buckets,
                              manifest.get("output_names"), device, cuda_graphs)
     engines = Engines(impl, contexts)
     log.info("serving %s with %s on %s: buckets %s, up to %d concurrent contexts", directory, engines.backend,
@@ -722,4 +656,4 @@ def engines_from_module(module: Any, inputs: Sequence[str | InputSpec] | ModelSp
         ranges = {name: parse_dim_range(f"{name}={r}")[1] if isinstance(r, str) else r
                   for name, r in (dims or {}).items()}
         spec = ModelSpec(specs, ranges)
-    return Engines(_TorchBackend(module, spec, buckets, output_names, device, cuda_graphs), contexts)
+    return Engines(TorchBackend(module, spec, buckets, output_names, device, cuda_graphs), contexts)

@@ -67,10 +67,10 @@ from typing import Any
 
 import numpy as np
 
+from compiler.backends.feeds import NUMPY_DTYPES, InputCheck, check_shape, checks_for, mismatch
 from compiler.core.errors import FeedError, InputError
 from compiler.core.specs import BATCH_DIM, DimRange, ModelSpec
 from compiler.serve.batcher import BatcherClosed, OverdueWaits, RequestTimeout, check_settings, is_ready
-from compiler.serve.feeds import InputCheck, check_shape, checks_for, mismatch
 
 __all__ = ["ProcessBatcher", "ClientHandle", "BatcherClient", "RequestFailed"]
 
@@ -826,7 +826,7 @@ class ProcessBatcher:
         """One request's rows as the checked feed ``start_parts`` takes: views of its slot (no copy until the pinned
         buffers). Kept per slot and shape: the views see each new request's data (building one was 5-10 us per
         request)."""
-        from compiler.backends.contexts import CheckedFeed
+        from compiler.backends.feeds import CheckedFeed
 
         if not key:
             feed = CheckedFeed("numpy", {io.name: area[slot, :rows] for io, area in self._in}, rows, {}, ())
@@ -843,7 +843,7 @@ class ProcessBatcher:
     def _feeds_of(self, batch: _Requests) -> list[Any]:
         """The batch's rows as the checked feeds ``start_parts`` takes: for single-row requests of a small batch one
         feed gathered from the slots (``_GATHER_BYTES``), else one per request (views of its slot)."""
-        from compiler.backends.contexts import CheckedFeed
+        from compiler.backends.feeds import CheckedFeed
 
         key = tuple(batch.dims[0].tolist())
         sizes = dict(zip(self._model.dim_names, key, strict=True))
@@ -1060,7 +1060,6 @@ def _sizes(io: _Io, values: Mapping[str, int]) -> tuple[int, ...]:
 
 def _model_of(engines: Any, slot_rows: int) -> _Model:
     """The slots' layout from the engines' spec, the outputs' sizes from one run at the largest input sizes."""
-    from compiler.backends.contexts import _NUMPY_DTYPES
 
     spec: ModelSpec = engines.spec
     inputs = []
@@ -1069,7 +1068,7 @@ def _model_of(engines: Any, slot_rows: int) -> _Model:
         if not i.dims or i.dims[0] != BATCH_DIM:
             raise InputError(f"input {i} has no batch dimension first; the process batcher serves models whose "
                              "inputs are all batched (use DynamicBatcher in one process for this one)")
-        if _NUMPY_DTYPES.get(i.dtype) is None:
+        if NUMPY_DTYPES.get(i.dtype) is None:
             raise InputError(f"input {i} is {i.dtype}, which numpy cannot hold in shared memory; export the model "
                              "with float32 or float16 inputs")
         dims = tuple(i.dims[1:])
