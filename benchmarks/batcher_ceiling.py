@@ -44,7 +44,7 @@ def instant_engines() -> Any:
     """A 1x8x8 -> 10 model's interface answering at once (the model itself never runs)."""
     import torch
 
-    from compiler.serve.engines import engines_from_module
+    from compiler.serve.load import engines_from_module
 
     module = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
     engines = engines_from_module(module, ["images:Bx1x8x8"], buckets=(1, 16, BATCH), device="cpu", contexts=1)

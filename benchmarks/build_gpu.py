@@ -148,7 +148,7 @@ def machine() -> dict[str, Any]:
                     gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
     except ImportError as err:
         info["note"] = str(err)
-    from compiler.core.onnx_io import checking_providers
+    from compiler.core.capabilities import checking_providers
 
     info["checking_providers"] = checking_providers()
     info["dlpack"] = dlpack_check()
@@ -184,7 +184,8 @@ def binning_check(model: Path, inputs: str, samples: int) -> dict[str, Any]:
     from calibration.data import calibration_data
     from calibration.qdq import tensors_to_calibrate
     from calibration.statistics import collect_histograms
-    from compiler.core.onnx_io import checking_providers, load_onnx
+    from compiler.core.capabilities import checking_providers
+    from compiler.core.onnx_io import load_onnx
     from compiler.core.specs import ModelSpec, parse_input_spec
 
     spec = ModelSpec(tuple(parse_input_spec(text) for text in inputs.split(",")))

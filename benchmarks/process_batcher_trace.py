@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="The small transformer on the CPU, in seconds (tests).")
     args = parser.parse_args()
 
-    from compiler.serve.engines import load
+    from compiler.serve.load import load
 
     _wrap()
     model = next(m for m in serving_gpu.models_for(args.smoke) if m.name == "transformer")

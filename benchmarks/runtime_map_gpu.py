@@ -60,7 +60,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from compiler.serve.engines import engines_from_module
+    from compiler.serve.load import engines_from_module
     from examples import models
 
     if not torch.cuda.is_available():

@@ -105,7 +105,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from compiler.serve.engines import load
+    from compiler.serve.load import load
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.dir or mlp_directory(Path(tmp) / "mlp")

@@ -578,7 +578,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from compiler.serve.engines import load, tensorrt_available
+    from compiler.core.capabilities import tensorrt_version
+    from compiler.serve.load import load
 
     smoke = args.smoke
     wanted_modes = [m for m in args.modes.split(",") if m]
@@ -594,7 +595,7 @@ def main() -> None:
     seconds = args.seconds if args.seconds is not None else (0.2 if smoke else 2.0)
     map_batches = args.map_batches or (8 if smoke else 200)
     map_batch = args.map_batch or (4 if smoke else 16)
-    trt = tensorrt_available() and cuda
+    trt = tensorrt_version() is not None and cuda
     ort_options = dict(o.split("=", 1) for o in args.ort_cuda_option)
     wanted = [b for b in args.backends.split(",") if b] or ["onnxruntime", "torch", *(["tensorrt"] if trt else [])]
     console = Console(width=None if sys.stdout.isatty() else 160)

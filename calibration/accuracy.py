@@ -31,9 +31,11 @@ import onnx
 
 from calibration.fp16 import fp16_rounding_emulation
 from calibration.statistics import DEFAULT_MEMORY_BUDGET
-from compiler.backends.runners import OrtRunner
+from compiler.backends.base import Runner
+from compiler.backends.registry import check_runner
 from compiler.core import defaults
-from compiler.core.onnx_io import TemporaryOnnxFile, checking_providers, load_onnx, load_onnx_by_reference
+from compiler.core.capabilities import checking_providers
+from compiler.core.onnx_io import TemporaryOnnxFile, load_onnx, load_onnx_by_reference
 from compiler.core.worker import mark_step
 
 __all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors",
@@ -194,7 +196,8 @@ class Evaluator:
                    labels: np.ndarray | None, settings: GateSettings, providers: list[str] | None = None,
                    budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> Evaluator:
         providers = providers or checking_providers()
-        runner = OrtRunner(fp32, providers, memory_arena=False)
+        runner = check_runner("onnxruntime", fp32, providers, memory_arena=False)
+        runner.activate()
         # the reference outputs go to files, written slice by slice: a language model's logits for every
         # evaluation sample would otherwise be held in memory (GPT-2: 25 MB per 128-token sample)
         scratch = tempfile.TemporaryDirectory(prefix="trtc-reference-")
@@ -204,7 +207,7 @@ class Evaluator:
             files: list[Any] = []
             try:
                 for _start, stop, outs in _sliced_runs(runner.infer, batch, budget_bytes, f"batch {i}",
-                                                      _dynamic_batch(runner.session)):
+                                                      _dynamic_batch(runner)):
                     if stop is None:  # not sliceable: the batch ran whole
                         for path, array in zip(paths, outs):
                             np.save(path, array)
@@ -218,7 +221,7 @@ class Evaluator:
                     file.close()
             outputs.append(list(paths))
         names = runner.output_names
-        runner.close()
+        runner.release()
         evaluator = cls(batches, outputs, labels, settings, names, providers, budget_bytes)
         evaluator._scratch = scratch  # removed with the evaluator
         return evaluator
@@ -228,8 +231,8 @@ class Evaluator:
         pred = np.concatenate(predictions)
         return float((pred == self.labels[: len(pred)]).mean())
 
-    def _runner(self, model: onnx.ModelProto | str) -> tuple[OrtRunner, bool]:
-        """A session on ``model``, or on its FP16 rounding emulation on the CPU.
+    def _runner(self, model: onnx.ModelProto | str) -> tuple[Runner, bool]:
+        """An active runner on ``model``, or on its FP16 rounding emulation on the CPU.
 
         An in-memory model is saved (weights as external data) and ONNX Runtime reads the file: a
         serialized copy next to the proto, and ONNX Runtime's parse of it, would hold the weights twice more.
@@ -240,10 +243,14 @@ class Evaluator:
         if emulate:
             proto = fp16_rounding_emulation(proto if proto is not None else load_onnx_by_reference(model))
         if proto is None:
-            return OrtRunner(model, self.providers, exact_qdq=True, memory_arena=False), False
+            runner = check_runner("onnxruntime", model, self.providers, exact_qdq=True, memory_arena=False)
+            runner.activate()
+            return runner, False
         with TemporaryOnnxFile(proto, prefix="trtc-gate-") as path:
             del proto  # the emulation: ONNX Runtime reads the file
-            return OrtRunner(str(path), self.providers, exact_qdq=True, memory_arena=False), emulate
+            runner = check_runner("onnxruntime", str(path), self.providers, exact_qdq=True, memory_arena=False)
+            runner.activate()  # the session reads the file now, before the block removes it
+            return runner, emulate
 
     def evaluate(self, model: onnx.ModelProto | str) -> AccuracyResult:
         """Run ``model`` (Q/DQ executed exactly, as TensorRT would; FP16 rounded as FP16 hardware) against FP32."""
@@ -252,7 +259,7 @@ class Evaluator:
         cosines: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
         max_abs = dict.fromkeys(self.output_names, 0.0)
         predictions: list[np.ndarray] = []
-        sliceable = _dynamic_batch(runner.session)
+        sliceable = _dynamic_batch(runner)
         for index, (batch, ref) in enumerate(zip(self.batches, self.reference)):
             for start, stop, outs in _sliced_runs(runner.infer, batch, self.budget_bytes, f"batch {index}",
                                                       sliceable):
@@ -265,7 +272,7 @@ class Evaluator:
                     cosines[name].append(sums.cosines())
                     max_abs[name] = max(max_abs[name], float(sums.max_abs.max(initial=0.0)))
                 del outs
-        runner.close()
+        runner.release()
         per_output: dict[str, dict[str, float | None]] = {}
         for name, parts in cosines.items():
             if not parts:
@@ -326,9 +333,9 @@ def _sliced_runs(run: Callable[[dict[str, np.ndarray]], Any], batch: dict[str, n
     yield 0, None, _as_list(run(batch))
 
 
-def _dynamic_batch(session: Any) -> bool:
-    """Whether every input of the ONNX Runtime session takes any number of samples (a symbolic first axis)."""
-    return all(i.shape and not isinstance(i.shape[0], int) for i in session.get_inputs())
+def _dynamic_batch(runner: Runner) -> bool:
+    """Whether every input of the runner takes any number of samples (a symbolic first axis)."""
+    return all(shape and not isinstance(shape[0], int) for _, shape in runner.input_metadata().values())
 
 
 def _as_list(outputs: Any) -> list[np.ndarray]:
@@ -517,23 +524,24 @@ def layer_errors(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers:
     Batches run in slices whose outputs (two per layer) stay under ``budget_bytes``, one sample at least.
     """
     shadow, pairs = _with_fp32_twins(candidate, reference, layers)
+    wanted = [name for pair in pairs.values() for name in pair]
     with TemporaryOnnxFile(shadow, prefix="trtc-ranking-") as path:
         del shadow  # ONNX Runtime reads the file
-        runner = OrtRunner(str(path), ["CPUExecutionProvider"], exact_qdq=True, memory_arena=False)
-    wanted = [name for pair in pairs.values() for name in pair]
+        runner = check_runner("onnxruntime", str(path), ["CPUExecutionProvider"], exact_qdq=True, memory_arena=False,
+                              outputs=wanted)
+        runner.activate()
     num = dict.fromkeys(pairs, 0.0)
     den = dict.fromkeys(pairs, 0.0)
-    sliceable = _dynamic_batch(runner.session)
+    sliceable = _dynamic_batch(runner)
     for index, batch in enumerate(batches):
-        for _, _, outs in _sliced_runs(lambda feed: runner.session.run(wanted, feed), batch, budget_bytes,
-                                       f"layer ranking, batch {index}", sliceable):
+        for _, _, outs in _sliced_runs(runner.infer, batch, budget_bytes, f"layer ranking, batch {index}", sliceable):
             outputs = dict(zip(wanted, outs))
             for layer, (got, want) in pairs.items():
                 n, d = _squared_error(outputs[got], outputs[want])
                 num[layer] += n
                 den[layer] += d
             del outs, outputs
-    runner.close()
+    runner.release()
     return {layer: (num[layer] / den[layer] if den[layer] > 0 else (0.0 if num[layer] == 0 else math.inf))
             for layer in pairs}
 

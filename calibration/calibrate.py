@@ -31,6 +31,7 @@ from calibration.fp16 import (
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.statistics import AMAX_METHODS, DEFAULT_MEMORY_BUDGET, collect_histograms, collect_max_abs
 from compiler.core import defaults
+from compiler.core.capabilities import checking_providers
 from compiler.core.errors import AccuracyGateError, CalibrationError
 from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file
 from compiler.core.manifest import (
@@ -42,7 +43,7 @@ from compiler.core.manifest import (
     verified_onnx,
     write_manifest,
 )
-from compiler.core.onnx_io import checking_providers, load_onnx_by_reference, save_onnx, weightless_copy
+from compiler.core.onnx_io import load_onnx_by_reference, save_onnx, weightless_copy
 from compiler.core.progress import progress, stage_timer
 from compiler.core.specs import ModelSpec
 from compiler.core.worker import in_worker, isolated, mark

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from compiler.serve.engines import load as load
+    from compiler.serve.load import load as load
 
 __version__ = "0.1.0"
 __all__ = ["__version__", "load"]
@@ -14,7 +14,7 @@ __all__ = ["__version__", "load"]
 def __getattr__(name: str) -> Any:
     """``compiler.load`` imports the runtime on first use, so ``import compiler`` stays cheap."""
     if name == "load":
-        from compiler.serve.engines import load
+        from compiler.serve.load import load
 
         return load
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,7 @@ def _cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from compiler.backends.trt_build import tensorrt_version
+    from compiler.core.capabilities import tensorrt_version
 
     has_trt = tensorrt_version() is not None  # a namespace package or stubs named tensorrt do not count
     has_gpu = _cuda()

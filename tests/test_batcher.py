@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from compiler.core.errors import InputError
+from compiler.core.errors import FeedError, InputError
 from compiler.serve.batcher import BatcherClosed, DynamicBatcher, OverdueWaits, RequestTimeout
-from compiler.serve.engines import Engines, FeedError, load
+from compiler.serve.engines import Engines
+from compiler.serve.load import load
 from tests.test_runtime import build_directory
 
 
@@ -250,7 +251,7 @@ def test_map_runs_post_stage_copies_the_outputs_out_of_the_context_then_post_pro
     context (arrays of their own, not views of its buffers), then post-processed; each of its 20 timed calls."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
     from benchmarks import serving_gpu
-    from compiler.serve.engines import engines_from_module
+    from compiler.serve.load import engines_from_module
     from examples import models
 
     seen: list[Any] = []
@@ -723,7 +724,7 @@ def test_the_serving_benchmark_takes_the_process_modes_p99_over_the_steady_span(
     import torch
 
     from benchmarks import process_clients, serving_gpu
-    from compiler.serve.engines import engines_from_module
+    from compiler.serve.load import engines_from_module
 
     whole = np.array([0.001, 0.002, 0.003, 0.050])  # the last: a request of the run's last batches
     steady_only = np.array([0.001, 0.002, 0.003])

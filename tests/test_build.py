@@ -16,8 +16,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from compiler.backends.trt_build import tensorrt_version
 from compiler.cli import cli
+from compiler.core.capabilities import tensorrt_version
 from compiler.core.files import directory_lock, sha256_files
 from examples.digits import train_digits
 

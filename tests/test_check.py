@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from compiler.backends.trt_build import tensorrt_version
+from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled, TrtcError
 from compiler.core.files import read_json
 from compiler.core.manifest import read_manifest

@@ -123,7 +123,7 @@ def test_library_functions_default_to_the_same_values() -> None:
 
     from calibration.data import calibration_data
     from calibration.statistics import CalibrationStats, amax_from_histogram
-    from compiler.serve.engines import engines_from_module
+    from compiler.serve.load import engines_from_module
 
     def default(fn: Any, name: str) -> Any:
         return inspect.signature(fn).parameters[name].default

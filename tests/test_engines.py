@@ -33,10 +33,10 @@ from compiler.backends.trt_build import (
     settings_from_dict,
     settings_to_dict,
     shared_timing_cache_problem,
-    tensorrt_version,
     tensorrt_version_problem,
     timing_cache_key,
 )
+from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.core.files import sha256_file, staging_dir
 from compiler.core.manifest import read_manifest, spec_from_manifest
@@ -365,7 +365,7 @@ def _sha(data: bytes) -> str:
 def test_real_engines_for_two_buckets_match_onnxruntime(tmp_path: Path) -> None:
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
-    from compiler.backends.runners import OrtRunner
+    from compiler.backends.onnxrt import OnnxRuntimeRunner
     from compiler.core.settings import ExportSettings, ModelSource
     from compiler.pipeline.export import export_directory
 
@@ -379,7 +379,8 @@ def test_real_engines_for_two_buckets_match_onnxruntime(tmp_path: Path) -> None:
         entries = build_engine_files(out, stage, "model.onnx", spec, settings)
         assert [e["file"] for e in entries] == ["engines/b1.engine", "engines/b4.engine"]
         assert (stage / "timing.cache").stat().st_size > 0 and shared.stat().st_size > 0
-        reference = OrtRunner(out / "model.onnx", ["CPUExecutionProvider"])
+        reference = OnnxRuntimeRunner(out / "model.onnx", ["CPUExecutionProvider"])
+        reference.activate()
         for entry in entries:
             engine = (stage / entry["file"]).read_bytes()
             assert sha256_file(stage / entry["file"]) == entry["sha256"]

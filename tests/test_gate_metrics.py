@@ -12,7 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from calibration.accuracy import Evaluator, GateSettings, sample_cosines
 from calibration.fp16 import Fp16Policy, fp16_model_from, fp16_rounding_emulation
-from compiler.core.onnx_io import checking_providers, ort_session
+from compiler.core.capabilities import checking_providers
+from compiler.core.onnx_io import ort_session
 
 
 def _scale_chain(factors: list[float], name: str = "y") -> onnx.ModelProto:

@@ -17,7 +17,8 @@ import pytest
 
 from compiler.core.errors import FeedError, InputError
 from compiler.serve.batcher import BatcherClosed, RequestTimeout
-from compiler.serve.engines import Engines, load
+from compiler.serve.engines import Engines
+from compiler.serve.load import load
 from compiler.serve.processes import ClientHandle, ProcessBatcher, RequestFailed
 from tests.test_batcher import Recording, join_all
 from tests.test_runtime import build_directory
@@ -211,7 +212,7 @@ class FirstPositives:
 
 
 def test_an_output_larger_than_its_slot_fails_its_batch_with_the_reason() -> None:
-    from compiler.serve.engines import engines_from_module
+    from compiler.serve.load import engines_from_module
 
     with engines_from_module(FirstPositives(), ["x:Bx64"], buckets=(1, 4), device="cpu", contexts=1) as engines, \
             ProcessBatcher(engines, capacity=1, max_wait_ms=0) as batcher:
@@ -803,7 +804,7 @@ def test_on_a_real_gpu_the_outputs_are_copied_into_the_page_locked_results_areas
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False here")
-    from compiler.serve.engines import engines_from_module
+    from compiler.serve.load import engines_from_module
     from examples import models
 
     rng = np.random.default_rng(2)
@@ -825,7 +826,7 @@ def test_on_a_real_gpu_the_outputs_are_copied_into_the_page_locked_results_areas
 def test_an_output_larger_than_its_slot_fails_through_a_results_area_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """A results area may have room for an output its slot would not hold; the request fails the same way."""
     import compiler.serve.processes as processes
-    from compiler.serve.engines import engines_from_module
+    from compiler.serve.load import engines_from_module
 
     monkeypatch.setattr(processes, "_page_lock", lambda areas, device: 1)
     monkeypatch.setattr(processes, "_page_unlock", lambda address, device: None)

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from compiler.core import onnx_io
+from compiler.core import capabilities
 
 ALL = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
 
@@ -21,32 +21,32 @@ def gpu_machine(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     import onnxruntime
 
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: list(ALL))
-    monkeypatch.setattr(onnx_io, "_cuda_present", lambda: True)
-    monkeypatch.setattr("compiler.core.installed.tensorrt_version", lambda: "10.13.0.35")
+    monkeypatch.setattr(capabilities, "cuda_available", lambda: True)
+    monkeypatch.setattr("compiler.core.capabilities.tensorrt_version", lambda: "10.13.0.35")
     return monkeypatch
 
 
 def test_the_default_is_the_cuda_provider_even_where_tensorrt_imports(gpu_machine: pytest.MonkeyPatch) -> None:
-    assert onnx_io.usable_providers() == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert capabilities.ort_providers() == ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
 def test_the_tensorrt_provider_only_when_asked(gpu_machine: pytest.MonkeyPatch) -> None:
-    assert onnx_io.usable_providers(list(ALL)) == ALL
+    assert capabilities.ort_providers(list(ALL)) == ALL
 
 
 def test_onnx_runtime_before_1_27_cannot_drive_tensorrt_11(gpu_machine: pytest.MonkeyPatch,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     import onnxruntime
 
-    gpu_machine.setattr("compiler.core.installed.tensorrt_version", lambda: "11.0.0.5")
+    gpu_machine.setattr("compiler.core.capabilities.tensorrt_version", lambda: "11.0.0.5")
     gpu_machine.setattr(onnxruntime, "__version__", "1.23.2")
     with caplog.at_level(logging.WARNING):
-        assert onnx_io.usable_providers(list(ALL)) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        assert capabilities.ort_providers(list(ALL)) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert "ONNX Runtime 1.23.2 cannot drive TensorRT 11.0.0.5" in caplog.text
     gpu_machine.setattr(onnxruntime, "__version__", "1.27.0")
-    assert onnx_io.usable_providers(list(ALL)) == ALL
+    assert capabilities.ort_providers(list(ALL)) == ALL
 
 
 def test_without_tensorrt_the_tensorrt_provider_is_left_out_even_when_asked(gpu_machine: pytest.MonkeyPatch) -> None:
-    gpu_machine.setattr("compiler.core.installed.tensorrt_version", lambda: None)
-    assert onnx_io.usable_providers(list(ALL)) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    gpu_machine.setattr("compiler.core.capabilities.tensorrt_version", lambda: None)
+    assert capabilities.ort_providers(list(ALL)) == ["CUDAExecutionProvider", "CPUExecutionProvider"]

@@ -22,14 +22,17 @@ import torch
 
 import compiler
 from compiler.backends.onnxrt import OrtCpuContext
-from compiler.core.errors import InputError, TensorRTNotInstalled
+from compiler.backends.trt import EnginesNotRunnable
+from compiler.backends.trt_build import recorded_tf32
+from compiler.core.capabilities import tensorrt_version
+from compiler.core.errors import FeedError, InputError, TensorRTNotInstalled
 from compiler.core.manifest import onnx_entry, write_manifest
 from compiler.core.onnx_io import load_onnx, ort_session, save_onnx
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 from compiler.frontend.loading import LoadedModel, snapshot_into
 from compiler.serve import engines as runtime
 from compiler.serve.batcher import DynamicBatcher
-from compiler.serve.engines import EnginesNotRunnable, FeedError, engines_from_module, load
+from compiler.serve.load import engines_from_module, load
 from examples import models
 
 BUCKETS = [1, 4, 8, 16]
@@ -140,15 +143,23 @@ def test_cpu_tensors_that_need_grad_or_are_views_or_subclasses_run_like_plain_on
         mlp_engines(torch.from_numpy(x))
 
 
-def test_engines_are_a_runner(mlp_engines: runtime.Engines) -> None:
-    from compiler.backends.runners import OrtRunner, Runner
+def test_a_buffer_set_of_the_engines_is_a_runner(mlp_engines: runtime.Engines, dirs: dict[str, Path]) -> None:
+    """``Engines.runner()`` runs the serving path as a ``Runner`` (what bench times): it holds one buffer set from
+    activate to release, checks the feed as ``engines(x)`` does, and matches ONNX Runtime's own run of the ONNX."""
+    from compiler.backends.base import Runner
+    from compiler.backends.onnxrt import OnnxRuntimeRunner
+    from compiler.core.manifest import onnx_for, read_manifest
     from compiler.frontend.verify import compare_outputs
 
-    runner: Runner = mlp_engines
     feed = {"x": np.random.default_rng(8).standard_normal((5, 64)).astype(np.float32)}
-    reference = OrtRunner(mlp_engines._backend.path, ["CPUExecutionProvider"])  # type: ignore[attr-defined]
-    assert runner.name == "trtc-runtime[onnxruntime]" and runner.input_names == ["x"]
-    assert compare_outputs(runner.infer(feed), reference.infer(feed), 5).max_abs < 1e-5
+    path = onnx_for(dirs["mlp"], read_manifest(dirs["mlp"]))
+    with mlp_engines.runner() as runner, OnnxRuntimeRunner(path, ["CPUExecutionProvider"]) as reference:
+        assert isinstance(runner, Runner) and runner.name == "onnxruntime" and runner.input_names == ["x"]
+        assert mlp_engines._idle.qsize() == mlp_engines.buffer_sets - 1  # the set is the runner's until release
+        assert compare_outputs(runner.infer(feed), reference.infer(feed), 5).max_abs < 1e-5
+        with pytest.raises(FeedError, match=r"shape \(5, 63\)"):
+            runner.infer({"x": feed["x"][:, :63]})
+    assert mlp_engines._idle.qsize() == mlp_engines.buffer_sets
 
 
 def test_two_inputs_match_eager(dirs: dict[str, Path]) -> None:
@@ -430,7 +441,7 @@ def test_onnxruntime_tf32_follows_the_manifest_or_the_argument(tmp_path: Path) -
         assert backend.tf32 is False and backend.cuda_options["use_tf32"] == "0"  # type: ignore[attr-defined]
     with load(directory, backend="onnxruntime", device="cpu", tf32=True) as engines:
         assert engines._backend.cuda_options["use_tf32"] == "1"  # type: ignore[attr-defined]
-    assert runtime.tf32_policy({}) is True and runtime.tf32_policy({"build": {"tf32": False}}) is False
+    assert recorded_tf32(None) is True and recorded_tf32({"tf32": False}) is False
 
 
 def test_serving_and_rebuild_read_a_build_without_tf32_alike() -> None:
@@ -440,15 +451,15 @@ def test_serving_and_rebuild_read_a_build_without_tf32_alike() -> None:
     from compiler.core import defaults
 
     older = {"buckets": [1, 4], "precision": "fp32", "engine": "tensorrt"}
-    assert settings_from_dict(older).tf32 is False and runtime.tf32_policy({"build": older}) is False
-    assert runtime.tf32_policy({}) is defaults.TF32
+    assert settings_from_dict(older).tf32 is False and recorded_tf32(older) is False
+    assert recorded_tf32(None) is defaults.TF32
 
 
 # --- backends and loading -----------------------------------------------------------------------------------------
 
 def test_auto_backend_falls_back_to_onnx_runtime_and_says_so_once(tmp_path: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    if runtime.tensorrt_available():
+    if tensorrt_version() is not None:
         pytest.skip("TensorRT is installed here: auto picks it")
     directory = build_directory(tmp_path / "m", "mlp")
     with caplog.at_level(logging.INFO, logger="compiler.serve.engines"):
@@ -473,7 +484,7 @@ def _with_engines(tmp_path: Path) -> Path:
 
 
 def test_tensorrt_backend_without_tensorrt_names_the_fix(tmp_path: Path) -> None:
-    if runtime.tensorrt_available():
+    if tensorrt_version() is not None:
         pytest.skip("TensorRT is installed here")
     directory = _with_engines(tmp_path)
     with pytest.raises(TensorRTNotInstalled, match="TensorRT is not installed") as err:
@@ -508,7 +519,7 @@ def test_bad_arguments(dirs: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_compiler_load_is_reexported_lazily() -> None:
-    assert compiler.load is runtime.load
+    assert compiler.load is load
     code = ("import sys, compiler; assert 'compiler.serve.engines' not in sys.modules; "
             "assert 'torch' not in sys.modules and 'onnxruntime' not in sys.modules; print(compiler.__all__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -922,11 +933,10 @@ def test_serving_sessions_do_not_spin(tmp_path: Path, monkeypatch: pytest.Monkey
     after each CPU node took the cores from the server's threads); ``spinning=False`` reaches ONNX Runtime."""
     from compiler.backends.onnxrt import OrtBackend
     from compiler.core import onnx_io
-    from compiler.core.manifest import read_manifest
-    from compiler.serve.engines import onnx_for_precision
+    from compiler.core.manifest import onnx_for, read_manifest
 
     directory = build_directory(tmp_path / "mlp", "mlp")
-    path = onnx_for_precision(directory, read_manifest(directory))
+    path = onnx_for(directory, read_manifest(directory))
     real = onnx_io.ort_session(path, ["CPUExecutionProvider"], threads=1, spinning=False)
     options = real.get_session_options()
     assert options.intra_op_num_threads == 1

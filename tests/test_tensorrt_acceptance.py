@@ -74,7 +74,7 @@ def test_reduced_precision_engines_show_their_precision_and_pass_the_gate(
         tmp_path: Path, model: Model, precision: str) -> None:
     """Proves: INT8 Q/DQ and FP16 engines run their layers in INT8/FP16 per layers.json (shapes resolved, not
     "N/A due to dynamic shapes") and meet the accuracy gate that ONNX Runtime met, against the FP32 model."""
-    from compiler.serve.engines import load
+    from compiler.serve.load import load
 
     out = tmp_path / "m"
     manifest = _build(out, model, precision)
@@ -125,7 +125,7 @@ def test_cuda_graphs_replay_fresh_outputs_and_fall_back_when_an_enqueue_is_refus
     """Proves: the runtime's CUDA graphs give each call's own outputs, and a refused enqueue during capture leaves
     that bucket without a graph (said once) and still correct."""
     from compiler.backends import trt as runtime_tensorrt
-    from compiler.serve.engines import load
+    from compiler.serve.load import load
 
     out = tmp_path / "m"
     _build(out, MLP, buckets=(1, 4, 8), tf32=False)
@@ -157,7 +157,7 @@ def test_cuda_graphs_replay_fresh_outputs_and_fall_back_when_an_enqueue_is_refus
 def test_contexts_share_one_activation_buffer_and_concurrent_callers_get_their_own_results(tmp_path: Path) -> None:
     """Proves: a multi-profile engine's bucket contexts share one buffer sized for the largest profile, and two
     threads (the second context made on demand, warmed up under the compute order) both get correct outputs."""
-    from compiler.serve.engines import load
+    from compiler.serve.load import load
 
     out = tmp_path / "m"
     _build(out, MLP, buckets=(1, 4, 8), multi_profile=True, tf32=False)
@@ -191,7 +191,7 @@ def test_version_compatible_engine_needs_and_loads_with_host_code_allowed(tmp_pa
     trtc's runtime sets, and then runs correctly."""
     import tensorrt as trt
 
-    from compiler.serve.engines import load
+    from compiler.serve.load import load
 
     out = tmp_path / "m"
     manifest = _build(out, MLP, buckets=(4,), version_compatible=True)
@@ -226,7 +226,7 @@ def test_check_calls_engines_stale_on_another_tensorrt_or_gpu_model(tmp_path: Pa
     _build(compatible, MLP, buckets=(1, 4), hardware_compat="same-compute-capability")
     assert check_directory(compatible, env=other_model).exit_code == 0
     x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
-    from compiler.serve.engines import load
+    from compiler.serve.load import load
 
     with load(compatible, backend="tensorrt") as engines:
         np.testing.assert_allclose(engines(x), _fp32_reference(compatible, {"x": x}), rtol=1e-2, atol=1e-3)
@@ -239,7 +239,7 @@ def test_rebuild_if_stale_rebuilds_only_stale_engines_from_the_stored_onnx(tmp_p
 
     from compiler.cli import cli
     from compiler.core.manifest import read_manifest, write_manifest
-    from compiler.serve.engines import load
+    from compiler.serve.load import load
 
     out = tmp_path / "m"
     _build(out, MLP, buckets=(1, 4))
@@ -281,7 +281,7 @@ def test_shared_timing_cache_is_keyed_checked_and_survives_an_unreadable_directo
 def test_tf32_policy_is_recorded_and_both_policies_are_accurate(tmp_path: Path) -> None:
     """Proves: TF32 is on by default and --no-tf32 is recorded as build.tf32, and both engines match FP32 ONNX
     Runtime (strict FP32 to 1e-3 relative, as the other FP32 engine tests)."""
-    from compiler.serve.engines import load
+    from compiler.serve.load import load
 
     x = np.random.default_rng(4).standard_normal((8, 64)).astype(np.float32)
     for tf32, rtol in ((True, 1e-2), (False, 1e-3)):

@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler.backends.runners import OrtRunner, TorchRunner
+from compiler.backends.onnxrt import OnnxRuntimeRunner
+from compiler.backends.pytorch import TorchRunner
 from compiler.core.errors import InputError, VerificationError
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 from compiler.frontend.export import onnx_from_torch
@@ -50,12 +51,12 @@ def _scaled_model(scale: float = 0.03) -> onnx.ModelProto:
 
 def test_detection_head_noise_passes_where_a_scale_relative_rule_failed() -> None:
     """Issue 12: 3.8e-5 absolute error on an output of scale ~0.1 is 3e-4 of the scale, yet kernel noise."""
-    candidate = OrtRunner(_scaled_model(), ["CPUExecutionProvider"])
-    results = verify_runners(candidate, _Noisy(3.8e-5), SPEC, [1, 8], None, "export check")
-    assert all(r.mismatched == 0 for r in results)
-    assert results[-1].max_rel > 1e-4  # the old rule's limit: it raised here
-    with pytest.raises(VerificationError, match=r"batch 1, output 'y': 400 of 400 elements outside atol 0.0001"):
-        verify_runners(candidate, _Noisy(3e-3), SPEC, [1, 8], None, "export check")
+    with OnnxRuntimeRunner(_scaled_model(), ["CPUExecutionProvider"]) as candidate:
+        results = verify_runners(candidate, _Noisy(3.8e-5), SPEC, [1, 8], None, "export check")
+        assert all(r.mismatched == 0 for r in results)
+        assert results[-1].max_rel > 1e-4  # the old rule's limit: it raised here
+        with pytest.raises(VerificationError, match=r"batch 1, output 'y': 400 of 400 elements outside atol 0.0001"):
+            verify_runners(candidate, _Noisy(3e-3), SPEC, [1, 8], None, "export check")
 
 
 def test_relative_part_scales_with_each_element() -> None:
@@ -124,8 +125,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             loaded = LoadedModel("factory", None, module=getattr(zoo_models, name)())
             work = Path(tmp_path_factory.mktemp(name))
             model = onnx_from_torch(loaded, spec, 8, workdir=work).model
-            cache[name] = (model, TorchRunner(loaded.module, spec.input_names, [o.name for o in model.graph.output]),
-                           spec)
+            reference = TorchRunner(loaded.module, spec.input_names, [o.name for o in model.graph.output])
+            reference.activate()
+            cache[name] = (model, reference, spec)
         return cache[name]  # type: ignore[no-any-return]
 
     return {"export": export}
@@ -135,12 +137,13 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_fp32_noise_passes_and_a_wrong_operator_is_caught(name: str, exported: dict[str, Any]) -> None:
     model, reference, spec = exported["export"](name)
-    results = verify_runners(OrtRunner(model, ["CPUExecutionProvider"]), reference, spec, [1, 8], None, "export check")
+    with OnnxRuntimeRunner(model, ["CPUExecutionProvider"]) as candidate:
+        results = verify_runners(candidate, reference, spec, [1, 8], None, "export check")
     assert all(r.mismatched == 0 and r.cosine > 0.99999 for r in results), results
     for kind in ARCHITECTURES[name][2]:
-        with pytest.raises(VerificationError, match="elements outside atol"):
-            verify_runners(OrtRunner(_wrong(model, kind), ["CPUExecutionProvider"]), reference, spec, [1, 8], None,
-                           f"export check with {kind}")
+        with OnnxRuntimeRunner(_wrong(model, kind), ["CPUExecutionProvider"]) as candidate, \
+                pytest.raises(VerificationError, match="elements outside atol"):
+            verify_runners(candidate, reference, spec, [1, 8], None, f"export check with {kind}")
 
 
 # --- where the checks run ------------------------------------------------------------------------------------------
@@ -202,6 +205,7 @@ def test_eager_reference_falls_back_to_the_cpu_and_ends_there(caplog: pytest.Log
 
     module = _placed_module(fails_off_cpu=True)
     eager = EagerReference(module, ["x"], ["y"], device="meta")
+    eager.activate()
     assert module.placed == "meta"
     feed = SPEC.example_feed(2)
     with caplog.at_level(logging.WARNING):

@@ -67,6 +67,11 @@ class Runner(abc.ABC):
     def __exit__(self, *exc: object) -> None:
         self.release()
 
+    def input_metadata(self) -> dict[str, tuple[str | None, tuple[int | str | None, ...] | None]]:
+        """(dtype, shape) by input name, as far as the runner knows them (None: unknown); a shape's dynamic
+        dimensions are names or None."""
+        return {name: (None, None) for name in self.input_names}
+
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The model's outputs by name for ``feed`` (numpy arrays by input name): upload, execute, download."""
         self.upload(feed)
@@ -74,13 +79,17 @@ class Runner(abc.ABC):
         return self.download()
 
     def upload(self, feed: Mapping[str, np.ndarray]) -> None:
-        """Check ``feed`` against the model's inputs (``FeedError`` naming what is missing or unknown) and copy it
-        into the runner's buffers (on a GPU: queue the copy)."""
+        """Check ``feed`` (``check``) and copy it into the runner's buffers (on a GPU: queue the copy)."""
         if not self.is_active:
             raise RuntimeError(f"{self.name}: activate the runner first (or use it in a with-block)")
+        self._upload(self.check(feed))
+
+    def check(self, feed: Mapping[str, np.ndarray]) -> Any:
+        """The feed as ``_upload`` takes it, after the one check of it: here its names against the model's inputs
+        (``FeedError`` naming what is missing or unknown); a runner that knows the input spec checks it all."""
         if len(feed) != len(self.input_names) or any(feed.get(n) is None for n in self.input_names):
             raise mismatch(self.input_names, feed)
-        self._upload(feed)
+        return feed
 
     def execute(self) -> None:
         """Run the model on the uploaded feed (on a GPU: queue it on ``stream``)."""
@@ -94,7 +103,7 @@ class Runner(abc.ABC):
     def _activate(self) -> None: ...
 
     @abc.abstractmethod
-    def _upload(self, feed: Mapping[str, np.ndarray]) -> None: ...
+    def _upload(self, feed: Any) -> None: ...
 
     @abc.abstractmethod
     def _execute(self) -> None: ...

@@ -1,19 +1,89 @@
-"""The ``torch`` serving backend: the source model in eager PyTorch, with a CUDA graph per bucket on
-a GPU. For nodes with neither TensorRT nor a usable ONNX, and to measure the runtime itself.
+"""Eager PyTorch: the one function that runs a module (``eager_outputs``), the check runner the export
+verification and bench's reference use (``TorchRunner``), and the ``torch`` serving backend: the source model,
+with a CUDA graph per bucket on a GPU, for nodes with neither TensorRT nor a usable ONNX, and to measure the
+runtime itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from compiler.backends.base import Context, remember
+import numpy as np
+
+from compiler.backends.base import Context, Runner, remember
 from compiler.backends.feeds import CheckedFeed
 from compiler.backends.gpu import ComputeOrder, GpuContext, capture_graph
 from compiler.backends.host import HostContext
+from compiler.core.errors import InputError
 from compiler.core.specs import ModelSpec
+
+__all__ = ["eager_outputs", "host_outputs", "TorchRunner", "TorchBackend", "TorchCpuContext", "TorchCudaContext"]
+
+
+def eager_outputs(module: Any, args: Sequence[Any], autocast_fp16: bool = False) -> list[Any]:
+    """``module(*args)`` in inference mode (under FP16 autocast on CUDA when asked), its outputs (a tensor, tuple,
+    dict...) flattened in order: how trtc runs every eager model."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16, enabled=autocast_fp16):
+        flat, _ = tree_flatten(module(*args))
+    return flat
+
+
+def host_outputs(flat: Sequence[Any], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Flattened outputs on the host by name (``output_i`` when no names are given), floats as float32."""
+    names = list(output_names) or [f"output_{i}" for i in range(len(flat))]
+    if len(names) != len(flat):
+        raise InputError(f"the model returned {len(flat)} tensors but the ONNX graph has {len(names)} outputs")
+    return {n: t.detach().float().cpu().numpy() if t.is_floating_point() else t.detach().cpu().numpy()
+            for n, t in zip(names, flat)}
+
+
+class TorchRunner(Runner):
+    """An eager PyTorch module as a check runner: the export checks' reference and bench's accuracy reference.
+
+    Outputs come back on the host, named like the ONNX outputs (``output_names``), floats as float32.
+    ``activate`` moves the module to ``device`` (in place, as ``nn.Module.to`` does); ``autocast_fp16`` runs
+    under ``torch.autocast`` (CUDA only).
+    """
+
+    def __init__(self, module: Any, input_names: Sequence[str], output_names: Sequence[str] | None = None,
+                 device: str = "cpu", autocast_fp16: bool = False) -> None:
+        super().__init__()
+        import torch
+
+        self.module = module
+        self._device = torch.device(device)
+        self.device = self._device.type
+        self.input_names = list(input_names)
+        self.output_names = list(output_names or [])
+        self.autocast = autocast_fp16 and self.device == "cuda"
+        self.name = "torch" + ("[autocast-fp16]" if self.autocast else "")
+        self._args: list[Any] = []
+        self._flat: list[Any] = []
+
+    def _activate(self) -> None:
+        if hasattr(self.module, "to"):
+            self.module = self.module.to(self._device)
+
+    def _upload(self, feed: Mapping[str, np.ndarray]) -> None:
+        import torch
+
+        self._args = [torch.from_numpy(np.ascontiguousarray(feed[n])).to(self._device) for n in self.input_names]
+
+    def _execute(self) -> None:
+        self._flat = eager_outputs(self.module, self._args, self.autocast)
+
+    def _download(self) -> dict[str, np.ndarray]:
+        flat, self._flat, self._args = self._flat, [], []
+        return host_outputs(flat, self.output_names)
+
+    def _release(self) -> None:
+        self._args, self._flat = [], []
 
 
 class TorchBackend:
@@ -44,12 +114,7 @@ class TorchBackend:
         self.output_names = names if len(names) == count else [f"output_{i}" for i in range(count)]
 
     def forward(self, args: list[Any]) -> list[Any]:
-        import torch
-        from torch.utils._pytree import tree_flatten
-
-        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16, enabled=self.autocast):
-            flat, _ = tree_flatten(self.module(*args))
-        return flat
+        return eager_outputs(self.module, args, self.autocast)
 
     def new_context(self) -> Context:
         if self.device == "cpu":

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from compiler.core import defaults
+from compiler.core.capabilities import tensorrt_version, version_tuple
 from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.core.files import atomic_write_bytes, atomic_write_text, read_json, sha256_file, sha256_files
-from compiler.core.installed import tensorrt_version, version_tuple
 from compiler.core.manifest import inside
 from compiler.core.onnx_io import onnx_files
 from compiler.core.settings import BuildSettings
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     import tensorrt as trt
 
 __all__ = ["SUPPORTED_MAJORS", "MIN_TENSORRT", "ENGINES_DIR", "TIMING_CACHE", "NOT_INSTALLED", "Shapes", "BuildStep",
-           "tensorrt_version", "tensorrt_version_problem", "require_tensorrt", "strongly_typed_flag", "profile_shapes",
+           "tensorrt_version_problem", "require_tensorrt", "strongly_typed_flag", "profile_shapes",
            "multi_profile_shapes", "engine_profile_shapes", "timing_cache_key", "shared_timing_cache_problem",
            "build_workers",
            "TensorRTEnumOptions", "engine_loader", "build_engine_files", "tensorrt_build_step",

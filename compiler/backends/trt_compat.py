@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from compiler.backends.trt_build import environment, parse_compute_capability
+from compiler.core.capabilities import version_tuple
 from compiler.core.errors import InputError
 from compiler.core.files import sha256_file
-from compiler.core.installed import version_tuple
 from compiler.core.manifest import MANIFEST, inside, read_manifest
 from compiler.core.settings import hardware_compat_level
 

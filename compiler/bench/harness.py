@@ -69,7 +69,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from compiler.backends.runners import OrtRunner, TorchRunner
+from compiler.backends.base import Runner
+from compiler.backends.registry import check_runner
 from compiler.core import defaults
 from compiler.core.errors import InputError, TrtcError
 from compiler.core.files import (
@@ -649,9 +650,9 @@ def _cuda_available() -> bool:
 
 def _tensorrt_unavailable() -> str | None:
     """Why the tensorrt backend cannot run here, or None."""
-    from compiler.serve.engines import tensorrt_available
+    from compiler.core.capabilities import tensorrt_version
 
-    if not tensorrt_available():
+    if tensorrt_version() is None:
         return "TensorRT is not installed (no real `tensorrt` imports); install trtc[tensorrt] on a machine " \
                "with an NVIDIA GPU"
     if not _cuda_available():
@@ -663,7 +664,8 @@ def _plans(target: _Target, settings: BenchSettings, device: str, buckets: tuple
            ) -> tuple[list[_Plan], list[Skipped]]:
     from compiler.backends.onnxrt import OrtBackend
     from compiler.backends.pytorch import TorchBackend
-    from compiler.serve.engines import Engines, load
+    from compiler.serve.engines import Engines
+    from compiler.serve.load import load
 
     manifest, spec, model = target.manifest, target.spec, target.model
     outputs = list(manifest.get("output_names") or [])
@@ -805,18 +807,16 @@ def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: boo
 def _reference_outputs(target: _Target, feeds: dict[int, dict[str, np.ndarray]], device: str,
                        ) -> tuple[dict[int, dict[str, np.ndarray]], str]:
     """FP32 eager PyTorch outputs per bucket; ONNX Runtime FP32 on the CPU when there is no PyTorch model."""
-    runner: OrtRunner | TorchRunner
+    runner: Runner
     if target.model is not None:
-        runner = TorchRunner(target.model, target.spec.input_names, list(target.manifest.get("output_names") or []),
-                             device)
+        runner = check_runner("torch", target.model, target.spec.input_names,
+                              list(target.manifest.get("output_names") or []), device)
         what = f"torch/fp32 (eager, {device})"
     else:
-        runner = OrtRunner(target.onnx.path("fp32"), ["CPUExecutionProvider"])
+        runner = check_runner("onnxruntime", target.onnx.path("fp32"), ["CPUExecutionProvider"])
         what = "onnxruntime/fp32 (CPUExecutionProvider): no PyTorch model to compare with"
-    try:
+    with runner:
         return {b: runner.infer(feed) for b, feed in feeds.items()}, what
-    finally:
-        runner.close()
 
 
 @contextlib.contextmanager
@@ -1040,12 +1040,12 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
 
 def _tf32(settings: BenchSettings, manifest: dict[str, Any]) -> tuple[bool, str]:
     """The run's TF32 policy and where it came from."""
-    from compiler.serve.engines import tf32_policy  # the rule compiler.load serves by
+    from compiler.backends.trt_build import recorded_tf32  # the rule compiler.load serves by
 
     if settings.tf32 is not None:
         return settings.tf32, "--tf32" if settings.tf32 else "--no-tf32"
     recorded = (manifest.get("build") or {}).get("tf32") is not None
-    return tf32_policy(manifest), ("the manifest's build.tf32" if recorded
+    return recorded_tf32(manifest.get("build")), ("the manifest's build.tf32" if recorded
                                    else "default (the manifest records no build.tf32)")
 
 
@@ -1093,7 +1093,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def _versions() -> dict[str, Any]:
-    from compiler.backends.trt_build import tensorrt_version
+    from compiler.core.capabilities import tensorrt_version
 
     return {**tool_versions(), "tensorrt": tensorrt_version()}
 

@@ -16,6 +16,7 @@ __all__ = [
     "PRECISION", "OPT_LEVEL", "HARDWARE_COMPAT", "TF32", "ENGINE", "JOBS", "MULTI_PROFILE", "VERSION_COMPATIBLE",
     "BENCH_ITERATIONS", "BENCH_MIN_SECONDS", "BENCH_WARMUP", "BENCH_WARMUP_SECONDS", "BENCH_SEED",
     "BENCH_MAX_SPREAD", "BENCH_MAX_REGRESSION", "BENCH_THREADS",
+    "SERVE_BACKEND", "CONTEXTS", "CUDA_GRAPHS", "ORT_THREADS", "MAX_WAIT_MS",
 ]
 
 # --- export ---------------------------------------------------------------------------------------------------------
@@ -63,3 +64,10 @@ BENCH_SEED = 0
 BENCH_MAX_SPREAD = 0.2  # (P90 - P50) / P50 above this is reported as a wide spread
 BENCH_MAX_REGRESSION = 0.05  # a fraction; --max-regression 5%
 BENCH_THREADS = 0  # ONNX Runtime intra-op threads; 0: its own choice
+
+# --- serving --------------------------------------------------------------------------------------------------------
+SERVE_BACKEND = "auto"  # TensorRT where it is installed, else ONNX Runtime
+CONTEXTS = 2  # execution contexts an Engines pools: batches that run at once
+CUDA_GRAPHS = True  # replay a CUDA graph per bucket where the backend can capture one
+ORT_THREADS = 0  # ONNX Runtime intra-op threads for serving; 0: its own choice (one sleeping thread per CUDA context)
+MAX_WAIT_MS = 10.0  # how long a batcher's oldest request waits for others before its batch starts

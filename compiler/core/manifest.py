@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -19,7 +20,7 @@ from compiler.core.onnx_io import onnx_files
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "read_manifest", "write_manifest", "tool_versions", "onnx_entry",
-           "refuse_other_model", "now", "spec_from_manifest", "inside", "verified_onnx", "verified_file"]
+           "refuse_other_model", "now", "spec_from_manifest", "inside", "verified_onnx", "verified_file", "onnx_for"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -114,6 +115,18 @@ def verified_onnx(directory: Path, entry: Any, precision: str = "") -> Path:
     if not referenced <= {f.resolve() for f in files}:
         raise InputError(f"{graph} refers to data files the manifest does not list; re-run `trtc build`")
     return graph
+
+
+def onnx_for(directory: Path, manifest: Mapping[str, Any], precision: str | None = None) -> Path:
+    """The build's ONNX for ``precision`` (default: the build's ``precision``, else fp32), confined to ``directory``
+    and checked against its sha256."""
+    precision = precision or manifest.get("precision") or "fp32"
+    onnx = manifest.get("onnx")
+    entry = onnx.get(precision) if isinstance(onnx, dict) and isinstance(precision, str) else None
+    if entry is None:
+        raise InputError(f"{directory}: the manifest's precision is {precision} but it lists no onnx.{precision} "
+                         "file; run `trtc build` into the directory again")
+    return verified_onnx(directory, entry, str(precision))
 
 
 def spec_from_manifest(manifest: dict[str, Any]) -> ModelSpec:

@@ -22,7 +22,6 @@ from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "onnx_files", "ort_session",
            "TemporaryOnnxFile", "outer_scope_names",
-           "usable_providers", "checking_providers",
            "copy_fields", "weightless_copy",
            "MAX_IR_VERSION"]
 
@@ -208,74 +207,6 @@ def onnx_files(path: str | os.PathLike[str]) -> list[Path]:
             raise InputError(f"{path}: external data location {loc!r} leaves the model's folder; keep the data "
                              "files beside the .onnx file")
     return [path] + [path.parent / loc for loc in sorted(locations)]
-
-
-def usable_providers(prefer: list[str] | None = None) -> list[str]:
-    """ONNX Runtime execution providers that can actually load here, best first.
-
-    Default: CUDA, then CPU. ONNX Runtime's TensorRT provider only when ``prefer`` names it: it builds its own
-    TensorRT engines inside ONNX Runtime, so rows using it measure TensorRT, not ONNX Runtime; and ONNX
-    Runtime before 1.27 cannot drive TensorRT 11 (it is then left out with a warning).
-    onnxruntime-gpu lists the CUDA provider even where CUDA is missing and then logs errors
-    when asked for it, so CUDA is offered only when a CUDA device is visible.
-    """
-    import onnxruntime as ort
-
-    available = set(ort.get_available_providers())
-    order = prefer or ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    usable = []
-    for name in order:
-        if name not in available:
-            continue
-        if name in ("CUDAExecutionProvider", "TensorrtExecutionProvider") and not _cuda_present():
-            continue
-        if name == "TensorrtExecutionProvider" and not _tensorrt_ep_works(ort.__version__):
-            continue
-        usable.append(name)
-    if "CPUExecutionProvider" not in usable:
-        usable.append("CPUExecutionProvider")
-    return usable
-
-
-def _tensorrt_ep_works(ort_version: str) -> bool:
-    """Whether ONNX Runtime ``ort_version``'s TensorRT provider can use the TensorRT installed here."""
-    # tensorrt_version: a real TensorRT, not a stub package that imports
-    from compiler.core.installed import tensorrt_version, version_tuple
-
-    trt = tensorrt_version()
-    if trt is None:
-        return False
-    if version_tuple(trt) >= (11,) and version_tuple(ort_version)[:2] < (1, 27):
-        log.warning("ONNX Runtime %s cannot drive TensorRT %s (its TensorRT provider needs ONNX Runtime 1.27+); "
-                    "leaving the TensorRT provider out", ort_version, trt)
-        return False
-    return True
-def checking_providers(available: list[str] | None = None, cuda: bool | None = None) -> list[str]:
-    """The providers for trtc's own ONNX Runtime runs: calibration, the FP16 range pass and the accuracy gate.
-
-    ONNX Runtime's CUDA provider first where it is installed and a CUDA device is visible, then the CPU;
-    never the TensorRT provider, which would build engines and choose precisions of its own. ``available``
-    (ONNX Runtime's provider list) and ``cuda`` (a device is visible) default to this machine's. Q/DQ stays
-    exact on either provider (``ort_session(exact_qdq=True)`` keeps the pairs unfused).
-    """
-    if available is None:
-        import onnxruntime as ort
-
-        available = list(ort.get_available_providers())
-    if cuda is None:
-        cuda = "CUDAExecutionProvider" in available and _cuda_present()
-    if cuda and "CUDAExecutionProvider" in available:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
-def _cuda_present() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
 
 
 def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,

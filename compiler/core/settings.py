@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,8 +10,8 @@ from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.specs import ModelSpec
 
-__all__ = ["ModelSource", "ExportSettings", "BuildSettings", "Tolerance", "PRECISIONS", "HARDWARE_COMPAT_LEVELS",
-           "hardware_compat_level"]
+__all__ = ["ModelSource", "ExportSettings", "BuildSettings", "ServeSettings", "Tolerance", "PRECISIONS",
+           "HARDWARE_COMPAT_LEVELS", "SERVE_BACKENDS", "hardware_compat_level"]
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -126,3 +127,30 @@ class BuildSettings:
         object.__setattr__(self, "hardware_compat", hardware_compat_level(self.hardware_compat))
         if self.jobs < 1:
             raise InputError(f"--jobs {self.jobs} must be at least 1")
+
+
+SERVE_BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How ``compiler.load`` serves a build directory; each field is documented at ``compiler.load``."""
+
+    backend: str = defaults.SERVE_BACKEND
+    device: str | None = None  # None: the GPU where the backend can use one
+    contexts: int = defaults.CONTEXTS
+    cuda_graphs: bool = defaults.CUDA_GRAPHS
+    threads: int = defaults.ORT_THREADS
+    trust_pickle: bool = False
+    tf32: bool | None = None  # None: the manifest's build.tf32
+    ort_cuda_options: Mapping[str, str] = field(default_factory=dict)
+    precision: str | None = None  # None: the manifest's precision
+    autocast_fp16: bool = False  # torch: run under FP16 autocast (CUDA only)
+
+    def __post_init__(self) -> None:
+        if self.backend not in SERVE_BACKENDS:
+            raise InputError(f"backend={self.backend!r}: use one of {', '.join(SERVE_BACKENDS)}")
+        if self.contexts < 1:
+            raise InputError(f"contexts={self.contexts}: an Engines needs at least one execution context")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise InputError(f"precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")

@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from compiler.backends.runners import OrtRunner, Runner, TorchRunner
+from compiler.backends.base import Runner
+from compiler.backends.onnxrt import OnnxRuntimeRunner
+from compiler.backends.registry import check_runner
+from compiler.core.capabilities import checking_providers
 from compiler.core.errors import VerificationError, first_line
-from compiler.core.onnx_io import checking_providers
 from compiler.core.settings import Tolerance
 from compiler.core.specs import ModelSpec
 
@@ -123,7 +125,7 @@ def compare_outputs(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], batc
 def verify_runners(candidate: Runner, reference: Runner, spec: ModelSpec, batches: list[int],
                    tol: Tolerance | None, what: str, seed: int = 0, feeds: FeedSource | None = None,
                    ) -> list[Comparison]:
-    """Run both on the same inputs at each batch size; raise VerificationError past ``tol``.
+    """Run both (active runners) on the same inputs at each batch size; raise VerificationError past ``tol``.
 
     ``feeds`` gives the input at a batch size (the user's calibration data, say); by default
     ``spec.example_feed`` with a seed per batch.
@@ -158,15 +160,16 @@ class CheckingDevices:
     """Where the export checks run: eager PyTorch's device and ONNX Runtime's providers (TF32 off on both)."""
 
     torch_device: str  # "cuda" or "cpu"
-    ort_providers: tuple[Any, ...]  # for OrtRunner: names, or (name, options) pairs
+    ort_providers: tuple[Any, ...]  # for the ONNX Runtime runner: names, or (name, options) pairs
 
     @property
     def ort_provider(self) -> str:
         first = self.ort_providers[0]
         return str(first[0] if isinstance(first, tuple) else first)
 
-    def ort_runner(self, model: Any) -> OrtRunner:
-        return OrtRunner(model, list(self.ort_providers))
+    def ort_runner(self, model: Any) -> OnnxRuntimeRunner:
+        """An ONNX Runtime check runner on ``model`` (a path or proto) with these providers, not yet active."""
+        return cast(OnnxRuntimeRunner, check_runner("onnxruntime", model, list(self.ort_providers)))
 
 
 def checking_devices(providers: list[str] | None = None) -> CheckingDevices:
@@ -192,7 +195,7 @@ def fp32_math() -> Iterator[None]:
         cudnn.allow_tf32, matmul.allow_tf32 = saved
 
 
-class EagerReference:
+class EagerReference(Runner):
     """Eager PyTorch as the export checks' reference, on ``device`` with TF32 off.
 
     A module that cannot run on CUDA (a graph with a CPU device baked in, too little memory) falls back
@@ -203,41 +206,68 @@ class EagerReference:
     name = "torch"
 
     def __init__(self, module: Any, input_names: list[str], output_names: list[str], device: str = "cpu") -> None:
+        super().__init__()
         self.module = module
         self.input_names = input_names
         self.output_names = output_names
         self.device = device
-        self._runner = self._on(device)
+        self._runner: Runner | None = None
 
     def move_to(self, device: str) -> None:
         self.device = device
         self._runner = self._on(device)
 
-    def _on(self, device: str) -> TorchRunner:
+    def _on(self, device: str) -> Runner:
         if device != "cpu":
             try:
-                return TorchRunner(self.module, self.input_names, self.output_names, device=device)
+                return self._active(device)
             except RuntimeError as err:
                 self._fall_back(err)
-        return TorchRunner(self.module, self.input_names, self.output_names, device="cpu")
+        return self._active("cpu")
+
+    def _active(self, device: str) -> Runner:
+        runner = check_runner("torch", self.module, self.input_names, self.output_names, device=device)
+        runner.activate()
+        return runner
 
     def _fall_back(self, err: Exception) -> None:
         log.warning("eager PyTorch cannot run the model on %s (%s); the export checks run it on the CPU",
                     self.device, first_line(err))
         self.device = "cpu"
 
-    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _activate(self) -> None:
+        self._runner = self._on(self.device)
+
+    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The eager outputs; a CUDA run that fails (a device mismatch inside the graph, out of memory) runs again
+        on the CPU, where the checks then stay."""
         with fp32_math():
             if self.device == "cpu":
-                return self._runner.infer(feed)
+                return super().infer(feed)
             try:
-                return self._runner.infer(feed)
-            except RuntimeError as err:  # device mismatch inside the graph, out of memory
+                return super().infer(feed)
+            except RuntimeError as err:
                 self._fall_back(err)
                 self._runner = self._on("cpu")
-                return self._runner.infer(feed)
+                return super().infer(feed)
+
+    def _upload(self, feed: Mapping[str, np.ndarray]) -> None:
+        assert self._runner is not None
+        self._runner.upload(feed)
+
+    def _execute(self) -> None:
+        assert self._runner is not None
+        self._runner.execute()
+
+    def _download(self) -> dict[str, np.ndarray]:
+        assert self._runner is not None
+        return self._runner.download()
+
+    def _release(self) -> None:
+        self._runner = None
 
     def close(self) -> None:
+        self.release()
         if hasattr(self.module, "to"):
             self.module.to("cpu")
         import torch
@@ -261,6 +291,8 @@ class ExportChecks:
         self.devices = devices or checking_devices()
         self.eager = EagerReference(module, input_names, output_names, self.devices.torch_device) \
             if module is not None else None
+        if self.eager is not None:
+            self.eager.activate()
         self.provider = self.devices.ort_provider  # the provider of the last check's candidate session
 
     @property
@@ -285,15 +317,17 @@ class ExportChecks:
 
     def _run(self, candidate: Any, original: Any, spec: ModelSpec, batches: list[int], tol: Tolerance | None,
              what: str, feeds: FeedSource | None) -> list[Comparison]:
-        runner = self.devices.ort_runner(candidate)
-        self.provider = runner.session.get_providers()[0]
-        reference: Runner
-        if self.eager is not None:
-            reference = self.eager
-        else:
-            reference = self.devices.ort_runner(original)
-            reference.name = self.reference_name
-        return verify_runners(runner, reference, spec, batches, tol, what, feeds=feeds)
+        with contextlib.ExitStack() as stack:
+            runner = self.devices.ort_runner(candidate)
+            stack.enter_context(runner)
+            self.provider = runner.provider
+            reference: Runner
+            if self.eager is not None:
+                reference = self.eager
+            else:
+                reference = stack.enter_context(self.devices.ort_runner(original))
+                reference.name = self.reference_name
+            return verify_runners(runner, reference, spec, batches, tol, what, feeds=feeds)
 
     def record(self) -> dict[str, Any]:
         """Where the checks ran, for the manifest's ``verification.devices``."""

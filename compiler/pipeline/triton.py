@@ -190,9 +190,8 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     with ``force``; the new folder appears whole (staged beside ``repo``, then renamed).
     """
     from compiler.core.files import require_directory
-    from compiler.core.manifest import read_manifest
+    from compiler.core.manifest import onnx_for, read_manifest
     from compiler.core.onnx_io import onnx_files
-    from compiler.serve.engines import onnx_for_precision
 
     directory = Path(directory)
     repo = Path(repo)
@@ -206,7 +205,7 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     if not name or name.startswith(".") or "/" in name or "\\" in name:
         raise InputError(f"model name {name!r}: Triton takes the folder name as the model name; pass --name NAME "
                          "without slashes or a leading dot")
-    onnx_path = onnx_for_precision(directory, manifest)
+    onnx_path = onnx_for(directory, manifest)
     chosen = backend
     plan: tuple[Path, tuple[int, ...], int] | None = None
     if backend in ("auto", "tensorrt"):

@@ -1,4 +1,5 @@
-"""The serving runtime: ``engines = compiler.load(DIR)``, then ``engines(x)`` or ``engines.map(batches, fn)``.
+"""The serving pool: ``Engines``, what ``compiler.load(DIR)`` returns (``compiler.serve.load``); ``engines(x)`` or
+``engines.map(batches, fn)``.
 
 One call goes through these stages: check the feed against the manifest's input spec (names,
 dtypes, fixed sizes, ranges of dynamic sizes), route the batch to the smallest bucket that holds
@@ -7,8 +8,9 @@ preallocated input buffers, run, and copy the real rows of every output out. Pad
 whatever the buffer held: every row is computed on its own, so they never reach a result.
 
 Backends, behind one small interface (a backend makes contexts; a context owns one execution
-context plus input and output buffers for every bucket; the contract and the host and GPU
-contexts are in ``compiler.backends.contexts``), one module each:
+context plus input and output buffers for every bucket; the contract is ``compiler.backends.base``, the
+host and GPU contexts ``compiler.backends.host`` and ``compiler.backends.gpu``), one module each, made by name
+through ``compiler.backends.registry``:
 
 * ``tensorrt`` (``compiler.backends.trt``): the directory's engines. ``execute_async_v3`` on
   the context's CUDA stream, tensor addresses bound once per buffer (torch tensors are the device
@@ -34,8 +36,8 @@ sharing the context's device buffers, stream and model; their runs are queued on
 run at a time), so the host copies one batch in while the context computes another; one set per
 context on the CPU.
 
-``trtc bench`` times these same backends (``Engines.borrow`` and a context's ``upload`` /
-``compute`` / ``download``); there is no second way to run a model.
+``trtc bench`` times these same backends (``Engines.runner``: one buffer set as a ``Runner``, its ``upload``,
+``execute`` and ``download`` a context's own); there is no second way to run a model.
 """
 
 from __future__ import annotations
@@ -48,26 +50,19 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from compiler.backends.base import Backend, Context
+from compiler.backends.base import Backend, Context, Runner
 from compiler.backends.feeds import CheckedFeed, FeedChecker, as_kind
-from compiler.backends.onnxrt import OrtBackend
-from compiler.backends.pytorch import TorchBackend
-from compiler.backends.trt import EnginesNotRunnable, _tensorrt_backend
 from compiler.core import defaults
 from compiler.core.errors import FeedError, InputError
-from compiler.core.specs import DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
+from compiler.core.specs import InputSpec, ModelSpec
 
-__all__ = ["load", "engines_from_module", "onnx_for_precision", "tf32_policy", "tensorrt_available", "Engines",
-           "CheckedFeed", "FeedError", "EnginesNotRunnable", "BACKENDS"]
+__all__ = ["Engines", "Started", "ContextRunner"]
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
 
 
 # --- the front end ------------------------------------------------------------------------------------------------
@@ -84,7 +79,7 @@ class Engines:
     the contexts and their buffers.
     """
 
-    def __init__(self, backend: Backend, contexts: int = 2) -> None:
+    def __init__(self, backend: Backend, contexts: int = defaults.CONTEXTS) -> None:
         if contexts < 1:
             raise InputError(f"contexts={contexts}: an Engines needs at least one execution context")
         self._backend = backend
@@ -92,7 +87,7 @@ class Engines:
         self.buckets: tuple[int, ...] = tuple(sorted(backend.buckets))
         self.output_names: list[str] = list(backend.output_names)
         self.input_names: list[str] = backend.spec.input_names
-        self.name = f"trtc-runtime[{backend.name}]"  # as a ``compiler.backends.runners.Runner``
+        self.name = f"trtc-runtime[{backend.name}]"
         self._feeds = FeedChecker(backend.spec)
         self._largest = largest = self.buckets[-1]
         self._sole_output = self.output_names[0] if len(self.output_names) == 1 else None
@@ -143,10 +138,10 @@ class Engines:
     def inputs(self) -> tuple[InputSpec, ...]:
         return self.spec.inputs
 
-    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``engines(feed)``: the ``Runner`` contract, so the harness can run the serving path itself."""
-        outputs: dict[str, np.ndarray] = self(dict(feed))
-        return outputs
+    def runner(self, name: str | None = None) -> ContextRunner:
+        """One buffer set of the pool as a ``Runner`` (``compiler.backends.base``), held by the caller from
+        ``activate`` to ``release``: what ``trtc bench`` times, stage by stage."""
+        return ContextRunner(self, name or self.backend)
 
     def __repr__(self) -> str:
         return (f"Engines(backend={self.backend!r}, device={self.device!r}, inputs={[str(i) for i in self.inputs]}, "
@@ -494,6 +489,57 @@ class Engines:
         return (os.cpu_count() or 1) > 1
 
 
+class ContextRunner(Runner):
+    """A ``Runner`` over one buffer set of an ``Engines`` (``Engines.runner``): ``upload`` checks the feed as
+    ``engines(x)`` does and queues its copy into the bucket's buffers, ``execute`` queues the model run,
+    ``download`` queues the outputs' copy to pinned host memory, waits, and returns copies of them. The set is
+    borrowed (``Engines.borrow``) from ``activate`` to ``release``; batches up to the largest bucket only."""
+
+    def __init__(self, engines: Engines, name: str) -> None:
+        super().__init__()
+        self.engines = engines
+        self.name = name
+        self.device = "cuda" if str(engines.device).startswith("cuda") else "cpu"
+        self.input_names = list(engines.input_names)
+        self.output_names = list(engines.output_names)
+        self._borrowed: contextlib.ExitStack | None = None
+        self._context: Context | None = None
+        self._call: CheckedFeed | None = None
+        self._bucket = 0
+
+    def _activate(self) -> None:
+        self._borrowed = contextlib.ExitStack()
+        self._context = self._borrowed.enter_context(self.engines.borrow())
+        self.stream = self._context.stream
+
+    def check(self, feed: Mapping[str, np.ndarray]) -> CheckedFeed:
+        """``engines.check``: every input against the spec; at most the largest bucket's rows."""
+        call = self.engines.check(dict(feed))
+        if call.rows > self.engines.buckets[-1]:
+            raise InputError(f"batch {call.rows} is larger than the largest bucket {self.engines.buckets[-1]}")
+        return call
+
+    def _upload(self, call: CheckedFeed) -> None:
+        assert self._context is not None
+        self._call, self._bucket = call, self.engines.bucket_for(call.rows)
+        self._context.upload(self._bucket, call, 0, call.rows)
+
+    def _execute(self) -> None:
+        assert self._context is not None and self._call is not None
+        self._context.compute(self._bucket, self._call)
+
+    def _download(self) -> dict[str, np.ndarray]:
+        assert self._context is not None
+        self._context.download(True)
+        self._context.wait()
+        return self._context.copy_outputs()
+
+    def _release(self) -> None:
+        if self._borrowed is not None:
+            self._borrowed.close()
+        self._borrowed = self._context = self._call = None
+
+
 class _Stopped(Exception):
     """``map``'s consumer stopped while a batch ran in chunks (``Engines._run``)."""
 
@@ -530,130 +576,3 @@ def _concatenate(parts: list[Any]) -> Any:
     import torch
 
     return torch.cat(parts)
-
-
-# --- loading ------------------------------------------------------------------------------------------------------
-
-_FALLBACK_LOGGED: set[str] = set()
-_FALLBACK_LOCK = threading.Lock()
-
-
-def _log_fallback_once(directory: Path, backend: OrtBackend) -> None:
-    key = str(directory.resolve())
-    with _FALLBACK_LOCK:
-        if key in _FALLBACK_LOGGED:
-            return
-        _FALLBACK_LOGGED.add(key)
-    log.warning("TensorRT is not installed here: serving %s with ONNX Runtime (%s) on %s", directory,
-                backend.provider, backend.path.name)
-
-
-def tensorrt_available() -> bool:
-    """Whether a real TensorRT imports here (what ``backend="auto"`` decides on)."""
-    from compiler.backends.trt_build import tensorrt_version
-
-    return tensorrt_version() is not None
-
-
-def tf32_policy(manifest: dict[str, Any]) -> bool:
-    """Whether FP32 math may use TF32: the manifest's ``build.tf32`` (``recorded_tf32``: the rule ``trtc rebuild``
-    reads it by)."""
-    from compiler.backends.trt_build import recorded_tf32
-
-    return recorded_tf32(manifest.get("build"))
-
-
-def onnx_for_precision(directory: Path, manifest: dict[str, Any], precision: str | None = None) -> Path:
-    """The build's ONNX for ``precision`` (default: the build's), confined to ``directory`` and checked
-    against its sha256."""
-    from compiler.core.manifest import verified_onnx
-
-    precision = precision or manifest.get("precision") or "fp32"
-    onnx = manifest.get("onnx")
-    entry = onnx.get(precision) if isinstance(onnx, dict) and isinstance(precision, str) else None
-    if entry is None:
-        raise InputError(f"{directory}: the manifest's precision is {precision} but it lists no onnx.{precision} "
-                         "file; run `trtc build` into the directory again")
-    return verified_onnx(directory, entry, str(precision))
-
-
-def _source_module(directory: Path, manifest: dict[str, Any], trust_pickle: bool) -> Any:
-    """The build's own snapshot of its source model: the weights that were exported, not the factory's again."""
-    from compiler.frontend.loading import load_snapshot
-
-    return load_snapshot(directory, manifest, trust_pickle).module
-
-
-def load(directory: str | Path, backend: str = "auto", *, device: str | None = None, contexts: int = 2,
-         cuda_graphs: bool = True, threads: int = 0, trust_pickle: bool = False, tf32: bool | None = None,
-         ort_cuda_options: Mapping[str, str] | None = None, precision: str | None = None) -> Engines:
-    """The engines of a build directory, ready to serve: ``engines(x)``, ``engines.map(...)``.
-
-    ``backend``: ``auto`` (TensorRT when installed, else ONNX Runtime, logged once), ``tensorrt``,
-    ``onnxruntime`` or ``torch`` (the source model, eager). TensorRT engines are checked as
-    ``trtc check`` does; a stale or missing engine raises ``EnginesNotRunnable`` naming
-    ``trtc rebuild``, a missing TensorRT ``TensorRTNotInstalled``. ``device``: ``cpu``, ``cuda``
-    or ``cuda:N``; None picks the GPU when the backend can use one. ``contexts``: how many callers
-    run at once (each context holds buffers for every bucket). ``cuda_graphs``: replay CUDA graphs
-    on a GPU: one per bucket, captured at load, for a model whose only dynamic dimension is the
-    batch (ONNX Runtime: where it allows it, ``compiler.backends.onnxrt``); for other models torch
-    captures one per bucket and shape at its first run, and TensorRT and ONNX Runtime run them
-    without graphs. ``threads``: ONNX Runtime's intra-op threads
-    (0: its default). ``trust_pickle``: let the torch backend load a pickled model file. ``tf32``:
-    whether ONNX Runtime's CUDA provider may use TF32 for FP32 math (default: the manifest's
-    ``build.tf32``, else True, as the TensorRT engines were built); the torch backend follows
-    PyTorch's own ``torch.backends`` flags. ``ort_cuda_options``: CUDA provider options over
-    ``compiler.backends.onnxrt.CUDA_OPTIONS``. ``precision``: which of the build's ONNX files
-    ONNX Runtime serves (default the manifest's precision).
-    """
-    from compiler.core.manifest import read_manifest, spec_from_manifest
-
-    directory = Path(directory)
-    if backend not in BACKENDS:
-        raise InputError(f"backend={backend!r}: use one of {', '.join(BACKENDS)}")
-    manifest = read_manifest(directory)
-    spec = spec_from_manifest(manifest)
-    buckets = tuple(int(b) for b in manifest.get("buckets") or ())
-    if not buckets:
-        raise InputError(f"{directory}: the manifest lists no buckets; run `trtc export` into it again")
-    chosen = backend
-    if backend == "auto":
-        chosen = "tensorrt" if tensorrt_available() else "onnxruntime"
-    impl: Backend
-    if chosen == "tensorrt":
-        impl = _tensorrt_backend(directory, manifest, spec, device, cuda_graphs)
-    elif chosen == "onnxruntime":
-        ort_backend = OrtBackend(onnx_for_precision(directory, manifest, precision), spec, buckets, device, threads,
-                                  tf32=tf32_policy(manifest) if tf32 is None else tf32, cuda_options=ort_cuda_options,
-                                  cuda_graphs=cuda_graphs)
-        if backend == "auto":
-            _log_fallback_once(directory, ort_backend)
-        impl = ort_backend
-    else:
-        if manifest.get("precision", "fp32") != "fp32":
-            log.info("backend torch runs the FP32 source model, not the %s graph", manifest["precision"])
-        impl = TorchBackend(_source_module(directory, manifest, trust_pickle), spec, buckets,
-                             manifest.get("output_names"), device, cuda_graphs)
-    engines = Engines(impl, contexts)
-    log.info("serving %s with %s on %s: buckets %s, up to %d concurrent contexts", directory, engines.backend,
-             engines.device, ",".join(map(str, engines.buckets)), contexts)
-    return engines
-
-
-def engines_from_module(module: Any, inputs: Sequence[str | InputSpec] | ModelSpec,
-                        buckets: Sequence[int] = defaults.BUCKETS, *, dims: Mapping[str, str | DimRange] | None = None,
-                        output_names: Sequence[str] | None = None, device: str | None = None, contexts: int = 2,
-                        cuda_graphs: bool = True) -> Engines:
-    """An in-process ``torch.nn.Module`` served like a build directory (backend ``torch``), without export.
-
-    ``inputs`` as on the command line (``"x:Bx64"``), ``dims`` as ``{"S": "1:128:512"}``. For
-    benchmarks of the runtime itself and for serving a model that has no build yet.
-    """
-    if isinstance(inputs, ModelSpec):
-        spec = inputs
-    else:
-        specs = tuple(parse_input_spec(i) if isinstance(i, str) else i for i in inputs)
-        ranges = {name: parse_dim_range(f"{name}={r}")[1] if isinstance(r, str) else r
-                  for name, r in (dims or {}).items()}
-        spec = ModelSpec(specs, ranges)
-    return Engines(TorchBackend(module, spec, buckets, output_names, device, cuda_graphs), contexts)
