@@ -67,7 +67,8 @@ MODELS = {
 
 def build_directory(model: Model, out: Path, int8: bool, rebuild: bool) -> Path:
     """Export and calibrate (RANDOM data, for timing) into ``out``; reused when its manifest is there."""
-    from calibration.calibrate import CalibrationSettings, calibrate_directory
+    from calibration.calibrate import calibrate_directory
+    from compiler.core.settings import CalibrationSettings
     from compiler.pipeline.export import export_directory
 
     if (out / MANIFEST).is_file() and not rebuild:

@@ -139,8 +139,8 @@ def job_infer(args: argparse.Namespace) -> dict[str, Any]:
 
 def job_trtc(args: argparse.Namespace) -> dict[str, Any]:
     import calibration.calibrate as stage
-    from calibration.accuracy import GateSettings
-    from calibration.calibrate import CalibrationSettings, calibrate_directory
+    from calibration.calibrate import calibrate_directory
+    from compiler.core.settings import CalibrationSettings, GateSettings
 
     # time the stages by wrapping what calibrated_into calls (names as calibration/calibrate.py imports them)
     stages: dict[str, float] = {}

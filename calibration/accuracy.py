@@ -33,23 +33,15 @@ from calibration.fp16 import fp16_rounding_emulation
 from calibration.statistics import DEFAULT_MEMORY_BUDGET
 from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner
-from compiler.core import defaults
 from compiler.core.capabilities import checking_providers
 from compiler.core.onnx_io import TemporaryOnnxFile, load_onnx, load_onnx_by_reference
+from compiler.core.settings import GateSettings
 from compiler.core.worker import mark_step
 
 __all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors",
            "sample_cosines"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GateSettings:
-    max_accuracy_drop: float = defaults.MAX_ACCURACY_DROP  # top-1 percentage points, with labels
-    min_cosine: float = defaults.GATE_MIN_COSINE  # mean row cosine floor, without labels
-    max_fallback: int = defaults.MAX_FALLBACK  # layers the gate may keep in higher precision
-    sensitivity_samples: int = defaults.SENSITIVITY_SAMPLES  # samples used to score each layer alone
 
 
 @dataclass

@@ -13,14 +13,14 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import onnx
 
-from calibration.accuracy import Evaluator, GateOutcome, GateSettings, gate_with_fallback
-from calibration.data import RANDOM, CalibrationData, ImagePreprocessing, calibration_data
+from calibration.accuracy import Evaluator, GateOutcome, gate_with_fallback
+from calibration.data import RANDOM, CalibrationData, calibration_data
 from calibration.fp16 import (
     Fp16Policy,
     Fp16Report,
@@ -29,8 +29,7 @@ from calibration.fp16 import (
     node_precisions,
 )
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
-from calibration.statistics import AMAX_METHODS, DEFAULT_MEMORY_BUDGET, collect_histograms, collect_max_abs
-from compiler.core import defaults
+from calibration.statistics import collect_histograms, collect_max_abs
 from compiler.core.capabilities import checking_providers
 from compiler.core.errors import AccuracyGateError, CalibrationError
 from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file
@@ -45,6 +44,7 @@ from compiler.core.manifest import (
 )
 from compiler.core.onnx_io import load_onnx_by_reference, save_onnx, weightless_copy
 from compiler.core.progress import progress, stage_timer
+from compiler.core.settings import CalibrationSettings
 from compiler.core.specs import ModelSpec
 from compiler.core.worker import in_worker, isolated, mark
 
@@ -56,36 +56,6 @@ ONNX_NAMES = {"int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 CALIBRATION_JSON = "calibration.json"
 ACCURACY_JSON = "report/accuracy.json"
 ALL_SAMPLES = 1 << 62  # the gate evaluates every sample of --eval-data; --calib-samples bounds calibration only
-
-
-@dataclass(frozen=True)
-class CalibrationSettings:
-    precision: str  # "int8" | "fp16"
-    data: str | None = None  # see calibration.data for the formats; "random" for smoke tests
-    loader: str | None = None
-    samples: int = defaults.CALIB_SAMPLES
-    batch_size: int = defaults.CALIB_BATCH
-    method: str = defaults.CALIB_METHOD
-    percentile: float = defaults.PERCENTILE
-    eval_data: str | None = None  # default: the calibration data
-    labels: str | None = None
-    gate: GateSettings = field(default_factory=GateSettings)
-    keep_fp32: tuple[str, ...] = ()
-    quantize_attention: bool = False
-    fp32_rest: bool = defaults.FP32_REST  # INT8 only: leave what is not quantized in FP32 instead of FP16
-    calib_cache: Path | None = None
-    image: ImagePreprocessing | None = None
-    memory_budget: int = DEFAULT_MEMORY_BUDGET  # bytes of exposed activations per ONNX Runtime run
-
-    def __post_init__(self) -> None:
-        if self.precision not in ONNX_NAMES:
-            raise CalibrationError(f"precision {self.precision!r}: calibrate makes int8 or fp16")
-        if self.method not in AMAX_METHODS:
-            raise CalibrationError(f"--calib-method {self.method!r}: use one of {', '.join(AMAX_METHODS)}")
-        if not 50 < self.percentile <= 100:
-            raise CalibrationError(f"--percentile {self.percentile}: use a value in (50, 100], e.g. 99.99")
-        if self.fp32_rest and self.precision != "int8":
-            raise CalibrationError("--fp32-rest applies to --int8 only (it keeps what INT8 leaves in FP32); drop it")
 
 
 @dataclass

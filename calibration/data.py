@@ -27,9 +27,10 @@ import numpy as np
 
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
+from compiler.core.settings import ImagePreprocessing
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
-__all__ = ["CalibrationData", "calibration_data", "ImagePreprocessing", "RANDOM", "IMAGE_SUFFIXES"]
+__all__ = ["CalibrationData", "calibration_data", "RANDOM", "IMAGE_SUFFIXES"]
 
 log = logging.getLogger(__name__)
 
@@ -37,33 +38,6 @@ RANDOM = "random"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".webp")
 LABEL_KEYS = ("labels", "label", "targets")
 _READ_ERRORS = (ValueError, OSError, EOFError, zipfile.BadZipFile)  # what np.load raises on a damaged file
-
-
-@dataclass(frozen=True)
-class ImagePreprocessing:
-    """How image files become an input tensor: resize the short side, center-crop, scale, normalize."""
-
-    input: str | None = None  # which model input; default: the only image-shaped one
-    size: int | None = None  # short side after resize; default: the crop size
-    crop: tuple[int, int] | None = None  # (H, W); default: from the input spec
-    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
-    std: tuple[float, ...] = (0.229, 0.224, 0.225)
-    scale: float = 1 / 255
-    layout: str = "NCHW"
-
-    @classmethod
-    def from_profile(cls, table: dict[str, Any]) -> ImagePreprocessing:
-        known = {"input", "size", "crop", "mean", "std", "scale", "layout"}
-        unknown = sorted(set(table) - known)
-        if unknown:
-            raise CalibrationError(f"calibration.image: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")
-        values = dict(table)
-        for key in ("crop", "mean", "std"):
-            if key in values:
-                values[key] = tuple(values[key])
-        if values.get("layout", "NCHW") not in ("NCHW", "NHWC"):
-            raise CalibrationError("calibration.image.layout must be NCHW or NHWC")
-        return cls(**values)
 
 
 @dataclass

@@ -19,7 +19,7 @@ import click
 from compiler.core import defaults
 from compiler.core.errors import EXIT_CODES, InputError, TrtcError
 from compiler.core.settings import HARDWARE_COMPAT_LEVELS
-from compiler.core.specs import DimRange, InputSpec, ModelSpec, parse_buckets, parse_dim_range, parse_input_spec
+from compiler.core.specs import DimRange, InputSpec, parse_buckets, parse_dim_range, parse_input_spec
 
 __all__ = ["cli", "main"]
 
@@ -170,40 +170,10 @@ def _buckets(buckets: tuple[int, ...]) -> str:
     return ",".join(str(b) for b in buckets)
 
 
-def _merged(profile: dict[str, dict[str, Any]], section: str, key: str, cli_value: Any, default: Any = None) -> Any:
-    """The command-line value when given, else the profile's, else the default."""
-    if cli_value not in (None, (), []):
-        return cli_value
-    return profile.get(section, {}).get(key, default)
-
-
-def export_settings_from(kw: dict[str, Any]) -> Any:
-    """ExportSettings from the command-line options and the profile."""
+def _profile(kw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     from compiler.core.profile import load_profile
-    from compiler.core.settings import ExportSettings, ModelSource
 
-    profile = load_profile(kw["profile"]) if kw.get("profile") else {}
-    model = profile.get("model", {})
-    path = kw.get("model") or (Path(model["source"]) if model.get("source") else None)
-    factory = kw.get("model_factory") or (model.get("factory") if not kw.get("model") else None)
-    weights = kw.get("weights") or (Path(model["weights"]) if model.get("weights") and factory else None)
-    trust = bool(_merged(profile, "model", "trust_pickle", kw.get("trust_pickle"), False))
-    source = ModelSource(path, factory, weights, trust)
-    inputs = list(kw.get("inputs") or [parse_input_spec(s) for s in model.get("inputs", [])])
-    dims = dict(kw.get("dims") or [parse_dim_range(f"{k}={v}") for k, v in model.get("dims", {}).items()])
-    spec = ModelSpec(tuple(inputs), dims) if inputs else None
-    if dims and not inputs:
-        raise InputError("--dim given without --input: declare the inputs that use it")
-    buckets = kw.get("buckets") or (parse_buckets(profile["build"]["buckets"]) if "buckets" in profile.get("build", {})
-                                    else defaults.BUCKETS)
-    out = kw.get("out") or (Path(profile["build"]["out"]) if "out" in profile.get("build", {}) else None)
-    if out is None:
-        raise InputError("no output directory: pass --out DIR (or set build.out in the profile)")
-    return ExportSettings(source=source, out=Path(out), spec=spec, buckets=tuple(buckets),
-                          opset=_merged(profile, "export", "opset", kw.get("opset")),
-                          rtol=float(_merged(profile, "export", "rtol", kw.get("rtol"), defaults.RTOL)),
-                          atol=float(_merged(profile, "export", "atol", kw.get("atol"), defaults.ATOL)),
-                          output_names=tuple(model.get("output_names", [])), force=bool(kw.get("force"))), profile
+    return load_profile(kw["profile"]) if kw.get("profile") else {}
 
 
 @click.group(cls=TrtcGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -238,10 +208,11 @@ def export_cmd(**kw: Any) -> None:
           --input input_ids:BxS:int64 --input attention_mask:BxS:int64 --dim S=1:128:512 --out build/tr
       trtc export --profile profiles/resnet_digits.toml
     """
+    from compiler.core.profile import export_settings
     from compiler.core.report import print_export_summary
     from compiler.pipeline.export import export_directory
 
-    settings, _ = export_settings_from(kw)
+    settings = export_settings(kw, _profile(kw))
     manifest = export_directory(settings)
     print_export_summary(manifest, settings.out)
 
@@ -255,7 +226,7 @@ def calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--calib-samples", type=int, help=f"Use at most N samples (default {defaults.CALIB_SAMPLES})."),
         click.option("--calib-batch", type=int, help="Samples per calibration batch (default "
                      f"{defaults.CALIB_BATCH})."),
-        click.option("--calib-method", type=click.Choice(["percentile", "max", "entropy", "mse"]),
+        click.option("--calib-method", type=click.Choice(defaults.CALIB_METHODS),
                      help=f"How the INT8 range is chosen (default {defaults.CALIB_METHOD}: the --percentile quantile "
                      "of |x|, "
                      "raised where clipping would cost more than INT8 rounding saves)."),
@@ -283,31 +254,6 @@ def calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def calibration_settings_from(kw: dict[str, Any], precision: str, profile: dict[str, dict[str, Any]]) -> Any:
-    from calibration.accuracy import GateSettings
-    from calibration.calibrate import CalibrationSettings
-    from calibration.data import ImagePreprocessing
-
-    def pick(option: str, key: str, default: Any = None) -> Any:
-        return _merged(profile, "calibration", key, kw.get(option), default)
-
-    gate = GateSettings(max_accuracy_drop=float(pick("max_accuracy_drop", "max_accuracy_drop",
-                                                     defaults.MAX_ACCURACY_DROP)),
-                        min_cosine=float(pick("min_cosine", "min_cosine", defaults.GATE_MIN_COSINE)),
-                        max_fallback=int(pick("max_fallback", "max_fallback", defaults.MAX_FALLBACK)))
-    image = profile.get("calibration", {}).get("image")
-    return CalibrationSettings(
-        precision=precision, data=pick("calib_data", "data"), loader=pick("calib_loader", "loader"),
-        samples=int(pick("calib_samples", "samples", defaults.CALIB_SAMPLES)),
-        batch_size=int(pick("calib_batch", "batch_size", defaults.CALIB_BATCH)),
-        method=pick("calib_method", "method", defaults.CALIB_METHOD),
-        percentile=float(pick("percentile", "percentile", defaults.PERCENTILE)),
-        eval_data=pick("eval_data", "eval_data"), labels=pick("labels", "labels"), gate=gate,
-        keep_fp32=tuple(pick("keep_fp32", "keep_fp32", ())), quantize_attention=bool(kw.get("quantize_attention")),
-        fp32_rest=bool(pick("fp32_rest", "fp32_rest", defaults.FP32_REST)),
-        calib_cache=kw.get("calib_cache"), image=ImagePreprocessing.from_profile(image) if image else None)
-
-
 @cli.command("calibrate")
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
@@ -324,34 +270,14 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
       trtc calibrate build/m --fp16 --calib-data calib/ --keep-fp32 Softmax
     """
     from calibration.calibrate import calibrate_directory
+    from compiler.core.profile import calibration_settings
     from compiler.core.report import print_accuracy
 
     if precision is None:
         raise InputError("choose --int8 or --fp16")
-    settings = calibration_settings_from(kw, precision, {})
+    settings = calibration_settings(kw, precision)
     calibrate_directory(directory, settings)
     print_accuracy(directory)
-
-
-def build_settings_from(kw: dict[str, Any], profile: dict[str, dict[str, Any]], buckets: tuple[int, ...],
-                        precision: str) -> Any:
-    from compiler.core.settings import BuildSettings
-
-    def pick(option: str, key: str, default: Any = None) -> Any:
-        return _merged(profile, "build", key, kw.get(option), default)
-
-    timing_cache = pick("timing_cache", "timing_cache")
-    workspace = pick("workspace", "workspace_mib")
-    return BuildSettings(buckets=buckets, precision=precision,
-                         multi_profile=bool(pick("multi_profile", "multi_profile", defaults.MULTI_PROFILE)),
-                         workspace_mib=int(workspace) if workspace is not None else None,
-                         opt_level=int(pick("opt_level", "opt_level", defaults.OPT_LEVEL)),
-                         hardware_compat=pick("hardware_compat", "hardware_compat", defaults.HARDWARE_COMPAT),
-                         version_compatible=bool(pick("version_compatible", "version_compatible",
-                                                      defaults.VERSION_COMPATIBLE)),
-                         timing_cache=Path(timing_cache) if timing_cache else None,
-                         engine=pick("engine", "engine", defaults.ENGINE), jobs=int(kw.get("jobs") or defaults.JOBS),
-                         tf32=bool(pick("tf32", "tf32", defaults.TF32)))
 
 
 def build_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -411,15 +337,18 @@ def build_cmd(precision: str | None, **kw: Any) -> None:
       trtc build --profile profiles/resnet_digits.toml
     Without TensorRT, everything but the engines is written and trtc exits with 4 (see trtc --help).
     """
+    from compiler.core.profile import build_settings, calibration_settings, export_settings
     from compiler.core.report import print_build_summary
+    from compiler.core.settings import REDUCED_PRECISIONS
     from compiler.pipeline.build import build_directory
 
     if kw.get("out") is None and kw.get("model") and not kw.get("profile"):
         kw["out"] = Path("build") / Path(kw["model"]).stem
-    export, profile = export_settings_from(kw)
-    precision = precision or profile.get("build", {}).get("precision", "fp32")
-    calibration = calibration_settings_from(kw, precision, profile) if precision in ("int8", "fp16") else None
-    build = build_settings_from(kw, profile, export.buckets, precision)
+    profile = _profile(kw)
+    export = export_settings(kw, profile)
+    precision = precision or profile.get("build", {}).get("precision", defaults.PRECISION)
+    calibration = calibration_settings(kw, precision, profile) if precision in REDUCED_PRECISIONS else None
+    build = build_settings(kw, export.buckets, precision, profile)
     try:
         manifest = build_directory(export, calibration, build)
     except TrtcError as err:
@@ -609,7 +538,10 @@ def bench_cmd(**kw: Any) -> None:
                              "--dim, --model-factory, --weights and --profile")
         report = bench_directory(target, settings)
     else:
-        export, _ = export_settings_from({**kw, "out": Path("bench-export")})  # bench_model exports to a temp dir
+        from compiler.core.profile import export_settings
+
+        # bench_model exports to a temporary directory
+        export = export_settings({**kw, "out": Path("bench-export")}, _profile(kw))
         report = bench_model(export, settings)
     out = console if console.is_terminal else Console(width=200 if settings.wide else 120)  # pipes: a fixed width
     for index, item in enumerate(bench_renderables(report)):

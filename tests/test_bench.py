@@ -57,7 +57,8 @@ HAS_CUDA = torch.cuda.is_available()
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An export directory of the digits CNN with model.onnx and model.fp16.onnx, buckets 1 and 4."""
-    from calibration.calibrate import CalibrationSettings, calibrate_directory
+    from calibration.calibrate import calibrate_directory
+    from compiler.core.settings import CalibrationSettings
 
     root = tmp_path_factory.mktemp("bench")
     source = root / "digits.ts"

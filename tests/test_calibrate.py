@@ -438,9 +438,9 @@ def test_gate_failure_exits_3_keeps_fp32_and_reports_the_fallback(
 def test_fallback_search_logs_one_ranking_line_and_one_summary(cnn: Exported, workdir: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """No line per trial (they read as if the final model were unquantized): the ranking, then a summary."""
-    from calibration.accuracy import GateSettings
-    from calibration.calibrate import CalibrationSettings, calibrate_directory
+    from calibration.calibrate import calibrate_directory
     from compiler.core.errors import AccuracyGateError
+    from compiler.core.settings import CalibrationSettings, GateSettings
 
     settings = CalibrationSettings("int8", data=str(cnn.calib), eval_data=str(cnn.eval),
                                    gate=GateSettings(max_accuracy_drop=-1.0, max_fallback=3))

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibration.data import CalibrationData, ImagePreprocessing, calibration_data
+from calibration.data import CalibrationData, calibration_data
 from compiler.core.errors import CalibrationError
+from compiler.core.settings import ImagePreprocessing
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
 IMAGES = ModelSpec((parse_input_spec("images:Bx1x8x8"),))

@@ -1,5 +1,5 @@
-"""Defaults once (issue 11): what the command line, the profile schema, README and the settings dataclasses say a
-default is must agree, so that changing one of them alone fails here. The values live in compiler/core/defaults.py.
+"""Defaults once: what the command line, the profile schema, README and the settings dataclasses say a default is
+must agree, so that changing one of them alone fails here. The values live in compiler/core/defaults.py.
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ from typing import Any
 import click
 import pytest
 
-from calibration.accuracy import GateSettings
-from calibration.calibrate import CalibrationSettings
 from compiler.bench.harness import BenchSettings
-from compiler.cli import bench_settings_from, build_settings_from, calibration_settings_from, cli, export_settings_from
-from compiler.core.profile import SCHEMA
-from compiler.core.settings import BuildSettings, ExportSettings, ModelSource
+from compiler.cli import bench_settings_from, cli
+from compiler.core.profile import SCHEMA, build_settings, calibration_settings, export_settings
+from compiler.core.settings import BuildSettings, CalibrationSettings, ExportSettings, GateSettings, ModelSource
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
@@ -101,10 +99,9 @@ def test_profile_schema_help_and_readme_state_the_dataclass_default(key: str | N
 
 
 def test_the_command_line_without_options_gives_the_dataclass_defaults() -> None:
-    assert calibration_settings_from({}, "int8", {}) == CALIBRATION
-    assert build_settings_from({}, {}, BUILD.buckets, "fp32") == BUILD
-    export, _ = export_settings_from({"model_factory": "pkg.m:f", "out": Path("out")})
-    assert export == EXPORT
+    assert calibration_settings({}, "int8") == CALIBRATION
+    assert build_settings({}, BUILD.buckets, "fp32") == BUILD
+    assert export_settings({"model_factory": "pkg.m:f", "out": Path("out")}) == EXPORT
 
 
 def test_bench_option_defaults_are_the_dataclass_defaults() -> None:
@@ -133,3 +130,11 @@ def test_library_functions_default_to_the_same_values() -> None:
     assert default(amax_from_histogram, "percentile") == default(CalibrationStats.amax, "percentile") == \
         CALIBRATION.percentile
     assert tuple(default(engines_from_module, "buckets")) == EXPORT.buckets
+
+
+def test_the_calibration_methods_are_the_ones_statistics_implements() -> None:
+    """The command line, the settings and the profile offer exactly the amax methods calibration has."""
+    from calibration.statistics import AMAX_METHODS
+    from compiler.core import defaults
+
+    assert set(AMAX_METHODS) == set(defaults.CALIB_METHODS)

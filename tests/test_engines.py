@@ -431,11 +431,12 @@ def test_gpu_facts_from_nvidia_smi_as_an_h200_prints_them(monkeypatch: pytest.Mo
 
 
 def _build_settings_from_command_line(*args: str) -> BuildSettings:
-    from compiler.cli import build_settings_from, cli
+    from compiler.cli import cli
+    from compiler.core.profile import build_settings
 
     command = cli.commands["build"]
     context = command.make_context("build", ["model.onnx", *args])
-    return build_settings_from(context.params, {}, (1,), "fp32")
+    return build_settings(context.params, (1,), "fp32")
 
 
 def test_build_options_for_tf32_and_hardware_compat_levels() -> None:

@@ -10,10 +10,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from calibration.accuracy import Evaluator, GateSettings, sample_cosines
+from calibration.accuracy import Evaluator, sample_cosines
 from calibration.fp16 import Fp16Policy, fp16_model_from, fp16_rounding_emulation
 from compiler.core.capabilities import checking_providers
 from compiler.core.onnx_io import ort_session
+from compiler.core.settings import GateSettings
 
 
 def _scale_chain(factors: list[float], name: str = "y") -> onnx.ModelProto:
@@ -179,8 +180,9 @@ def test_the_report_prints_an_all_zero_gate_as_n_a(capsys: pytest.CaptureFixture
 
 @pytest.mark.parametrize("precision", ["int8", "fp16"])
 def test_the_provider_is_recorded_and_the_work_runs_in_a_worker(tmp_path: Any, precision: str) -> None:
-    from calibration.calibrate import CalibrationSettings, calibrated_into
+    from calibration.calibrate import calibrated_into
     from compiler.core.onnx_io import save_onnx
+    from compiler.core.settings import CalibrationSettings
     from compiler.core.specs import ModelSpec, parse_input_spec
 
     rng = np.random.default_rng(0)
@@ -227,7 +229,8 @@ def _wide(width: int, scale: float = 1.0) -> onnx.ModelProto:
 _PEAK_SCRIPT = """
 import resource, sys
 import numpy as np
-from calibration.accuracy import Evaluator, GateSettings
+from calibration.accuracy import Evaluator
+from compiler.core.settings import GateSettings
 from calibration.fp16 import fp16_model_from
 from tests.test_gate_metrics import _wide
 

@@ -47,11 +47,11 @@ def test_paths_resolve_against_the_profile_directory(tmp_path: Path) -> None:
 
 
 def test_fp32_rest_from_the_profile_and_the_command_line(tmp_path: Path) -> None:
-    from compiler.cli import calibration_settings_from
+    from compiler.core.profile import calibration_settings
 
     profile = load_profile(write(tmp_path, '[model]\nfactory = "a:b"\n[calibration]\nfp32_rest = true\n'))
-    assert calibration_settings_from({}, "int8", profile).fp32_rest is True
-    assert calibration_settings_from({}, "int8", {}).fp32_rest is False  # FP16 rest by default
-    assert calibration_settings_from({"fp32_rest": True}, "int8", {}).fp32_rest is True
+    assert calibration_settings({}, "int8", profile).fp32_rest is True
+    assert calibration_settings({}, "int8").fp32_rest is False  # FP16 rest by default
+    assert calibration_settings({"fp32_rest": True}, "int8").fp32_rest is True
     with pytest.raises(InputError, match="fp32_rest = 'yes': expected bool"):
         load_profile(write(tmp_path, '[model]\nfactory = "a:b"\n[calibration]\nfp32_rest = "yes"\n'))

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from calibration.accuracy import GateSettings, row_cosines
-from compiler.core.settings import BuildSettings, ExportSettings, ModelSource
+from calibration.accuracy import row_cosines
+from compiler.core.settings import BuildSettings, ExportSettings, GateSettings, ModelSource
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
 pytestmark = pytest.mark.tensorrt
@@ -47,7 +47,7 @@ def _spec(model: Model) -> ModelSpec:
 def _build(out: Path, model: Model, precision: str = "fp32",
            buckets: tuple[int, ...] = (1, 4, 8), **build: Any) -> dict[str, Any]:
     """``trtc build`` of an example model into ``out``; the manifest. INT8/FP16 calibrate on seeded random data."""
-    from calibration.calibrate import CalibrationSettings
+    from compiler.core.settings import CalibrationSettings
     from compiler.pipeline.build import build_directory
 
     calibration = None if precision == "fp32" else CalibrationSettings(precision, data="random", samples=64)

@@ -1,17 +1,16 @@
 """Every default of trtc's settings, once.
 
-The settings dataclasses (compiler.core.settings, calibration.calibrate.CalibrationSettings,
-calibration.accuracy.GateSettings, compiler.bench.harness.BenchSettings), the command-line options
-(their defaults and ``--help`` texts) and the profile schema's descriptions all read these names, so
-they cannot drift apart (tests/test_defaults.py checks that they agree). As Torch-TensorRT's
-``dynamo/_defaults.py``.
+The settings dataclasses (``compiler.core.settings``), the command-line options (their defaults and ``--help``
+texts) and the profile schema derived from the dataclasses all read these names, so they cannot drift apart
+(tests/test_defaults.py checks that they agree). As Torch-TensorRT's ``dynamo/_defaults.py``.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "BUCKETS", "ATOL", "RTOL", "EXPORT_MIN_COSINE",
-    "CALIB_SAMPLES", "CALIB_BATCH", "CALIB_METHOD", "PERCENTILE", "FP32_REST", "CALIB_DEVICE_MEMORY_FRACTION",
+    "CALIB_SAMPLES", "CALIB_BATCH", "CALIB_METHOD", "CALIB_METHODS", "PERCENTILE", "FP32_REST",
+    "CALIB_MEMORY_BUDGET", "CALIB_DEVICE_MEMORY_FRACTION",
     "MAX_ACCURACY_DROP", "GATE_MIN_COSINE", "MAX_FALLBACK", "SENSITIVITY_SAMPLES",
     "PRECISION", "OPT_LEVEL", "HARDWARE_COMPAT", "TF32", "ENGINE", "JOBS", "MULTI_PROFILE", "VERSION_COMPATIBLE",
     "BENCH_ITERATIONS", "BENCH_MIN_SECONDS", "BENCH_WARMUP", "BENCH_WARMUP_SECONDS", "BENCH_SEED",
@@ -32,8 +31,12 @@ EXPORT_MIN_COSINE = 0.9999
 CALIB_SAMPLES = 512  # at most this many calibration samples
 CALIB_BATCH = 16  # samples per calibration batch
 CALIB_METHOD = "percentile"
+CALIB_METHODS = ("percentile", "max", "entropy", "mse")  # calibration.statistics.AMAX_METHODS implements each
 PERCENTILE = 99.99  # of |x|, for the percentile method
 FP32_REST = False  # INT8: what is not quantized runs in FP16 (as ModelOpt), not FP32
+# Bytes of exposed activations one ONNX Runtime run of calibration (or of the gate) may hold on the host: batches
+# run in slices of samples within it, so memory does not grow with the batch.
+CALIB_MEMORY_BUDGET = 64 << 20
 # On a GPU, the calibrated activations of one ONNX Runtime run stay on the device and are binned there: a run
 # may hold this fraction of the device's free memory of them (the host budget, 64 MiB, applies without a GPU).
 # A quarter leaves room for ONNX Runtime's own activations, the binning's temporaries and the next run.

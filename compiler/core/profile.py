@@ -1,74 +1,69 @@
 """``profiles/*.toml``: a model described once, so that ``trtc build --profile X`` is the CI command.
 
-Relative paths in a profile are relative to the profile file's directory. Every key is
-checked against ``SCHEMA``; errors name the file, the key and what was expected.
+The schema (``SCHEMA``: section -> key -> (TOML types, meaning)) is derived from the settings dataclasses'
+fields (``compiler.core.settings.profiled``), each meaning followed by the field's default. Relative paths in
+a profile are relative to the profile file's directory. Every key is checked against the schema; errors
+name the file, the key and what was expected. ``*_settings`` merge a profile with command-line options, the
+command line first: the one place either becomes settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import tomllib
 
-from compiler.core import defaults
 from compiler.core.errors import InputError
+from compiler.core.settings import (
+    BuildSettings,
+    CalibrationSettings,
+    ExportSettings,
+    GateSettings,
+    ModelSource,
+    ProfileKey,
+)
+from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
-__all__ = ["SCHEMA", "load_profile", "PATH_KEYS"]
+__all__ = ["SCHEMA", "PATH_KEYS", "load_profile", "export_settings", "calibration_settings", "build_settings"]
 
-# section -> key -> (expected type(s), what it means). This table is the documentation in README.
-SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
-    "model": {
-        "source": ((str,), "model file: TorchScript, ExportedProgram (.pt2), ONNX, or a pickle with trust_pickle"),
-        "factory": ((str,), "pkg.module:function returning an nn.Module (instead of source)"),
-        "weights": ((str,), "state dict for the factory, loaded with weights_only=True"),
-        "trust_pickle": ((bool,), "allow loading a pickled nn.Module (runs arbitrary code)"),
-        "inputs": ((list,), 'input specs, e.g. ["images:Bx3x224x224:float32"]'),
-        "dims": ((dict,), 'ranges of non-batch dynamic dims, e.g. {S = "1:128:512"}'),
-        "output_names": ((list,), "names for the ONNX outputs"),
-    },
-    "export": {
-        "opset": ((int,), "ONNX opset (default: the exporter's)"),
-        "rtol": ((float, int), "verification, relative part: |got - ref| <= atol * max(1, scale) + rtol * |ref| "
-                 f"(default {defaults.RTOL:g})"),
-        "atol": ((float, int), f"verification, absolute part (default {defaults.ATOL:g})"),
-    },
-    "calibration": {
-        "data": ((str,), "calibration data: .npz/.npy file or folder, image folder, or 'random' (smoke tests)"),
-        "loader": ((str,), "pkg.module:function yielding {input_name: array} batches"),
-        "samples": ((int,), f"maximum number of samples (default {defaults.CALIB_SAMPLES})"),
-        "batch_size": ((int,), f"samples per calibration batch (default {defaults.CALIB_BATCH})"),
-        "method": ((str,), f"percentile | max | entropy | mse (default {defaults.CALIB_METHOD})"),
-        "percentile": ((float, int), f"percentile for the percentile method (default {defaults.PERCENTILE:g})"),
-        "labels": ((str,), "labels for the accuracy gate: .npy file, or the key in the .npz calibration data"),
-        "eval_data": ((str,), "held-out data for the accuracy gate (default: the calibration data)"),
-        "max_accuracy_drop": ((float, int), f"top-1 points the gate allows, with labels (default "
-                              f"{defaults.MAX_ACCURACY_DROP:g})"),
-        "min_cosine": ((float, int), "cosine floor against FP32 without labels (default "
-                       f"{defaults.GATE_MIN_COSINE:g})"),
-        "max_fallback": ((int,), f"layers the gate may keep in FP32 (default {defaults.MAX_FALLBACK})"),
-        "keep_fp32": ((list,), "node names or op types kept in FP32"),
-        "fp32_rest": ((bool,), "int8: run what is not INT8 in FP32 instead of FP16 (default "
-                           f"{str(defaults.FP32_REST).lower()})"),
-        "image": ((dict,), "image preprocessing: size, crop, mean, std, layout (NCHW/NHWC), input"),
-    },
-    "build": {
-        "out": ((str,), "output directory"),
-        "buckets": ((list,), f"batch buckets (default {list(defaults.BUCKETS)})"),
-        "precision": ((str,), f"fp32 | fp16 | int8 (default {defaults.PRECISION})"),
-        "multi_profile": ((bool,), "one engine with one optimization profile per bucket"),
-        "workspace_mib": ((int,), "builder workspace limit in MiB"),
-        "opt_level": ((int,), f"builder optimization level 0-5 (default {defaults.OPT_LEVEL})"),
-        "hardware_compat": ((bool, str), "none | same-compute-capability | ampere-plus (true: ampere-plus; "
-                                          f"default {defaults.HARDWARE_COMPAT})"),
-        "tf32": ((bool,), f"FP32 layers may use TF32 tensor cores (default {str(defaults.TF32).lower()})"),
-        "version_compatible": ((bool,), "build engines that later TensorRT versions can run"),
-        "timing_cache": ((str,), "timing cache shared across models"),
-        "engine": ((str,), f"tensorrt | none (default {defaults.ENGINE})"),
-    },
-}
+Profile = Mapping[str, Mapping[str, Any]]
+Options = Mapping[str, Any]
+T = TypeVar("T")
+
+# the settings whose fields a profile sets, in the order the schema (and docs/profiles.md) lists them
+_PROFILED = (ModelSource, ExportSettings, CalibrationSettings, GateSettings, BuildSettings)
+# keys whose values are paths, made absolute against the profile's folder ("random" data stays as it is)
 PATH_KEYS = {("model", "source"), ("model", "weights"), ("calibration", "data"), ("calibration", "labels"),
              ("calibration", "eval_data"), ("build", "out"), ("build", "timing_cache")}
+
+
+def _stated(default: Any) -> str:
+    if isinstance(default, bool):
+        return str(default).lower()
+    if isinstance(default, float):
+        return f"{default:g}"
+    if isinstance(default, tuple):
+        return str(list(default))
+    return str(default)
+
+
+def _schema() -> dict[str, dict[str, tuple[tuple[type, ...], str]]]:
+    schema: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {}
+    for cls in _PROFILED:
+        for f in dataclasses.fields(cls):
+            keys: tuple[ProfileKey, ...] = f.metadata.get("profile", ())
+            for key in keys:
+                meaning = key.meaning
+                if "default" not in meaning and f.default not in (None, (), dataclasses.MISSING):
+                    meaning += f" (default {_stated(f.default)})"
+                schema.setdefault(key.section, {})[key.key] = (key.types, meaning)
+    return {section: schema[section] for section in ("model", "export", "calibration", "build")}
+
+
+SCHEMA = _schema()
 
 
 def load_profile(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -105,3 +100,60 @@ def load_profile(path: str | Path) -> dict[str, dict[str, Any]]:
     if not model.get("source") and not model.get("factory"):
         raise InputError(f"{path}: [model] needs source = \"FILE\" or factory = \"pkg.module:function\"")
     return result
+
+
+def _given(value: Any) -> bool:
+    return value not in (None, (), [])
+
+
+def _merged(cls: type[T], options: Options, profile: Profile, **fixed: Any) -> T:
+    """``cls`` from the command line (``options``, by option name), else the profile, else the field's default;
+    ``fixed`` fields are given by the caller. A field with one profile key takes that key."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in fixed or "profile" not in f.metadata:
+            continue
+        keys: tuple[ProfileKey, ...] = f.metadata["profile"]
+        option = f.metadata["option"] or f.name
+        if _given(options.get(option)):
+            value = options[option]
+        elif len(keys) == 1 and keys[0].key in profile.get(keys[0].section, {}):
+            value = profile[keys[0].section][keys[0].key]
+        else:
+            continue
+        convert = f.metadata["convert"]
+        values[f.name] = convert(value) if convert is not None else value
+    return cls(**values, **fixed)
+
+
+def export_settings(options: Options, profile: Profile | None = None) -> ExportSettings:
+    """ExportSettings from the command-line options (``model``, ``model_factory``, ``inputs``, ``dims``, ``out``,
+    ...) and the profile."""
+    profile = profile or {}
+    model = profile.get("model", {})
+    path = options.get("model") or model.get("source")
+    factory = options.get("model_factory") or (model.get("factory") if not options.get("model") else None)
+    weights = options.get("weights") or (model.get("weights") if factory else None)
+    trust = options.get("trust_pickle") if options.get("trust_pickle") is not None else model.get("trust_pickle")
+    source = ModelSource(Path(path) if path else None, factory, Path(weights) if weights else None, bool(trust))
+    inputs = list(options.get("inputs") or [parse_input_spec(s) for s in model.get("inputs", [])])
+    dims = dict(options.get("dims") or [parse_dim_range(f"{k}={v}") for k, v in model.get("dims", {}).items()])
+    if dims and not inputs:
+        raise InputError("--dim given without --input: declare the inputs that use it")
+    spec = ModelSpec(tuple(inputs), dims) if inputs else None
+    if not _given(options.get("out")) and "out" not in profile.get("build", {}):
+        raise InputError("no output directory: pass --out DIR (or set build.out in the profile)")
+    return _merged(ExportSettings, options, profile, source=source, spec=spec)
+
+
+def calibration_settings(options: Options, precision: str, profile: Profile | None = None) -> CalibrationSettings:
+    """CalibrationSettings (with its gate) for ``precision`` from the command-line options and the profile."""
+    profile = profile or {}
+    return _merged(CalibrationSettings, options, profile, precision=precision,
+                   gate=_merged(GateSettings, options, profile))
+
+
+def build_settings(options: Options, buckets: tuple[int, ...], precision: str,
+                   profile: Profile | None = None) -> BuildSettings:
+    """BuildSettings for the export's ``buckets`` and ``precision`` from the command-line options and the profile."""
+    return _merged(BuildSettings, options, profile or {}, buckets=buckets, precision=precision)

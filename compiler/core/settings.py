@@ -1,21 +1,74 @@
-"""Frozen settings, one per stage, filled from the command line or a profile and validated once."""
+"""Every stage's settings, frozen and validated once: export, calibration and its gate, engine build, serving.
+
+Each field a profile can set says so (``profiled``: its ``section.key``, the command-line option it comes from
+and its meaning); ``compiler.core.profile`` derives the profile schema from these fields and merges a profile
+with the command line (the command line wins). Defaults come from ``compiler.core.defaults``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from compiler.core import defaults
 from compiler.core.errors import InputError
-from compiler.core.specs import ModelSpec
+from compiler.core.specs import ModelSpec, parse_buckets
 
-__all__ = ["ModelSource", "ExportSettings", "BuildSettings", "ServeSettings", "Tolerance", "PRECISIONS",
-           "HARDWARE_COMPAT_LEVELS", "SERVE_BACKENDS", "hardware_compat_level"]
+__all__ = ["ModelSource", "ExportSettings", "ImagePreprocessing", "GateSettings", "CalibrationSettings",
+           "BuildSettings", "ServeSettings", "Tolerance", "ProfileKey", "profiled", "PRECISIONS",
+           "REDUCED_PRECISIONS", "HARDWARE_COMPAT_LEVELS", "SERVE_BACKENDS", "hardware_compat_level"]
+
+PRECISIONS = ("fp32", "fp16", "int8")
+REDUCED_PRECISIONS = ("int8", "fp16")  # what calibration makes, each a file of its own (model.<precision>.onnx)
+# TensorRT's HardwareCompatibilityLevel, as trtc spells it: "none" (the default) targets the GPU model the engine is
+# built on; "same-compute-capability" any GPU of its compute capability; "ampere-plus" any GPU of capability 8.0+
+HARDWARE_COMPAT_LEVELS = ("none", "same-compute-capability", "ampere-plus")
+SERVE_BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
+
+
+# --- how a field says where it comes from ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ProfileKey:
+    """A profile key (``section.key``) that sets a settings field: its TOML types and what it means."""
+
+    section: str
+    key: str
+    types: tuple[type, ...]
+    meaning: str
+
+
+def profiled(*keys: tuple[str, str, tuple[type, ...], str], option: str | None = None,
+             convert: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """Field metadata: the profile keys ``(section, key, TOML types, meaning)`` that set the field (none for a
+    command-line-only field), the command-line option's name (default: the field's), and ``convert`` for a value
+    as the profile or the command line gives it (a path string, a list)."""
+    return {"profile": tuple(ProfileKey(*k) for k in keys), "option": option, "convert": convert}
+
+
+def _path(value: Any) -> Path | None:
+    return None if value is None else Path(value)
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)
+
+
+def _buckets(value: Any) -> tuple[int, ...]:
+    return parse_buckets(list(value) if isinstance(value, (list, tuple)) else value)
+
+
+STR, NUMBER, INT, BOOL, LIST, TABLE = (str,), (float, int), (int,), (bool,), (list,), (dict,)
+
+
+# --- export ---------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How far a candidate may be from its reference (see the module docstring for the rule)."""
+    """How far a candidate may be from its reference (``compiler.frontend.verify`` states the rule)."""
 
     atol: float = defaults.ATOL
     rtol: float = defaults.RTOL
@@ -33,10 +86,18 @@ class Tolerance:
 
 @dataclass(frozen=True)
 class ModelSource:
-    path: Path | None = None
-    factory: str | None = None
-    weights: Path | None = None
-    trust_pickle: bool = False
+    """Where the model comes from: a file, or a factory function (with a state dict)."""
+
+    path: Path | None = field(default=None, metadata=profiled(
+        ("model", "source", STR, "model file: TorchScript, ExportedProgram (.pt2), ONNX, or a pickle with "
+         "trust_pickle"), option="model", convert=_path))
+    factory: str | None = field(default=None, metadata=profiled(
+        ("model", "factory", STR, "pkg.module:function returning an nn.Module (instead of source)"),
+        option="model_factory"))
+    weights: Path | None = field(default=None, metadata=profiled(
+        ("model", "weights", STR, "state dict for the factory, loaded with weights_only=True"), convert=_path))
+    trust_pickle: bool = field(default=False, metadata=profiled(
+        ("model", "trust_pickle", BOOL, "allow loading a pickled nn.Module (runs arbitrary code)")))
 
     def __post_init__(self) -> None:
         if not self.path and not self.factory:
@@ -50,16 +111,27 @@ class ModelSource:
 
 @dataclass(frozen=True)
 class ExportSettings:
+    """How ``trtc export`` (and the export step of ``trtc build``) writes and verifies ``model.onnx``."""
+
     source: ModelSource
-    out: Path
-    spec: ModelSpec | None = None  # None: read it from an ExportedProgram
-    buckets: tuple[int, ...] = defaults.BUCKETS
-    opset: int | None = None
-    rtol: float = defaults.RTOL  # verification: |got - ref| <= atol * max(1, scale) + rtol * |ref|, see verify.py
-    atol: float = defaults.ATOL
-    output_names: tuple[str, ...] = ()
-    force: bool = False
-    extra_verify_batches: tuple[int, ...] = field(default=())
+    out: Path = field(metadata=profiled(("build", "out", STR, "output directory"), convert=Path))
+    spec: ModelSpec | None = field(default=None, metadata=profiled(  # None: read it from an ExportedProgram
+        ("model", "inputs", LIST, 'input specs, e.g. ["images:Bx3x224x224:float32"]'),
+        ("model", "dims", TABLE, 'ranges of non-batch dynamic dims, e.g. {S = "1:128:512"}')))
+    buckets: tuple[int, ...] = field(default=defaults.BUCKETS, metadata=profiled(
+        ("build", "buckets", LIST, "batch buckets"), convert=_buckets))
+    opset: int | None = field(default=None, metadata=profiled(
+        ("export", "opset", INT, "ONNX opset (default: the exporter's)")))
+    # verification: |got - ref| <= atol * max(1, scale) + rtol * |ref| (compiler.frontend.verify)
+    rtol: float = field(default=defaults.RTOL, metadata=profiled(
+        ("export", "rtol", NUMBER, "verification, relative part: |got - ref| <= atol * max(1, scale) + rtol * |ref|"),
+        convert=float))
+    atol: float = field(default=defaults.ATOL, metadata=profiled(
+        ("export", "atol", NUMBER, "verification, absolute part"), convert=float))
+    output_names: tuple[str, ...] = field(default=(), metadata=profiled(
+        ("model", "output_names", LIST, "names for the ONNX outputs"), convert=_strings))
+    force: bool = field(default=False, metadata=profiled())
+    extra_verify_batches: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         Tolerance(atol=self.atol, rtol=self.rtol)  # raises on bad values
@@ -79,11 +151,103 @@ class ExportSettings:
         return sorted({1, self.max_batch, *self.extra_verify_batches})
 
 
-PRECISIONS = ("fp32", "fp16", "int8")
-# TensorRT's HardwareCompatibilityLevel, as trtc spells it: "none" (the default) targets the GPU model the engine is
-# built on; "same-compute-capability" any GPU of its compute capability; "ampere-plus" any GPU of capability 8.0+
-HARDWARE_COMPAT_LEVELS = ("none", "same-compute-capability", "ampere-plus")
+# --- calibration and the accuracy gate ------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class ImagePreprocessing:
+    """How image files become an input tensor: resize the short side, center-crop, scale, normalize."""
+
+    input: str | None = None  # which model input; default: the only image-shaped one
+    size: int | None = None  # short side after resize; default: the crop size
+    crop: tuple[int, int] | None = None  # (H, W); default: from the input spec
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
+    std: tuple[float, ...] = (0.229, 0.224, 0.225)
+    scale: float = 1 / 255
+    layout: str = "NCHW"
+
+    @classmethod
+    def from_profile(cls, table: Mapping[str, Any]) -> ImagePreprocessing:
+        """From the profile's ``calibration.image`` table (its keys are this class's fields)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise InputError(f"calibration.image: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")
+        values = dict(table)
+        for key in ("crop", "mean", "std"):
+            if key in values:
+                values[key] = tuple(values[key])
+        if values.get("layout", "NCHW") not in ("NCHW", "NHWC"):
+            raise InputError("calibration.image.layout must be NCHW or NHWC")
+        return cls(**values)
+
+
+def _image(value: Any) -> ImagePreprocessing | None:
+    if value is None or isinstance(value, ImagePreprocessing):
+        return value
+    return ImagePreprocessing.from_profile(value)
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """What the accuracy gate accepts, and how far its fallback may go."""
+
+    max_accuracy_drop: float = field(default=defaults.MAX_ACCURACY_DROP, metadata=profiled(
+        ("calibration", "max_accuracy_drop", NUMBER, "top-1 points the gate allows, with labels"), convert=float))
+    min_cosine: float = field(default=defaults.GATE_MIN_COSINE, metadata=profiled(
+        ("calibration", "min_cosine", NUMBER, "cosine floor against FP32 without labels"), convert=float))
+    max_fallback: int = field(default=defaults.MAX_FALLBACK, metadata=profiled(
+        ("calibration", "max_fallback", INT, "layers the gate may keep in FP32"), convert=int))
+    sensitivity_samples: int = defaults.SENSITIVITY_SAMPLES  # samples used to score each layer alone
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """How ``trtc calibrate`` (and the calibration step of ``trtc build``) makes and checks a reduced precision."""
+
+    precision: str  # a REDUCED_PRECISIONS entry
+    data: str | None = field(default=None, metadata=profiled(  # see calibration.data for the formats
+        ("calibration", "data", STR, "calibration data: .npz/.npy file or folder, image folder, or 'random' "
+         "(smoke tests)"), option="calib_data"))
+    loader: str | None = field(default=None, metadata=profiled(
+        ("calibration", "loader", STR, "pkg.module:function yielding {input_name: array} batches"),
+        option="calib_loader"))
+    samples: int = field(default=defaults.CALIB_SAMPLES, metadata=profiled(
+        ("calibration", "samples", INT, "maximum number of samples"), option="calib_samples", convert=int))
+    batch_size: int = field(default=defaults.CALIB_BATCH, metadata=profiled(
+        ("calibration", "batch_size", INT, "samples per calibration batch"), option="calib_batch", convert=int))
+    method: str = field(default=defaults.CALIB_METHOD, metadata=profiled(
+        ("calibration", "method", STR, " | ".join(defaults.CALIB_METHODS)), option="calib_method"))
+    percentile: float = field(default=defaults.PERCENTILE, metadata=profiled(
+        ("calibration", "percentile", NUMBER, "percentile for the percentile method"), convert=float))
+    eval_data: str | None = field(default=None, metadata=profiled(  # default: the calibration data
+        ("calibration", "eval_data", STR, "held-out data for the accuracy gate (default: the calibration data)")))
+    labels: str | None = field(default=None, metadata=profiled(
+        ("calibration", "labels", STR, "labels for the accuracy gate: .npy file, or the key in the .npz "
+         "calibration data")))
+    gate: GateSettings = field(default_factory=GateSettings)
+    keep_fp32: tuple[str, ...] = field(default=(), metadata=profiled(
+        ("calibration", "keep_fp32", LIST, "node names or op types kept in FP32"), convert=_strings))
+    quantize_attention: bool = field(default=False, metadata=profiled())
+    fp32_rest: bool = field(default=defaults.FP32_REST, metadata=profiled(  # INT8: the rest in FP32, not FP16
+        ("calibration", "fp32_rest", BOOL, "int8: run what is not INT8 in FP32 instead of FP16"), convert=bool))
+    calib_cache: Path | None = field(default=None, metadata=profiled(convert=_path))
+    image: ImagePreprocessing | None = field(default=None, metadata=profiled(
+        ("calibration", "image", TABLE, "image preprocessing: size, crop, mean, std, layout (NCHW/NHWC), input"),
+        convert=_image))
+    memory_budget: int = defaults.CALIB_MEMORY_BUDGET  # bytes of exposed activations per ONNX Runtime run
+
+    def __post_init__(self) -> None:
+        if self.precision not in REDUCED_PRECISIONS:
+            raise InputError(f"precision {self.precision!r}: calibrate makes {' or '.join(REDUCED_PRECISIONS)}")
+        if self.method not in defaults.CALIB_METHODS:
+            raise InputError(f"--calib-method {self.method!r}: use one of {', '.join(defaults.CALIB_METHODS)}")
+        if not 50 < self.percentile <= 100:
+            raise InputError(f"--percentile {self.percentile}: use a value in (50, 100], e.g. 99.99")
+        if self.fp32_rest and self.precision != "int8":
+            raise InputError("--fp32-rest applies to --int8 only (it keeps what INT8 leaves in FP32); drop it")
+
+
+# --- engine build ---------------------------------------------------------------------------------------------------
 
 def hardware_compat_level(value: object) -> str:
     """A hardware-compatibility level from a setting or an older manifest (a bool there: True was AMPERE_PLUS)."""
@@ -101,19 +265,29 @@ def hardware_compat_level(value: object) -> str:
 class BuildSettings:
     """How engines are built. The precision is already in the ONNX graph (strongly typed networks)."""
 
-    buckets: tuple[int, ...] = defaults.BUCKETS
-    precision: str = defaults.PRECISION  # which ONNX of the directory the engines are built from
-    multi_profile: bool = defaults.MULTI_PROFILE  # one engine, one optimization profile per bucket
-    workspace_mib: int | None = None  # builder workspace limit; None = TensorRT's default (device memory)
-    opt_level: int = defaults.OPT_LEVEL  # builder optimization level 0-5
-    hardware_compat: str = defaults.HARDWARE_COMPAT  # a HARDWARE_COMPAT_LEVELS entry (HardwareCompatibilityLevel)
-    version_compatible: bool = defaults.VERSION_COMPATIBLE  # engines later TensorRT versions can run
-    timing_cache: Path | None = None  # shared across models; DIR/timing.cache is always used as well
-    engine: str = defaults.ENGINE  # "tensorrt" | "none"
-    jobs: int = defaults.JOBS  # parallel builds, one process per GPU
+    buckets: tuple[int, ...] = field(default=defaults.BUCKETS, metadata=profiled(convert=_buckets))
+    precision: str = field(default=defaults.PRECISION, metadata=profiled(  # which ONNX the engines are built from
+        ("build", "precision", STR, " | ".join(PRECISIONS))))
+    multi_profile: bool = field(default=defaults.MULTI_PROFILE, metadata=profiled(  # one engine, a profile a bucket
+        ("build", "multi_profile", BOOL, "one engine with one optimization profile per bucket"), convert=bool))
+    workspace_mib: int | None = field(default=None, metadata=profiled(  # None: TensorRT's default (device memory)
+        ("build", "workspace_mib", INT, "builder workspace limit in MiB"), option="workspace"))
+    opt_level: int = field(default=defaults.OPT_LEVEL, metadata=profiled(
+        ("build", "opt_level", INT, "builder optimization level 0-5"), convert=int))
+    hardware_compat: str = field(default=defaults.HARDWARE_COMPAT, metadata=profiled(
+        ("build", "hardware_compat", (bool, str), "none | same-compute-capability | ampere-plus (true: ampere-plus)"),
+        convert=hardware_compat_level))
+    version_compatible: bool = field(default=defaults.VERSION_COMPATIBLE, metadata=profiled(
+        ("build", "version_compatible", BOOL, "build engines that later TensorRT versions can run"), convert=bool))
+    timing_cache: Path | None = field(default=None, metadata=profiled(  # DIR/timing.cache is always used as well
+        ("build", "timing_cache", STR, "timing cache shared across models"), convert=_path))
+    engine: str = field(default=defaults.ENGINE, metadata=profiled(
+        ("build", "engine", STR, "tensorrt | none")))
+    jobs: int = field(default=defaults.JOBS, metadata=profiled(convert=int))  # parallel builds, one process per GPU
     # FP32 layers may use TF32 tensor cores (10 mantissa bits), as in TensorRT's and trtexec's default; False keeps
     # them strict FP32. Layers the graph puts in FP16/INT8 are not affected.
-    tf32: bool = defaults.TF32
+    tf32: bool = field(default=defaults.TF32, metadata=profiled(
+        ("build", "tf32", BOOL, "FP32 layers may use TF32 tensor cores"), convert=bool))
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -129,8 +303,7 @@ class BuildSettings:
             raise InputError(f"--jobs {self.jobs} must be at least 1")
 
 
-SERVE_BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
-
+# --- serving --------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ServeSettings:
