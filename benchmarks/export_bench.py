@@ -1,7 +1,7 @@
 """Time export, each graph pass and verification on the bundled CNN at a ResNet-50-like size (3x224x224).
 
 Prints a table and writes JSON. Usage:
-    python benchmarks/export_bench.py [--out docs/export_bench.json] [--repeat 3]
+    python benchmarks/export_bench.py [--out benchmarks/results/export_bench.json] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from examples.models import resnet50_like  # noqa: E402
 def main() -> None:
     warnings.filterwarnings("ignore")
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "export_bench.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "export_bench.json")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -6,14 +6,16 @@ the bucket's buffer and the copy of the real rows out. Both are timed in alterna
 machine's noise hits both alike); the table gives the median and the best round, per call.
 Target: under 30 µs added per call.
 
-    python benchmarks/runtime_overhead.py --out build/bench-runtime
-    python benchmarks/runtime_overhead.py --dir build/m --batches 1,8
+    python benchmarks/runtime_overhead.py                  # writes benchmarks/results/runtime_overhead.json
+    python benchmarks/runtime_overhead.py --dir build/m --batches 1,8 --out /tmp/overhead.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -99,9 +101,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=2000, help="Calls per round.")
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (default 1).")
-    parser.add_argument("--out", type=Path, help="Write runtime_overhead.json here.")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "runtime_overhead.json",
+                        help="The JSON to write (default benchmarks/results/runtime_overhead.json).")
     args = parser.parse_args()
 
+    import onnxruntime
     from rich.console import Console
     from rich.table import Table
 
@@ -128,13 +132,15 @@ def main() -> None:
     verdict = "meets" if worst < TARGET_US else "misses"
     console.print(f"numpy inputs: at most {worst:.1f} µs added per call ({verdict} the {TARGET_US:.0f} µs target); "
                   f"CPU torch tensors: at most {worst_torch:.1f} µs (a tensor->numpy view in, numpy->tensor out)")
-    report = {"benchmark": "runtime_overhead", "target_us": TARGET_US, "max_added_us": worst,
+    report = {"benchmark": "runtime_overhead", "command": " ".join(["benchmarks/runtime_overhead.py", *sys.argv[1:]]),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                          "onnxruntime": onnxruntime.__version__},
+              "target_us": TARGET_US, "max_added_us": worst,
               "max_added_us_torch": worst_torch, "meets_target": worst < TARGET_US, "threads": args.threads,
               "rows": rows}
     print(json.dumps(report, indent=1))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "runtime_overhead.json").write_text(json.dumps(report, indent=1) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

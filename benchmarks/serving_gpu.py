@@ -47,7 +47,7 @@ only. Copying its outputs out of pinned memory into the caller's arrays takes lo
 Writes one JSON (``--out``) and prints a table. ``--smoke`` runs tiny sizes on the CPU in seconds
 (the test suite runs it). On an H200 (about 5 minutes):
 
-    python benchmarks/serving_gpu.py --out docs/serving-h200.json
+    python benchmarks/serving_gpu.py --out benchmarks/results/serving_gpu.json
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,7 +71,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import process_clients  # noqa: E402
-from benchmarks.runtime_map_gpu import wall  # noqa: E402  (median wall time of a callable)
+
+
+def wall(fn: Callable[[], Any], repeat: int) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 @dataclass(frozen=True)
@@ -451,10 +460,9 @@ def map_run(engines: Any, model: Model, rows: int, count: int) -> dict[str, Any]
     compute, post (what ``map``'s thread does per batch once the outputs are in pinned memory: copy them out into
     arrays of the caller's own, and post-process them). The bound is max(copy, compute, post) per batch, with one
     context as with two: each of a context's two buffer sets copies inputs of 1 MiB or more on its own copy stream,
-    so a batch's copy overlaps the batch before it (until session 10 one context queued its copies behind the
-    compute, and the bound was then max(copy + compute, post)). Smaller copies (the transformer's) stay on the
-    context's stream. Until session 11 post left out the copy out of pinned memory, which takes longer than
-    the GPU's whole batch for a segmenter (67 MB out per batch of 16) and microseconds for the other two."""
+    so a batch's copy overlaps the batch before it. Smaller copies (the transformer's) stay on the context's
+    stream. Post counts the copy out of pinned memory: it takes longer than the GPU's whole batch for the
+    segmenter (67 MB out per batch of 16) and microseconds for the other two models."""
     batches = [feed_of(engines, model, rows, seed=i) for i in range(4)]
     work = [batches[i % len(batches)] for i in range(count)]
     args = [b if len(b) > 1 else next(iter(b.values())) for b in work]

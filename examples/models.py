@@ -133,7 +133,7 @@ class TwoInput(nn.Module):
 class Segmenter(nn.Module):
     """A fully convolutional per-pixel classifier, B x classes x H x W out of B x 3 x H x W: its output is seven
     times its input, and handing it back to the host (the GPU's copy, then the copy into the caller's arrays) takes
-    longer than the model runs (docs/benchmarks.md, "Session 11")."""
+    longer than the model runs (its ``map`` figures are in docs/benchmarks.md)."""
 
     def __init__(self, width: int = 64, layers: int = 3, num_classes: int = 21) -> None:
         super().__init__()

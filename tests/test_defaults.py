@@ -1,5 +1,6 @@
-"""Defaults once: what the command line, the profile schema, README and the settings dataclasses say a default is
-must agree, so that changing one of them alone fails here. The values live in compiler/core/defaults.py.
+"""Defaults once: what the command line, the profile schema, docs/profiles.md and the settings
+dataclasses say a default is must agree, so that changing one of them alone fails here. The values live in
+compiler/core/defaults.py.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from compiler.cli import bench_settings_from, cli
 from compiler.core.profile import SCHEMA, build_settings, calibration_settings, export_settings
 from compiler.core.settings import BuildSettings, CalibrationSettings, ExportSettings, GateSettings, ModelSource
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+PROFILES = (Path(__file__).resolve().parent.parent / "docs" / "profiles.md").read_text()
 
 CALIBRATION = CalibrationSettings(precision="int8")
 GATE = GateSettings()
 BUILD = BuildSettings()
 EXPORT = ExportSettings(source=ModelSource(factory="pkg.m:f"), out=Path("out"))
 
-# where each default is stated: profile key (section.key, also README's profile table) and command-line option,
+# where each default is stated: profile key (section.key, also docs/profiles.md's table) and command-line option,
 # and the value the dataclass holds
 STATED: list[tuple[str | None, str | None, Any]] = [
     ("export.rtol", "--rtol", EXPORT.rtol),
@@ -83,13 +84,13 @@ def _option_help(command: str, flag: str) -> str:
 
 
 @pytest.mark.parametrize(("key", "flag", "expected"), STATED, ids=[k or f for k, f, _ in STATED])
-def test_profile_schema_help_and_readme_state_the_dataclass_default(key: str | None, flag: str | None,
+def test_profile_schema_help_and_profile_docs_state_the_dataclass_default(key: str | None, flag: str | None,
                                                                      expected: Any) -> None:
     if key is not None:
         section, name = key.split(".")
         assert _same(_stated_default(SCHEMA[section][name][1]), expected), SCHEMA[section][name][1]
-        row = re.search(rf"^\| `{re.escape(key)}` \| \w+ \| (.+) \|$", README, flags=re.M)
-        assert row, f"README's profile table lost {key}"
+        row = re.search(rf"^\| `{re.escape(key)}` \| \w+ \| (.+) \|$", PROFILES, flags=re.M)
+        assert row, f"docs/profiles.md lost {key}"
         if "default" in row.group(1):
             assert _same(_stated_default(row.group(1).replace("`none` (default)", "default none")), expected), \
                 row.group(1)
