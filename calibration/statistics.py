@@ -73,7 +73,7 @@ _TORCH_UPDATE_CHUNK = 1 << 24  # values binned at once on the GPU: 128 MiB of fl
 # Bytes of exposed tensors one ONNX Runtime run may hold: a batch with more is run in slices of fewer samples.
 # Exposed tensors cannot share ONNX Runtime's buffers and two runs' worth are held at once (one being binned
 # while the next runs), so this bounds the activation memory at about 2x it. 64 MiB runs ResNet-50 at 224x224
-# one or two samples at a time (docs/benchmarks.md has its peak RSS).
+# one or two samples at a time (docs/benchmarks.md, calibration memory, has its peak RSS).
 DEFAULT_MEMORY_BUDGET = 64 << 20
 _PROTO_LIMIT = 2**31 - 2**24  # protobuf cannot serialize 2 GiB; bigger models go through a scratch file
 _MAX_SEED_CONSTANT = 1 << 22  # constants up to 4M elements (a 2048 x 2048 causal mask) are scanned for biases

@@ -41,7 +41,8 @@ def pack(parts: list[np.ndarray], out: np.ndarray) -> None:
 def copy_out(view: np.ndarray) -> np.ndarray:
     """``view.copy()``, by up to ``PACK_THREADS`` threads for a large output: the new array's pages are faulted in
     (and zeroed by the kernel) as they are first written. A segmenter's batch of 16 (67 MB out) took 19-21 ms with
-    one thread and 12-13 ms with four on the H200's host; ``map`` 16-19 ms and 7.2-7.8 ms (docs/benchmarks.md)."""
+    one thread and 12-13 ms with four on the H200's host; ``map`` 16-19 ms and 7.2-7.8 ms
+    (``benchmarks/serving_gpu.py --models segmenter --map-only``)."""
     groups = min(PACK_THREADS, view.nbytes // PACK_GROUP_BYTES)
     if groups <= 1 or not view.flags.c_contiguous:
         return view.copy()

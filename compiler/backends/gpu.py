@@ -76,14 +76,15 @@ class GpuContext:
     in 0.02 ms on an H200, against 0.70 ms from pinned memory). So one context's copy of a batch
     overlaps the model run of the batch before it, as copies of two contexts already overlapped: on an
     H200, ``map`` of a ResNet-50-sized CNN with one context went from 0.78-0.81 of its bound (the
-    slowest stage alone) to 0.95-1.00 (docs/benchmarks.md, "Session 10"). It costs each set device
+    slowest stage alone) to 0.95-1.00 (``benchmarks/serving_gpu.py``, the same host, in turns). It costs each set device
     memory for the largest bucket's large inputs (2 x 38.5 MB per context for that CNN at 64), and a
     stream from torch's high-priority pool, apart from the contexts' own streams (a copy stream that were a
     context's stream could have other threads' copies captured into that context's CUDA graphs); past 32
     buffer sets in a process two share a copy stream, which only queues their copies one after the other.
     Outputs go back on the context's stream: for a segmenter whose outputs are seven times its inputs, a
     download stream of the context's own changed nothing on an H200, where copying the outputs out of pinned
-    memory on the host took longer than the GPU's run and both copies (docs/benchmarks.md, "Session 11").
+    memory on the host took longer than the GPU's run and both copies
+    (``serving_gpu.py --models segmenter --map-only``).
     """
 
     on_gpu = True

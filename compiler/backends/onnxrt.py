@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 # CUDA provider options every context gets (``cuda_options`` adds to or overrides them)
 CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_workspace": "1"}
 # Whether the runs of a backend's CUDA contexts that only queue their kernels go to the GPU one after the other
-# (``ComputeOrder``), as TensorRT's and torch's do. Off: on an H200 (docs/benchmarks.md) ordering won 15-20 % for a
+# (``ComputeOrder``), as TensorRT's and torch's do. Off: on an H200 (``serving_gpu.py``) ordering won 15-20 % for a
 # CNN with two concurrent callers but lost 30 % for a transformer, and behind a batcher with 64 client threads it
 # collapsed (489 req/s against 3,302): the thread that runs it holds the order across ONNX Runtime's run, which
 # releases the GIL, and then waits for the GIL with the order held. ``benchmarks/serving_gpu.py --ort-ordered``

@@ -1,7 +1,7 @@
 """``DIR/manifest.json``: what a build directory holds and how it was made.
 
 The manifest is a plain JSON object, schema-versioned (``schema_version``), written last
-and atomically by every command that changes the directory. README documents each key.
+and atomically by every command that changes the directory. docs/manifest.md documents each key.
 """
 
 from __future__ import annotations

@@ -481,10 +481,10 @@ class Engines:
             return False
         if context.on_gpu:
             # with one buffer set a batch's copy would wait for the last one's compute, so only post-processing
-            # could overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, docs/benchmarks.md).
+            # could overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, ``serving_gpu.py``).
             # An ONNX Runtime run without CUDA graphs holds its thread while it queues the kernels, but not the GIL
             # nor the GPU: on one context, map pipelined ran 0.99-1.27x as fast as the loop beside it (the transformer,
-            # four pairs, session 10)
+            # four pairs of runs in turns)
             return self._sets > 1
         return (os.cpu_count() or 1) > 1
 
