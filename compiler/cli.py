@@ -460,7 +460,7 @@ class PercentType(click.ParamType):
 
 def bench_settings_from(kw: dict[str, Any]) -> Any:
     """BenchSettings from the command-line options."""
-    from compiler.bench.harness import BACKENDS, BenchSettings
+    from compiler.bench.settings import BACKENDS, BenchSettings
 
     def names(text: str | None) -> tuple[str, ...]:
         return tuple(p.strip() for p in (text or "").split(",") if p.strip())

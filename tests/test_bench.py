@@ -25,7 +25,6 @@ from onnx import numpy_helper
 
 from compiler.bench.harness import (
     BenchReport,
-    BenchSettings,
     _engine_precision,
     _short_runner,
     accuracy_of,
@@ -37,6 +36,7 @@ from compiler.bench.harness import (
     parse_percent,
     time_runner,
 )
+from compiler.bench.settings import BenchSettings
 from compiler.cli import cli
 from compiler.core.errors import InputError
 from compiler.core.manifest import onnx_entry, read_manifest, write_manifest
