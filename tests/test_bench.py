@@ -32,10 +32,10 @@ from compiler.bench.harness import (
     bench_renderables,
     eager_model,
     find_regressions,
-    input_feeds,
     parse_percent,
     time_runner,
 )
+from compiler.bench.inputs import input_feeds
 from compiler.bench.settings import BenchSettings
 from compiler.cli import cli
 from compiler.core.errors import InputError

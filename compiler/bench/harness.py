@@ -52,7 +52,6 @@ import contextlib
 import csv
 import dataclasses
 import gc
-import hashlib
 import io
 import logging
 import os
@@ -60,8 +59,6 @@ import platform
 import socket
 import tempfile
 import time
-import zipfile
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,6 +68,7 @@ import numpy as np
 
 from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner
+from compiler.bench.inputs import bench_inputs, feed_record, first_line
 from compiler.bench.settings import BACKENDS, BenchSettings
 from compiler.core import defaults
 from compiler.core.errors import InputError, TrtcError
@@ -89,7 +87,7 @@ from compiler.frontend.verify import compare_outputs
 
 __all__ = ["Latency", "Accuracy", "BenchResult", "Skipped", "Regression",
            "BenchReport", "PerformanceRegression", "bench_directory", "bench_model", "time_runner",
-           "input_feeds", "accuracy_of", "eager_model", "find_regressions", "bench_renderables", "parse_percent",
+           "accuracy_of", "eager_model", "find_regressions", "bench_renderables", "parse_percent",
            "ServedRunner"]
 
 log = logging.getLogger(__name__)
@@ -265,103 +263,6 @@ class BenchReport:
         more = f"; and {len(self.regressions) - 4} more" if len(self.regressions) > 4 else ""
         raise PerformanceRegression(f"performance regression beyond {100 * threshold:g}% against "
                                     f"{self.data['baseline']['file']}: {shown}{more}")
-
-
-# --- inputs -----------------------------------------------------------------------------------------------------
-
-def input_feeds(spec: ModelSpec, buckets: tuple[int, ...], seed: int = 0, data: Path | None = None,
-                ) -> dict[int, dict[str, np.ndarray]]:
-    """One feed per bucket: seeded random (``ModelSpec.example_feed``, other dynamic dims at their opt) or
-    the first ``bucket`` samples of each array in ``data`` (repeated when it holds fewer)."""
-    if data is None:
-        return {b: spec.example_feed(b, seed=seed) for b in buckets}
-    try:
-        with np.load(data) as npz:
-            arrays = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # what np.load raises on damage
-        raise InputError(f"--data {data}: not a readable .npz file ({err or err.__class__.__name__})") from err
-    missing = [n for n in spec.input_names if n not in arrays]
-    if missing:
-        raise InputError(f"--data {data} has no array for input(s) {', '.join(missing)} (it has "
-                         f"{', '.join(arrays) or 'none'}); save one array per input name")
-    feeds: dict[int, dict[str, np.ndarray]] = {}
-    for bucket in buckets:
-        feed: dict[str, np.ndarray] = {}
-        for inp in spec.inputs:
-            array = arrays[inp.name]
-            if inp.dims and inp.dims[0] == BATCH_DIM:
-                if array.ndim != len(inp.dims):
-                    raise InputError(f"--data {data}: {inp.name} has shape {array.shape} but the input is {inp}")
-                array = array[np.arange(bucket) % len(array)]
-            feed[inp.name] = np.ascontiguousarray(array.astype(inp.dtype if inp.dtype != "bfloat16" else "float32"))
-        feeds[bucket] = feed
-    return feeds
-
-
-def build_data(directory: Path, manifest: dict[str, Any]) -> tuple[Path | None, str]:
-    """The build's evaluation data, else its calibration data, when ``report/accuracy.json`` names real files that
-    are still there: (path, what it is), or (None, why not). Random data and image folders (they need the
-    profile's preprocessing) are not used; ``--data`` takes any .npz."""
-    path = directory / "report" / "accuracy.json"
-    try:
-        reports = read_json(path) if path.is_file() else {}
-    except (OSError, ValueError):
-        reports = {}
-    precision = manifest.get("precision")
-    ordered = sorted(reports.items(), key=lambda kv: kv[0] != precision) if isinstance(reports, dict) else []
-    why = "the build records no evaluation or calibration data"
-    kinds = (("eval_data", "the build's evaluation data"), ("calibration_data", "the build's calibration data"))
-    for key, what in kinds:
-        for _, report in ordered:
-            entry = (report or {}).get(key) if isinstance(report, dict) else None
-            if not entry or not entry.get("source"):
-                continue
-            if entry.get("random"):
-                why = "the build was calibrated on random data"
-                continue
-            source = Path(str(entry["source"]))
-            arrays = source.is_file() and source.suffix in (".npz", ".npy")
-            if arrays or (source.is_dir() and (any(source.glob("*.npz")) or any(source.glob("*.npy")))):
-                return source, f"{what} {source}"
-            why = f"{what} {entry['source']} is not here (or is an image folder); pass --data x.npz"
-    return None, why
-
-
-def bench_inputs(target_dir: Path | None, manifest: dict[str, Any], spec: ModelSpec, buckets: tuple[int, ...],
-                 seed: int = 0, data: Path | None = None) -> tuple[dict[int, dict[str, np.ndarray]], str]:
-    """The feeds every backend gets, and where they came from: ``data``, else the build's evaluation or calibration
-    data (``build_data``), else seeded random normal values."""
-    if data is not None:
-        return input_feeds(spec, buckets, seed, data), f"--data {data}"
-    found, why = build_data(target_dir, manifest) if target_dir is not None else (None, "a temporary export")
-    if found is not None:
-        from calibration.data import calibration_data
-        from compiler.core.errors import CalibrationError
-
-        try:
-            first = next(calibration_data(found, spec, batch_size=max(buckets), max_samples=max(buckets),
-                                          labels=None).batches())
-        except (CalibrationError, InputError, OSError, ValueError) as err:
-            why = f"{found} does not load ({_first_line(err)})"
-        else:
-            feeds = {b: {n: np.ascontiguousarray(first[n][np.arange(b) % len(first[n])]) for n in spec.input_names}
-                     for b in buckets}
-            samples = len(next(iter(first.values())))
-            return feeds, _data_note(why, samples)
-    return input_feeds(spec, buckets, seed), f"random normal, seed {seed} ({why})"
-
-
-def _data_note(what: str, samples: int) -> str:
-    return f"{what} (first {samples} sample(s), repeated to fill a bucket)"
-
-
-def _feed_record(feed: dict[str, np.ndarray]) -> dict[str, Any]:
-    h = hashlib.sha256()
-    for name, array in feed.items():
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(array).tobytes())
-    return {"sha256": h.hexdigest(),
-            "tensors": {n: {"shape": list(a.shape), "dtype": str(a.dtype)} for n, a in feed.items()}}
 
 
 # --- timing and accuracy ----------------------------------------------------------------------------------------
@@ -888,15 +789,10 @@ _FAILURES = (TrtcError, RuntimeError, OSError, ValueError, ImportError)  # a bac
 
 def _failure(plan: _Plan, bucket: int, err: BaseException) -> str:
     """The report's reason for a failed backend, logged as a warning (the traceback at debug level)."""
-    reason = f"failed: {type(err).__name__}: {_first_line(err)}"
+    reason = f"failed: {type(err).__name__}: {first_line(err)}"
     log.warning("%s/%s at bucket %d %s", plan.backend, plan.precision, bucket, reason)
     log.debug("traceback", exc_info=True)
     return reason
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0][:300] if lines else ""
 
 
 def _with_speedups(results: list[BenchResult]) -> list[BenchResult]:
@@ -1078,7 +974,7 @@ def report_dict(directory: Path | None, manifest: dict[str, Any], settings: Benc
         "device": device,
         "reference": reference,
         "inputs": {"source": str(settings.data) if settings.data else f"random, seed {settings.seed}",
-                   "buckets": {str(b): _feed_record(feed) for b, feed in feeds.items()}},
+                   "buckets": {str(b): feed_record(feed) for b, feed in feeds.items()}},
         "results": [r.to_dict() for r in results],
         "skipped": [asdict(s) for s in skipped],
         "warnings": warnings,
