@@ -33,10 +33,10 @@ from compiler.bench.harness import (
     eager_model,
     find_regressions,
     parse_percent,
-    time_runner,
 )
 from compiler.bench.inputs import input_feeds
 from compiler.bench.settings import BenchSettings
+from compiler.bench.timing import time_runner
 from compiler.cli import cli
 from compiler.core.errors import InputError
 from compiler.core.manifest import onnx_entry, read_manifest, write_manifest

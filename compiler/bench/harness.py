@@ -58,11 +58,10 @@ import os
 import platform
 import socket
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +69,7 @@ from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner
 from compiler.bench.inputs import bench_inputs, feed_record, first_line
 from compiler.bench.settings import BACKENDS, BenchSettings
+from compiler.bench.timing import Latency, StagedRunner, as_float32, time_runner
 from compiler.core import defaults
 from compiler.core.errors import InputError, TrtcError
 from compiler.core.files import (
@@ -85,8 +85,8 @@ from compiler.core.settings import ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.frontend.verify import compare_outputs
 
-__all__ = ["Latency", "Accuracy", "BenchResult", "Skipped", "Regression",
-           "BenchReport", "PerformanceRegression", "bench_directory", "bench_model", "time_runner",
+__all__ = ["Accuracy", "BenchResult", "Skipped", "Regression",
+           "BenchReport", "PerformanceRegression", "bench_directory", "bench_model",
            "accuracy_of", "eager_model", "find_regressions", "bench_renderables", "parse_percent",
            "ServedRunner"]
 
@@ -122,34 +122,6 @@ def parse_percent(text: str | float) -> float:
 
 # --- what one measurement produces ------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Latency:
-    """Latency statistics in milliseconds."""
-
-    p50: float
-    p90: float
-    p99: float
-    mean: float
-    std: float
-    min: float
-    max: float
-
-    @classmethod
-    def of(cls, ms: list[float]) -> Latency:
-        a = np.asarray(ms, dtype=np.float64)
-        p50, p90, p99 = (float(v) for v in np.percentile(a, [50, 90, 99]))
-        return cls(p50, p90, p99, float(a.mean()), float(a.std()), float(a.min()), float(a.max()))
-
-    @property
-    def spread(self) -> float:
-        """(P90 - P50) / P50: how far the slow tail is from the typical run."""
-        return (self.p90 - self.p50) / self.p50 if self.p50 > 0 else 0.0
-
-    @property
-    def cv(self) -> float:
-        """Coefficient of variation, std / mean."""
-        return self.std / self.mean if self.mean > 0 else 0.0
-
 
 @dataclass(frozen=True)
 class Accuracy:
@@ -160,19 +132,6 @@ class Accuracy:
     cosine: float
     top1_agreement: float | None
     data: str = ""  # where the inputs came from
-
-
-@dataclass(frozen=True)
-class Timing:
-    """What ``time_runner`` measured: device and end-to-end latency of each timed run, and the first outputs."""
-
-    device_ms: list[float]
-    e2e_ms: list[float]
-    clock: str  # "cuda_event" or "perf_counter_ns" (for the device latency; end-to-end is always perf_counter_ns)
-    seconds: float
-    warmup_runs: int
-    stopped_early: bool
-    outputs: dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -265,87 +224,7 @@ class BenchReport:
                                     f"{self.data['baseline']['file']}: {shown}{more}")
 
 
-# --- timing and accuracy ----------------------------------------------------------------------------------------
-
-class StagedRunner(Protocol):
-    """What ``time_runner`` times: ``upload`` the feed, ``launch`` the model on it, ``download`` the outputs (and wait
-    for them). ``stream``: the CUDA stream ``launch`` queues on (None on the CPU)."""
-
-    name: str
-    device: str  # "cpu" or "cuda"
-    stream: Any
-
-    def upload(self, feed: dict[str, np.ndarray]) -> None: ...
-
-    def launch(self) -> None: ...
-
-    def download(self) -> dict[str, np.ndarray]: ...
-
-    def close(self) -> None: ...
-
-
-def _as_float32(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Float outputs as float32 (an FP16 build's outputs compare with the FP32 reference), others as they are."""
-    return {name: a.astype(np.float32) if np.issubdtype(a.dtype, np.floating) and a.dtype != np.float32 else a
-            for name, a in outputs.items()}
-
-
-def time_runner(runner: StagedRunner, feed: dict[str, np.ndarray], settings: BenchSettings) -> Timing:
-    """Warm ``runner`` up, then time upload + launch + download (end to end) and the launch alone (device).
-
-    On CUDA the launch is bracketed by CUDA events on the runner's stream; on the CPU by ``perf_counter_ns``.
-    The first run's outputs are returned for the accuracy check.
-    """
-    cuda = runner.device == "cuda"
-    stream = getattr(runner, "stream", None)
-    if cuda:
-        import torch
-    cap = settings.max_seconds
-    start = time.perf_counter()
-    runner.upload(feed)
-    runner.launch()
-    outputs = _as_float32(runner.download())  # for the accuracy check; the timed runs leave their outputs as they are
-    warmup_runs = 1
-    while warmup_runs < settings.warmup or time.perf_counter() - start < settings.warmup_seconds:
-        if cap is not None and time.perf_counter() - start >= cap:
-            break
-        runner.upload(feed)
-        runner.launch()
-        runner.download()
-        warmup_runs += 1
-    events: list[tuple[Any, Any]] = []
-    device_ns: list[int] = []
-    e2e_ns: list[int] = []
-    begin = time.perf_counter()
-    stopped_early = False
-    while True:
-        t0 = time.perf_counter_ns()
-        runner.upload(feed)
-        if cuda:
-            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            first.record(stream)
-            runner.launch()
-            last.record(stream)
-            events.append((first, last))
-        else:
-            l0 = time.perf_counter_ns()
-            runner.launch()
-            device_ns.append(time.perf_counter_ns() - l0)
-        runner.download()  # waits for the outputs
-        e2e_ns.append(time.perf_counter_ns() - t0)
-        elapsed = time.perf_counter() - begin
-        if len(e2e_ns) >= settings.iterations and elapsed >= settings.min_seconds:
-            break
-        if cap is not None and time.perf_counter() - start >= cap:
-            stopped_early = len(e2e_ns) < settings.iterations or elapsed < settings.min_seconds
-            break
-    if cuda:
-        torch.cuda.synchronize()
-        device_ms = [float(a.elapsed_time(b)) for a, b in events]
-    else:
-        device_ms = [ns / 1e6 for ns in device_ns]
-    return Timing(device_ms, [ns / 1e6 for ns in e2e_ns], "cuda_event" if cuda else "perf_counter_ns",
-                  time.perf_counter() - begin, warmup_runs, stopped_early, outputs)
+# --- accuracy ---------------------------------------------------------------------------------------------------------
 
 
 def accuracy_of(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], bucket: int, top1: bool = True,
@@ -461,7 +340,7 @@ class ServedRunner:
     def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.upload(feed)
         self.launch()
-        return _as_float32(self.download())
+        return as_float32(self.download())
 
     def close(self) -> None:
         self._borrowed.__exit__(None, None, None)
