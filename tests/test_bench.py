@@ -398,16 +398,16 @@ def test_rows_run_the_serving_backends(build: Path, tmp_path: Path, monkeypatch:
 def test_each_onnx_is_checked_against_the_manifest_once(build: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The classifier check, the reference and the onnxruntime rows share one sha256 check per graph."""
-    import compiler.bench.harness as bench_module
+    import compiler.bench.target as target_module
 
     checked: list[str] = []
-    real = bench_module.verified_onnx
+    real = target_module.verified_onnx
 
     def counting(directory: Path, entry: Any, precision: str = "") -> Path:
         checked.append(precision)
         return real(directory, entry, precision)
 
-    monkeypatch.setattr(bench_module, "verified_onnx", counting)
+    monkeypatch.setattr(target_module, "verified_onnx", counting)
     data = bench_directory(build, BenchSettings(**FAST, backends=("onnxruntime",), buckets=(1,),  # type: ignore[arg-type]
                                                 report_dir=tmp_path, plot=False)).data
     assert sorted(checked) == ["fp16", "fp32"] and data["classifier"] is True

@@ -69,6 +69,7 @@ from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner
 from compiler.bench.inputs import bench_inputs, feed_record, first_line
 from compiler.bench.settings import BACKENDS, BenchSettings
+from compiler.bench.target import Target, VerifiedOnnx
 from compiler.bench.timing import Latency, StagedRunner, as_float32, time_runner
 from compiler.core import defaults
 from compiler.core.errors import InputError, TrtcError
@@ -80,9 +81,9 @@ from compiler.core.files import (
     read_json,
     require_directory,
 )
-from compiler.core.manifest import now, read_manifest, spec_from_manifest, tool_versions, verified_onnx
+from compiler.core.manifest import now, read_manifest, spec_from_manifest, tool_versions
 from compiler.core.settings import ExportSettings
-from compiler.core.specs import BATCH_DIM, ModelSpec
+from compiler.core.specs import BATCH_DIM
 from compiler.frontend.verify import compare_outputs
 
 __all__ = ["Accuracy", "BenchResult", "Skipped", "Regression",
@@ -245,27 +246,7 @@ def accuracy_of(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], bu
 _CLASSIFIER_HEADS = ("Gemm", "MatMul", "Softmax", "LogSoftmax")
 
 
-@dataclass
-class _VerifiedOnnx:
-    """A build directory's ONNX graphs, each checked against the manifest's sha256 once and the path kept.
-
-    One bench run asks for the FP32 graph up to three times (classifier check, reference, onnxruntime
-    row); hashing gigabytes of weights each time only repeats the same answer. A check that fails is
-    not kept: it raises again on the next call.
-    """
-
-    directory: Path
-    manifest: dict[str, Any]
-    _paths: dict[str, Path] = field(default_factory=dict)
-
-    def path(self, precision: str) -> Path:
-        """The checked graph of the manifest's ``onnx[precision]`` entry (which must exist)."""
-        if precision not in self._paths:
-            self._paths[precision] = verified_onnx(self.directory, self.manifest["onnx"][precision], precision)
-        return self._paths[precision]
-
-
-def is_classifier(directory: Path, manifest: dict[str, Any], onnx_paths: _VerifiedOnnx | None = None) -> bool:
+def is_classifier(directory: Path, manifest: dict[str, Any], onnx_paths: VerifiedOnnx | None = None) -> bool:
     """Whether top-1 agreement means anything for this model: the accuracy gate ran on labels, or every output is
     2-D (batch x classes) and made by a linear layer or a softmax. A sentence embedding (pooling, normalization,
     LayerNorm) or a per-token output is not a classifier. A projection head on an embedding model looks like one.
@@ -276,7 +257,7 @@ def is_classifier(directory: Path, manifest: dict[str, Any], onnx_paths: _Verifi
         return False
     import onnx
 
-    paths = onnx_paths if onnx_paths is not None else _VerifiedOnnx(directory, manifest)
+    paths = onnx_paths if onnx_paths is not None else VerifiedOnnx(directory, manifest)
     try:
         graph = onnx.load(str(paths.path("fp32")), load_external_data=False).graph
     except (OSError, ValueError, InputError) as err:
@@ -358,19 +339,6 @@ class _Plan:
     weight_bytes: int = 0  # the eager model's parameters and buffers, resident before the measurement starts
 
 
-@dataclass
-class _Target:
-    """What is benchmarked: a build directory's manifest, its input spec, and the eager model if it loads."""
-
-    directory: Path
-    manifest: dict[str, Any]
-    spec: ModelSpec
-    model: Any  # nn.Module or None
-    model_note: str  # why there is no model, or where it came from
-    model_mode: bool  # True: `trtc bench model.pt`, a temporary export
-    onnx: _VerifiedOnnx  # the directory's graphs, each hashed once
-
-
 def _cuda_available() -> bool:
     import torch
 
@@ -389,7 +357,7 @@ def _tensorrt_unavailable() -> str | None:
     return None
 
 
-def _plans(target: _Target, settings: BenchSettings, device: str, buckets: tuple[int, ...], tf32: bool,
+def _plans(target: Target, settings: BenchSettings, device: str, buckets: tuple[int, ...], tf32: bool,
            ) -> tuple[list[_Plan], list[Skipped]]:
     from compiler.backends.onnxrt import OrtBackend
     from compiler.backends.pytorch import TorchBackend
@@ -533,7 +501,7 @@ def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: boo
     return module, f"{fmt} {text}"
 
 
-def _reference_outputs(target: _Target, feeds: dict[int, dict[str, np.ndarray]], device: str,
+def _reference_outputs(target: Target, feeds: dict[int, dict[str, np.ndarray]], device: str,
                        ) -> tuple[dict[int, dict[str, np.ndarray]], str]:
     """FP32 eager PyTorch outputs per bucket; ONNX Runtime FP32 on the CPU when there is no PyTorch model."""
     runner: Runner
@@ -724,7 +692,7 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
     feeds, data_source = bench_inputs(None if model_mode else directory, manifest, spec, buckets, settings.seed,
                                       settings.data)
     tf32, tf32_source = _tf32(settings, manifest)
-    onnx_paths = _VerifiedOnnx(directory, manifest)
+    onnx_paths = VerifiedOnnx(directory, manifest)
     context = _RunContext(is_classifier(directory, manifest, onnx_paths), data_source,
                           {b: {d: int(next(a.shape[axis] for n, a in feed.items() if n == i.name))
                                for i in spec.inputs for axis, d in enumerate(i.dims) if isinstance(d, str)
@@ -733,7 +701,7 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
     results: list[BenchResult] = []
     with _torch_bench_mode(tf32):
         model, model_note = eager_model(manifest, device, settings.trust_pickle, directory)
-        target = _Target(directory, manifest, spec, model, model_note, model_mode, onnx_paths)
+        target = Target(directory, manifest, spec, model, model_note, model_mode, onnx_paths)
         reference, reference_name = _reference_outputs(target, feeds, device)
         plans, skipped = _plans(target, settings, device, buckets, tf32)
         for plan in plans:
