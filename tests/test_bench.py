@@ -23,11 +23,11 @@ import torch
 from click.testing import CliRunner
 from onnx import numpy_helper
 
+from compiler.bench.accuracy import accuracy_of
 from compiler.bench.harness import (
     BenchReport,
     _engine_precision,
     _short_runner,
-    accuracy_of,
     bench_directory,
     bench_renderables,
     eager_model,

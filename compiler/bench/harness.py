@@ -67,6 +67,7 @@ import numpy as np
 
 from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner
+from compiler.bench.accuracy import Accuracy, accuracy_of, is_classifier
 from compiler.bench.inputs import bench_inputs, feed_record, first_line
 from compiler.bench.settings import BACKENDS, BenchSettings
 from compiler.bench.target import Target, VerifiedOnnx
@@ -84,11 +85,10 @@ from compiler.core.files import (
 from compiler.core.manifest import now, read_manifest, spec_from_manifest, tool_versions
 from compiler.core.settings import ExportSettings
 from compiler.core.specs import BATCH_DIM
-from compiler.frontend.verify import compare_outputs
 
-__all__ = ["Accuracy", "BenchResult", "Skipped", "Regression",
+__all__ = ["BenchResult", "Skipped", "Regression",
            "BenchReport", "PerformanceRegression", "bench_directory", "bench_model",
-           "accuracy_of", "eager_model", "find_regressions", "bench_renderables", "parse_percent",
+           "eager_model", "find_regressions", "bench_renderables", "parse_percent",
            "ServedRunner"]
 
 log = logging.getLogger(__name__)
@@ -122,17 +122,6 @@ def parse_percent(text: str | float) -> float:
 
 
 # --- what one measurement produces ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Accuracy:
-    """Worst case over the outputs, against the reference; ``top1_agreement`` only for 2-D float outputs."""
-
-    max_abs: float
-    max_rel: float
-    cosine: float
-    top1_agreement: float | None
-    data: str = ""  # where the inputs came from
 
 
 @dataclass(frozen=True)
@@ -223,57 +212,6 @@ class BenchReport:
         more = f"; and {len(self.regressions) - 4} more" if len(self.regressions) > 4 else ""
         raise PerformanceRegression(f"performance regression beyond {100 * threshold:g}% against "
                                     f"{self.data['baseline']['file']}: {shown}{more}")
-
-
-# --- accuracy ---------------------------------------------------------------------------------------------------------
-
-
-def accuracy_of(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], bucket: int, top1: bool = True,
-                data: str = "") -> Accuracy:
-    """Max abs/rel error and cosine (``compare_outputs``), plus top-1 agreement over 2-D float outputs when ``top1``
-    (the model is a classifier). ``data`` says where the inputs came from.
-
-    Outputs are matched in order (names differ between PyTorch and ONNX).
-    """
-    matched = {r: got[g] for r, g in zip(reference, got)}
-    cmp = compare_outputs(matched, reference, bucket)
-    agreements = [float(np.mean(np.argmax(matched[n], axis=1) == np.argmax(r, axis=1)))
-                  for n, r in reference.items()
-                  if top1 and r.ndim == 2 and r.shape[1] > 1 and np.issubdtype(r.dtype, np.floating)]
-    return Accuracy(cmp.max_abs, cmp.max_rel, cmp.cosine, min(agreements) if agreements else None, data)
-
-
-_CLASSIFIER_HEADS = ("Gemm", "MatMul", "Softmax", "LogSoftmax")
-
-
-def is_classifier(directory: Path, manifest: dict[str, Any], onnx_paths: VerifiedOnnx | None = None) -> bool:
-    """Whether top-1 agreement means anything for this model: the accuracy gate ran on labels, or every output is
-    2-D (batch x classes) and made by a linear layer or a softmax. A sentence embedding (pooling, normalization,
-    LayerNorm) or a per-token output is not a classifier. A projection head on an embedding model looks like one.
-    ``onnx_paths`` shares the verified graphs with the rest of a bench run (default: checked here)."""
-    if any((entry or {}).get("metric") == "top1" for entry in (manifest.get("accuracy") or {}).values()):
-        return True
-    if not (manifest.get("onnx") or {}).get("fp32"):
-        return False
-    import onnx
-
-    paths = onnx_paths if onnx_paths is not None else VerifiedOnnx(directory, manifest)
-    try:
-        graph = onnx.load(str(paths.path("fp32")), load_external_data=False).graph
-    except (OSError, ValueError, InputError) as err:
-        log.debug("no graph to tell a classifier by: %s", err)
-        return False
-    producers = {out: node for node in graph.node for out in node.output}
-    for output in graph.output:
-        if len(output.type.tensor_type.shape.dim) != 2:
-            return False
-        node = producers.get(output.name)
-        if node is not None and node.op_type == "Add":  # MatMul + bias
-            node = next((producers[i] for i in node.input if i in producers and producers[i].op_type == "MatMul"),
-                        node)
-        if node is None or node.op_type not in _CLASSIFIER_HEADS:
-            return False
-    return bool(graph.output)
 
 
 # --- what runs ----------------------------------------------------------------------------------------------------
