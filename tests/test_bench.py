@@ -30,11 +30,11 @@ from compiler.bench.harness import (
     _short_runner,
     bench_directory,
     bench_renderables,
-    eager_model,
     find_regressions,
     parse_percent,
 )
 from compiler.bench.inputs import input_feeds
+from compiler.bench.reference import eager_model
 from compiler.bench.settings import BenchSettings
 from compiler.bench.timing import time_runner
 from compiler.cli import cli

@@ -58,17 +58,16 @@ import os
 import platform
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from compiler.backends.base import Runner
-from compiler.backends.registry import check_runner
 from compiler.bench.accuracy import Accuracy, accuracy_of, is_classifier
 from compiler.bench.inputs import bench_inputs, feed_record, first_line
+from compiler.bench.reference import eager_model, reference_outputs, torch_bench_mode
 from compiler.bench.settings import BACKENDS, BenchSettings
 from compiler.bench.target import Target, VerifiedOnnx
 from compiler.bench.timing import Latency, StagedRunner, as_float32, time_runner
@@ -88,7 +87,7 @@ from compiler.core.specs import BATCH_DIM
 
 __all__ = ["BenchResult", "Skipped", "Regression",
            "BenchReport", "PerformanceRegression", "bench_directory", "bench_model",
-           "eager_model", "find_regressions", "bench_renderables", "parse_percent",
+           "find_regressions", "bench_renderables", "parse_percent",
            "ServedRunner"]
 
 log = logging.getLogger(__name__)
@@ -405,69 +404,6 @@ def _engine_precision(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
     return str((manifest.get("build") or {}).get("precision") or manifest.get("precision") or "fp32")
 
 
-# --- the source model and the reference ---------------------------------------------------------------------
-
-def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: bool = False,
-                directory: Path | None = None) -> tuple[Any, str]:
-    """The source model as the build in ``directory`` exported it (its ``source.snapshot``), or None and the reason.
-
-    The snapshot is the state dict a factory gave at build time, or a copy of the model file, read
-    inside the directory after its sha256 matches: bench runs the weights the build exported, not a
-    factory called again. An ExportedProgram is moved to the device with torch's
-    ``move_to_device_pass``, since its graph names devices literally.
-    """
-    from compiler.frontend.loading import load_snapshot
-
-    source = manifest.get("source") or {}
-    fmt, text = source.get("format"), str(source.get("path") or "")
-    if fmt == "onnx":
-        return None, "the build's source is an ONNX file: there is no PyTorch model to run"
-    if fmt == "pickle" and not trust_pickle:
-        return None, ("the source is a pickled nn.Module: pass --trust-pickle to load it (this runs code from "
-                      "the file)")
-    if directory is None:
-        return None, "no build directory to read the source model's snapshot from"
-    try:
-        loaded = load_snapshot(directory, manifest, trust_pickle)
-    except InputError as err:
-        return None, f"the source model does not load: {err}"
-    module = loaded.module
-    if loaded.exported_program is not None and device != "cpu":
-        from torch.export.passes import move_to_device_pass
-
-        module = move_to_device_pass(loaded.exported_program, device).module()
-    return module, f"{fmt} {text}"
-
-
-def _reference_outputs(target: Target, feeds: dict[int, dict[str, np.ndarray]], device: str,
-                       ) -> tuple[dict[int, dict[str, np.ndarray]], str]:
-    """FP32 eager PyTorch outputs per bucket; ONNX Runtime FP32 on the CPU when there is no PyTorch model."""
-    runner: Runner
-    if target.model is not None:
-        runner = check_runner("torch", target.model, target.spec.input_names,
-                              list(target.manifest.get("output_names") or []), device)
-        what = f"torch/fp32 (eager, {device})"
-    else:
-        runner = check_runner("onnxruntime", target.onnx.path("fp32"), ["CPUExecutionProvider"])
-        what = "onnxruntime/fp32 (CPUExecutionProvider): no PyTorch model to compare with"
-    with runner:
-        return {b: runner.infer(feed) for b, feed in feeds.items()}, what
-
-
-@contextlib.contextmanager
-def _torch_bench_mode(tf32: bool) -> Iterator[None]:
-    """PyTorch's TF32 flags (matmul and cuDNN) set to the run's policy and cuDNN autotuning on, restored afterwards."""
-    import torch
-
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark)
-    cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark = tf32, tf32, True
-    try:
-        yield
-    finally:
-        cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark = saved
-
-
 # --- measuring ----------------------------------------------------------------------------------------------------
 
 def _free_device_memory() -> int | None:
@@ -637,10 +573,10 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
                                and d != BATCH_DIM} for b, feed in feeds.items()})
     baseline = _read_baseline(settings.baseline, manifest) if settings.baseline else None
     results: list[BenchResult] = []
-    with _torch_bench_mode(tf32):
+    with torch_bench_mode(tf32):
         model, model_note = eager_model(manifest, device, settings.trust_pickle, directory)
         target = Target(directory, manifest, spec, model, model_note, model_mode, onnx_paths)
-        reference, reference_name = _reference_outputs(target, feeds, device)
+        reference, reference_name = reference_outputs(target, feeds, device)
         plans, skipped = _plans(target, settings, device, buckets, tf32)
         for plan in plans:
             got, missed = _run_plan(plan, buckets, feeds, reference, settings, context)
