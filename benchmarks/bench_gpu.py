@@ -37,7 +37,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compiler.bench.harness import BenchReport, bench_directory, bench_renderables
+from compiler.bench.harness import bench_directory, bench_renderables
+from compiler.bench.report import BenchReport
 from compiler.bench.settings import BenchSettings
 from compiler.core.manifest import MANIFEST, read_manifest
 from compiler.core.settings import ExportSettings, ModelSource

@@ -25,7 +25,6 @@ from onnx import numpy_helper
 
 from compiler.bench.accuracy import accuracy_of
 from compiler.bench.harness import (
-    BenchReport,
     _engine_precision,
     _short_runner,
     bench_directory,
@@ -35,6 +34,7 @@ from compiler.bench.harness import (
 )
 from compiler.bench.inputs import input_feeds
 from compiler.bench.reference import eager_model
+from compiler.bench.report import BenchReport
 from compiler.bench.settings import BenchSettings
 from compiler.bench.timing import time_runner
 from compiler.cli import cli
@@ -417,7 +417,8 @@ def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPat
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A runner that does not open fails once for every bucket; one that fails at a bucket fails that bucket."""
     import compiler.bench.harness as bench_module
-    from compiler.bench.harness import Skipped, _Plan, _run_plan, _RunContext
+    from compiler.bench.harness import _Plan, _run_plan, _RunContext
+    from compiler.bench.report import Skipped
 
     context = _RunContext(False, "random", {})
     settings = BenchSettings(**FAST)  # type: ignore[arg-type]
