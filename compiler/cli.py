@@ -448,7 +448,7 @@ class PercentType(click.ParamType):
     name = "PERCENT"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> float:
-        from compiler.bench.harness import parse_percent
+        from compiler.bench.baseline import parse_percent
 
         if isinstance(value, float):
             return value

@@ -24,13 +24,12 @@ from click.testing import CliRunner
 from onnx import numpy_helper
 
 from compiler.bench.accuracy import accuracy_of
+from compiler.bench.baseline import find_regressions, parse_percent
 from compiler.bench.harness import (
     _engine_precision,
     _short_runner,
     bench_directory,
     bench_renderables,
-    find_regressions,
-    parse_percent,
 )
 from compiler.bench.inputs import input_feeds
 from compiler.bench.reference import eager_model

@@ -60,12 +60,12 @@ from typing import Any
 import numpy as np
 
 from compiler.bench.accuracy import accuracy_of, is_classifier
+from compiler.bench.baseline import find_regressions, read_baseline
 from compiler.bench.inputs import bench_inputs, first_line
 from compiler.bench.reference import eager_model, reference_outputs, torch_bench_mode
 from compiler.bench.report import (
     PNG_NAME,
     REFERENCE,
-    REPORT_KIND,
     BenchReport,
     BenchResult,
     Regression,
@@ -78,33 +78,18 @@ from compiler.bench.target import Target, VerifiedOnnx
 from compiler.bench.timing import Latency, StagedRunner, as_float32, time_runner
 from compiler.core import defaults
 from compiler.core.errors import InputError, TrtcError
-from compiler.core.files import directory_lock, read_json, require_directory
+from compiler.core.files import directory_lock, require_directory
 from compiler.core.manifest import read_manifest, spec_from_manifest
 from compiler.core.settings import ExportSettings
 from compiler.core.specs import BATCH_DIM
 
 __all__ = ["bench_directory", "bench_model",
-           "find_regressions", "bench_renderables", "parse_percent",
+           "bench_renderables",
            "ServedRunner"]
 
 log = logging.getLogger(__name__)
 
 ONNX_PRECISION_ORDER = ("fp32", "fp16", "int8")
-
-
-# --- settings ---------------------------------------------------------------------------------------------------
-
-
-def parse_percent(text: str | float) -> float:
-    """``"5%"`` or ``"5"`` -> 0.05 (always percent)."""
-    value = str(text).strip().removesuffix("%").strip()
-    try:
-        number = float(value)
-    except ValueError:
-        raise InputError(f"--max-regression {text!r} is not a percentage: write e.g. 5%") from None
-    if not 0 <= number < 1000:
-        raise InputError(f"--max-regression {text!r}: use a percentage from 0% to 1000%")
-    return number / 100
 
 
 # --- what runs ----------------------------------------------------------------------------------------------------
@@ -465,7 +450,7 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
                           {b: {d: int(next(a.shape[axis] for n, a in feed.items() if n == i.name))
                                for i in spec.inputs for axis, d in enumerate(i.dims) if isinstance(d, str)
                                and d != BATCH_DIM} for b, feed in feeds.items()})
-    baseline = _read_baseline(settings.baseline, manifest) if settings.baseline else None
+    baseline = read_baseline(settings.baseline, manifest) if settings.baseline else None
     results: list[BenchResult] = []
     with torch_bench_mode(tf32):
         model, model_note = eager_model(manifest, device, settings.trust_pickle, directory)
@@ -526,54 +511,6 @@ def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
     for note in notes:
         log.debug("%s", note)  # shown with the table, from the report
     return notes
-
-
-# --- baseline -------------------------------------------------------------------------------------------------------
-
-def _read_baseline(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    try:
-        baseline = read_json(path)
-    except (OSError, ValueError) as err:
-        raise InputError(f"--baseline {path}: not a readable JSON file ({err})") from err
-    if not isinstance(baseline, dict) or baseline.get("kind") != REPORT_KIND:
-        raise InputError(f"--baseline {path}: not a trtc bench report (report/bench.json)")
-    old = (baseline.get("build") or {}).get("source") or {}
-    new = manifest.get("source") or {}
-    if old.get("sha256") and new.get("sha256") and old["sha256"] != new["sha256"]:
-        raise InputError(f"--baseline {path} measured another model ({old.get('path')}); compare runs of the same "
-                         "build")
-    return baseline
-
-
-def find_regressions(current: dict[str, Any], baseline: dict[str, Any], threshold: float,
-                     ) -> tuple[list[Regression], int, list[str]]:
-    """Rows (backend/precision, bucket) in both reports whose P50 rose or throughput fell by more than
-    ``threshold`` (a fraction). Returns the regressions, how many rows were compared, and the rows that
-    could not be (absent from one report, or measured on another device)."""
-    old = {(r["name"], r["bucket"]): r for r in baseline.get("results") or []}
-    regressions: list[Regression] = []
-    compared = 0
-    not_compared: list[str] = []
-    for r in current["results"]:
-        key = (r["name"], r["bucket"])
-        before = old.pop(key, None)
-        if before is None:
-            not_compared.append(f"{r['name']} bucket {r['bucket']}: not in the baseline")
-            continue
-        if before.get("device") != r["device"]:
-            not_compared.append(f"{r['name']} bucket {r['bucket']}: baseline ran on {before.get('device')}")
-            continue
-        compared += 1
-        p50_old, p50_new = before["latency_ms"]["p50"], r["latency_ms"]["p50"]
-        if p50_old > 0 and (p50_new - p50_old) / p50_old > threshold:
-            regressions.append(Regression(r["name"], r["bucket"], "p50_ms", p50_old, p50_new,
-                                          (p50_new - p50_old) / p50_old))
-        tp_old, tp_new = before["throughput"], r["throughput"]
-        if tp_old > 0 and (tp_old - tp_new) / tp_old > threshold:
-            regressions.append(Regression(r["name"], r["bucket"], "throughput", tp_old, tp_new,
-                                          (tp_old - tp_new) / tp_old))
-    not_compared += [f"{name} bucket {bucket}: in the baseline only" for name, bucket in old]
-    return regressions, compared, not_compared
 
 
 # --- the terminal table ---------------------------------------------------------------------------------------------
