@@ -527,7 +527,8 @@ def bench_cmd(**kw: Any) -> None:
     """
     from rich.console import Console
 
-    from compiler.bench.harness import bench_directory, bench_model, bench_renderables
+    from compiler.bench.harness import bench_directory, bench_model
+    from compiler.bench.table import bench_renderables
     from compiler.core.report import console
 
     settings = bench_settings_from(kw)

@@ -27,14 +27,13 @@ from compiler.bench.accuracy import accuracy_of
 from compiler.bench.baseline import find_regressions, parse_percent
 from compiler.bench.harness import (
     _engine_precision,
-    _short_runner,
     bench_directory,
-    bench_renderables,
 )
 from compiler.bench.inputs import input_feeds
 from compiler.bench.reference import eager_model
 from compiler.bench.report import BenchReport
 from compiler.bench.settings import BenchSettings
+from compiler.bench.table import bench_renderables, short_runner
 from compiler.bench.timing import time_runner
 from compiler.cli import cli
 from compiler.core.errors import InputError
@@ -340,7 +339,7 @@ def test_settings_are_validated() -> None:
         BenchSettings(backends=("tensorrt", "tvm"))
     with pytest.raises(InputError, match="at least 1"):
         dataclasses.replace(BenchSettings(), iterations=0)
-    assert _short_runner("onnxruntime[CUDAExecutionProvider]") == "CUDA EP" and _short_runner("torch") == "eager"
+    assert short_runner("onnxruntime[CUDAExecutionProvider]") == "CUDA EP" and short_runner("torch") == "eager"
 
 
 def test_an_engine_is_labelled_with_the_precision_of_its_onnx(build: Path) -> None:
