@@ -25,11 +25,9 @@ from onnx import numpy_helper
 
 from compiler.bench.accuracy import accuracy_of
 from compiler.bench.baseline import find_regressions, parse_percent
-from compiler.bench.harness import (
-    _engine_precision,
-    bench_directory,
-)
+from compiler.bench.harness import bench_directory
 from compiler.bench.inputs import input_feeds
+from compiler.bench.plans import engine_precision
 from compiler.bench.reference import eager_model
 from compiler.bench.report import BenchReport
 from compiler.bench.settings import BenchSettings
@@ -345,8 +343,8 @@ def test_settings_are_validated() -> None:
 def test_an_engine_is_labelled_with_the_precision_of_its_onnx(build: Path) -> None:
     manifest = read_manifest(build)
     entry = {"bucket": 4, "file": "engines/b4.engine", "onnx": "model.fp16.onnx"}
-    assert _engine_precision(entry, manifest) == "fp16"
-    assert _engine_precision({"bucket": 1, "onnx": "elsewhere.onnx"}, {"build": {"precision": "int8"}}) == "int8"
+    assert engine_precision(entry, manifest) == "fp16"
+    assert engine_precision({"bucket": 1, "onnx": "elsewhere.onnx"}, {"build": {"precision": "int8"}}) == "int8"
 
 
 @pytest.mark.gpu
@@ -415,7 +413,8 @@ def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPat
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A runner that does not open fails once for every bucket; one that fails at a bucket fails that bucket."""
     import compiler.bench.harness as bench_module
-    from compiler.bench.harness import _Plan, _run_plan, _RunContext
+    from compiler.bench.harness import _run_plan, _RunContext
+    from compiler.bench.plans import Plan
     from compiler.bench.report import Skipped
 
     context = _RunContext(False, "random", {})
@@ -426,7 +425,7 @@ def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPat
         opened.append(1)
         raise RuntimeError("no device\nmore detail")
 
-    results, skipped = _run_plan(_Plan("onnxruntime", "fp32", broken), (1, 4), {}, {}, settings, context)
+    results, skipped = _run_plan(Plan("onnxruntime", "fp32", broken), (1, 4), {}, {}, settings, context)
     assert results == [] and len(opened) == 1
     assert skipped == [Skipped("onnxruntime", "fp32", None, "failed: RuntimeError: no device", failed=True)]
     assert "onnxruntime/fp32 at bucket 1 failed: RuntimeError: no device" in caplog.text
@@ -441,7 +440,7 @@ def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPat
         raise ValueError(f"bucket {bucket} does not fit")
 
     monkeypatch.setattr(bench_module, "_measure", measure)
-    results, skipped = _run_plan(_Plan("torch", "fp32", Runner), (1, 4), {1: {}, 4: {}}, {1: {}, 4: {}}, settings,
+    results, skipped = _run_plan(Plan("torch", "fp32", Runner), (1, 4), {1: {}, 4: {}}, {1: {}, 4: {}}, settings,
                                  context)
     assert results == [] and closed == [1]
     assert [(s.bucket, s.reason, s.failed) for s in skipped] == [

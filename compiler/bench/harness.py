@@ -52,7 +52,6 @@ import dataclasses
 import gc
 import logging
 import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,7 @@ import numpy as np
 from compiler.bench.accuracy import accuracy_of, is_classifier
 from compiler.bench.baseline import find_regressions, read_baseline
 from compiler.bench.inputs import bench_inputs, first_line
+from compiler.bench.plans import Plan, Unavailable, cuda_available, plans_for
 from compiler.bench.reference import eager_model, reference_outputs, torch_bench_mode
 from compiler.bench.report import (
     REFERENCE,
@@ -72,9 +72,9 @@ from compiler.bench.report import (
     report_dict,
     write_report,
 )
-from compiler.bench.settings import BACKENDS, BenchSettings
+from compiler.bench.settings import BenchSettings
 from compiler.bench.target import Target, VerifiedOnnx
-from compiler.bench.timing import Latency, StagedRunner, as_float32, time_runner
+from compiler.bench.timing import Latency, StagedRunner, time_runner
 from compiler.core import defaults
 from compiler.core.errors import InputError, TrtcError
 from compiler.core.files import directory_lock, require_directory
@@ -82,202 +82,9 @@ from compiler.core.manifest import read_manifest, spec_from_manifest
 from compiler.core.settings import ExportSettings
 from compiler.core.specs import BATCH_DIM
 
-__all__ = ["bench_directory", "bench_model", "ServedRunner"]
+__all__ = ["bench_directory", "bench_model"]
 
 log = logging.getLogger(__name__)
-
-ONNX_PRECISION_ORDER = ("fp32", "fp16", "int8")
-
-
-# --- what runs ----------------------------------------------------------------------------------------------------
-
-class _Unavailable(Exception):
-    """A backend cannot run at this bucket; the message says why."""
-
-
-class ServedRunner:
-    """One context of a serving backend (``compiler.serve.engines.Engines``), staged for ``time_runner``.
-
-    ``upload`` checks the feed as ``engines(x)`` does and queues its copy into the bucket's buffers,
-    ``launch`` queues the model run (``compute``), ``download`` queues the outputs' copy to pinned host
-    memory, waits, and returns them (floats as float32, for the accuracy columns). The engines are
-    closed with the runner.
-    """
-
-    def __init__(self, engines: Any, name: str) -> None:
-        self.engines = engines
-        self.name = name
-        self.device = "cuda" if str(engines.device).startswith("cuda") else "cpu"
-        self.input_names = list(engines.input_names)
-        self.output_names = list(engines.output_names)
-        self._borrowed = engines.borrow()
-        self._context = self._borrowed.__enter__()
-        self.stream = self._context.stream
-        self._call: Any = None
-        self._bucket = 0
-
-    def upload(self, feed: dict[str, np.ndarray]) -> None:
-        call = self.engines.check(dict(feed))
-        if call.rows > self.engines.buckets[-1]:
-            raise _Unavailable(f"batch {call.rows} is larger than the largest bucket {self.engines.buckets[-1]}")
-        self._call, self._bucket = call, self.engines.bucket_for(call.rows)
-        self._context.upload(self._bucket, call, 0, call.rows)
-
-    def launch(self) -> None:
-        self._context.compute(self._bucket, self._call)
-
-    def download(self) -> dict[str, np.ndarray]:
-        self._context.download(True)
-        self._context.wait()
-        return self._context.copy_outputs()
-
-    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.upload(feed)
-        self.launch()
-        return as_float32(self.download())
-
-    def close(self) -> None:
-        self._borrowed.__exit__(None, None, None)
-        self.engines.close()
-
-
-@dataclass
-class _Plan:
-    """A backend and precision to measure, and how to open its runner (one for every bucket)."""
-
-    backend: str
-    precision: str
-    open: Callable[[], StagedRunner]
-    torch_memory: bool = False  # peak memory from torch's allocator (else the device-wide free-memory delta)
-    weight_bytes: int = 0  # the eager model's parameters and buffers, resident before the measurement starts
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def _tensorrt_unavailable() -> str | None:
-    """Why the tensorrt backend cannot run here, or None."""
-    from compiler.core.capabilities import tensorrt_version
-
-    if tensorrt_version() is None:
-        return "TensorRT is not installed (no real `tensorrt` imports); install trtc[tensorrt] on a machine " \
-               "with an NVIDIA GPU"
-    if not _cuda_available():
-        return "no CUDA device: torch.cuda.is_available() is False"
-    return None
-
-
-def _plans(target: Target, settings: BenchSettings, device: str, buckets: tuple[int, ...], tf32: bool,
-           ) -> tuple[list[_Plan], list[Skipped]]:
-    from compiler.backends.onnxrt import OrtBackend
-    from compiler.backends.pytorch import TorchBackend
-    from compiler.serve.engines import Engines
-    from compiler.serve.load import load
-
-    manifest, spec, model = target.manifest, target.spec, target.model
-    outputs = list(manifest.get("output_names") or [])
-    onnx = manifest.get("onnx") or {}
-    reduced = any(p in onnx for p in ("fp16", "int8")) or manifest.get("precision") in ("fp16", "int8")
-    torch_precisions = ("fp32", "fp16") if reduced else ("fp32",)
-    cuda = _cuda_available()
-    plans: list[_Plan] = []
-    skipped: list[Skipped] = []
-    model_mode_note = ("`trtc bench MODEL` runs eager PyTorch and ONNX Runtime only; build a directory with "
-                       "`trtc build` and bench it for the others")
-
-    def skip(backend: str, precision: str | None, reason: str) -> None:
-        skipped.append(Skipped(backend, precision, None, reason))
-
-    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) \
-        if model is not None and hasattr(model, "parameters") else 0
-
-    def torch_runner(precision: str, graphs: bool) -> Callable[[], StagedRunner]:
-        def open_torch() -> StagedRunner:
-            backend = TorchBackend(model, spec, buckets, outputs, device, cuda_graphs=graphs,
-                                    autocast_fp16=precision == "fp16")
-            name = ("torch-cudagraph" if graphs else "torch") + ("[autocast-fp16]" if precision == "fp16" else "")
-            return ServedRunner(Engines(backend, contexts=1), name)
-
-        return open_torch
-
-    def ort_runner(path: Path, ort_device: str | None) -> Callable[[], StagedRunner]:
-        def open_ort() -> StagedRunner:
-            backend = OrtBackend(path, spec, buckets, ort_device, settings.threads, tf32=tf32)
-            return ServedRunner(Engines(backend, contexts=1), f"onnxruntime[{backend.provider}]")
-
-        return open_ort
-
-    def trt_runner() -> StagedRunner:
-        return ServedRunner(load(target.directory, backend="tensorrt", contexts=1), "tensorrt")
-
-    for backend in BACKENDS:
-        if backend not in settings.backends:
-            continue
-        if backend == "torch":
-            for precision in torch_precisions:
-                if model is None:
-                    skip(backend, precision, target.model_note)
-                elif precision == "fp16" and device != "cuda":
-                    skip(backend, precision, "autocast FP16 runs on CUDA only, and this run is on the CPU")
-                else:
-                    plans.append(_Plan(backend, precision, torch_runner(precision, False), torch_memory=True,
-                                       weight_bytes=weights))
-        elif backend == "torch-cudagraph":
-            for precision in torch_precisions:
-                if target.model_mode:
-                    skip(backend, precision, model_mode_note)
-                elif not cuda:
-                    skip(backend, precision, "no CUDA device: torch.cuda.is_available() is False")
-                elif device != "cuda":
-                    skip(backend, precision, "--device cpu: CUDA graphs run on CUDA only")
-                elif model is None:
-                    skip(backend, precision, target.model_note)
-                else:
-                    plans.append(_Plan(backend, precision, torch_runner(precision, True), torch_memory=True,
-                                       weight_bytes=weights))
-        elif backend == "onnxruntime":
-            ort_device = _ort_device(settings.ort_providers)
-            for precision in sorted(onnx, key=lambda p: ONNX_PRECISION_ORDER.index(p)
-                                    if p in ONNX_PRECISION_ORDER else 99):
-                plans.append(_Plan(backend, precision, ort_runner(target.onnx.path(precision), ort_device)))
-        elif backend == "tensorrt":
-            engines = manifest.get("engines") or []
-            reason = model_mode_note if target.model_mode else _tensorrt_unavailable()
-            if reason is None and not engines:
-                note = str(manifest.get("engines_note") or "not built")
-                reason = f"the build has no TensorRT engines ({note.removeprefix('not built: ')}); " \
-                         f"build them with `trtc build` where TensorRT is installed"
-            if reason is not None:
-                skip(backend, None, reason)
-                continue
-            plans.append(_Plan(backend, _engine_precision(engines[0], manifest), trt_runner))
-    return plans, skipped
-
-
-def _ort_device(providers: tuple[str, ...]) -> str | None:
-    """The onnxruntime backend's device for ``--ort-providers``: the CPU when it comes first, else CUDA when usable.
-
-    The serving backend runs the CUDA provider or the CPU; a TensorRT EP asked for is run as CUDA, with a warning.
-    """
-    if not providers:
-        return None
-    if providers[0] == "CPUExecutionProvider":
-        return "cpu"
-    if providers[0] != "CUDAExecutionProvider":
-        log.warning("--ort-providers %s: the onnxruntime backend serves with the CUDA provider or the CPU; running "
-                    "with CUDA where usable", providers[0])
-    return None
-
-
-def _engine_precision(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
-    """The precision of the ONNX an engine was built from (its ``onnx`` file), else the build's precision."""
-    for precision, onnx_entry in (manifest.get("onnx") or {}).items():
-        if onnx_entry.get("file") == entry.get("onnx"):
-            return str(precision)
-    return str((manifest.get("build") or {}).get("precision") or manifest.get("precision") or "fp32")
 
 
 # --- measuring ----------------------------------------------------------------------------------------------------
@@ -300,7 +107,7 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _measure(plan: _Plan, runner: StagedRunner, bucket: int, feed: dict[str, np.ndarray],
+def _measure(plan: Plan, runner: StagedRunner, bucket: int, feed: dict[str, np.ndarray],
              reference: dict[str, np.ndarray], settings: BenchSettings, free_before_open: int | None,
              context: _RunContext) -> BenchResult:
     """Time ``runner`` at one bucket (CUDA work on the runner's stream) and compare its first outputs with
@@ -350,7 +157,7 @@ class _RunContext:
     dims: dict[int, dict[str, int]]
 
 
-def _run_plan(plan: _Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, np.ndarray]],
+def _run_plan(plan: Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, np.ndarray]],
               reference: dict[int, dict[str, np.ndarray]], settings: BenchSettings, context: _RunContext,
               ) -> tuple[list[BenchResult], list[Skipped]]:
     """Measure one backend at every bucket, with one serving context opened for all of them. A failure is
@@ -369,7 +176,7 @@ def _run_plan(plan: _Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, 
                 try:
                     results.append(_measure(plan, runner, bucket, feeds[bucket], reference[bucket], settings,
                                             free_before, context))
-                except _Unavailable as why:
+                except Unavailable as why:
                     skipped.append(Skipped(plan.backend, plan.precision, bucket, str(why)))
                 except _FAILURES as err:
                     skipped.append(Skipped(plan.backend, plan.precision, bucket, _failure(plan, bucket, err),
@@ -384,7 +191,7 @@ def _run_plan(plan: _Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, 
 _FAILURES = (TrtcError, RuntimeError, OSError, ValueError, ImportError)  # a backend that fails is a row, not a crash
 
 
-def _failure(plan: _Plan, bucket: int, err: BaseException) -> str:
+def _failure(plan: Plan, bucket: int, err: BaseException) -> str:
     """The report's reason for a failed backend, logged as a warning (the traceback at debug level)."""
     reason = f"failed: {type(err).__name__}: {first_line(err)}"
     log.warning("%s/%s at bucket %d %s", plan.backend, plan.precision, bucket, reason)
@@ -436,8 +243,8 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
     require_directory(report_dir, "--report-dir")  # before minutes of measurements, not after
     spec = spec_from_manifest(manifest)
     buckets = tuple(sorted(set(settings.buckets or manifest.get("buckets") or (1,))))
-    device = settings.device or ("cuda" if _cuda_available() else "cpu")
-    if device == "cuda" and not _cuda_available():
+    device = settings.device or ("cuda" if cuda_available() else "cpu")
+    if device == "cuda" and not cuda_available():
         raise InputError("--device cuda, but torch.cuda.is_available() is False here; use --device cpu")
     feeds, data_source = bench_inputs(None if model_mode else directory, manifest, spec, buckets, settings.seed,
                                       settings.data)
@@ -453,7 +260,7 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
         model, model_note = eager_model(manifest, device, settings.trust_pickle, directory)
         target = Target(directory, manifest, spec, model, model_note, model_mode, onnx_paths)
         reference, reference_name = reference_outputs(target, feeds, device)
-        plans, skipped = _plans(target, settings, device, buckets, tf32)
+        plans, skipped = plans_for(target, settings, device, buckets, tf32)
         for plan in plans:
             got, missed = _run_plan(plan, buckets, feeds, reference, settings, context)
             results += got
