@@ -412,12 +412,12 @@ def test_each_onnx_is_checked_against_the_manifest_once(build: Path, tmp_path: P
 def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A runner that does not open fails once for every bucket; one that fails at a bucket fails that bucket."""
-    import compiler.bench.harness as bench_module
-    from compiler.bench.harness import _run_plan, _RunContext
+    import compiler.bench.measure as measure_module
+    from compiler.bench.measure import RunContext, measure_plan
     from compiler.bench.plans import Plan
     from compiler.bench.report import Skipped
 
-    context = _RunContext(False, "random", {})
+    context = RunContext(False, "random", {})
     settings = BenchSettings(**FAST)  # type: ignore[arg-type]
     opened: list[int] = []
 
@@ -425,7 +425,7 @@ def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPat
         opened.append(1)
         raise RuntimeError("no device\nmore detail")
 
-    results, skipped = _run_plan(Plan("onnxruntime", "fp32", broken), (1, 4), {}, {}, settings, context)
+    results, skipped = measure_plan(Plan("onnxruntime", "fp32", broken), (1, 4), {}, {}, settings, context)
     assert results == [] and len(opened) == 1
     assert skipped == [Skipped("onnxruntime", "fp32", None, "failed: RuntimeError: no device", failed=True)]
     assert "onnxruntime/fp32 at bucket 1 failed: RuntimeError: no device" in caplog.text
@@ -439,25 +439,25 @@ def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPat
     def measure(plan: Any, runner: Any, bucket: int, *args: Any) -> Any:
         raise ValueError(f"bucket {bucket} does not fit")
 
-    monkeypatch.setattr(bench_module, "_measure", measure)
-    results, skipped = _run_plan(Plan("torch", "fp32", Runner), (1, 4), {1: {}, 4: {}}, {1: {}, 4: {}}, settings,
-                                 context)
+    monkeypatch.setattr(measure_module, "measure_bucket", measure)
+    results, skipped = measure_plan(Plan("torch", "fp32", Runner), (1, 4), {1: {}, 4: {}}, {1: {}, 4: {}}, settings,
+                                    context)
     assert results == [] and closed == [1]
     assert [(s.bucket, s.reason, s.failed) for s in skipped] == [
         (b, f"failed: ValueError: bucket {b} does not fit", True) for b in (1, 4)]
 
 
 def test_one_tf32_policy_per_run(build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import compiler.bench.harness as bench_module
+    import compiler.bench.measure as measure_module
 
     seen: list[tuple[bool, bool]] = []
-    real = bench_module._measure
+    real = measure_module.measure_bucket
 
     def watching(*args: Any, **kwargs: Any) -> Any:
         seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bench_module, "_measure", watching)
+    monkeypatch.setattr(measure_module, "measure_bucket", watching)
     directory = _copy(build, tmp_path / "b")
     manifest = read_manifest(directory)
     manifest.setdefault("build", {})["tf32"] = False

@@ -49,34 +49,30 @@ Files, in ``DIR/report/`` unless ``report_dir`` says otherwise: ``bench.json`` (
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from compiler.bench.accuracy import accuracy_of, is_classifier
+from compiler.bench.accuracy import is_classifier
 from compiler.bench.baseline import find_regressions, read_baseline
-from compiler.bench.inputs import bench_inputs, first_line
-from compiler.bench.plans import Plan, Unavailable, cuda_available, plans_for
+from compiler.bench.inputs import bench_inputs
+from compiler.bench.measure import RunContext, measure_plan
+from compiler.bench.plans import cuda_available, plans_for
 from compiler.bench.reference import eager_model, reference_outputs, torch_bench_mode
 from compiler.bench.report import (
     REFERENCE,
     BenchReport,
     BenchResult,
     Regression,
-    Skipped,
     report_dict,
     write_report,
 )
 from compiler.bench.settings import BenchSettings
 from compiler.bench.target import Target, VerifiedOnnx
-from compiler.bench.timing import Latency, StagedRunner, time_runner
 from compiler.core import defaults
-from compiler.core.errors import InputError, TrtcError
+from compiler.core.errors import InputError
 from compiler.core.files import directory_lock, require_directory
 from compiler.core.manifest import read_manifest, spec_from_manifest
 from compiler.core.settings import ExportSettings
@@ -85,118 +81,6 @@ from compiler.core.specs import BATCH_DIM
 __all__ = ["bench_directory", "bench_model"]
 
 log = logging.getLogger(__name__)
-
-
-# --- measuring ----------------------------------------------------------------------------------------------------
-
-def _free_device_memory() -> int | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.synchronize()
-    return int(torch.cuda.mem_get_info()[0])
-
-
-def _release_device_memory() -> None:
-    gc.collect()
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def _measure(plan: Plan, runner: StagedRunner, bucket: int, feed: dict[str, np.ndarray],
-             reference: dict[str, np.ndarray], settings: BenchSettings, free_before_open: int | None,
-             context: _RunContext) -> BenchResult:
-    """Time ``runner`` at one bucket (CUDA work on the runner's stream) and compare its first outputs with
-    ``reference``."""
-    import torch
-
-    cuda = runner.device == "cuda"
-    resident = 0
-    if cuda and plan.torch_memory:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        resident = int(torch.cuda.memory_allocated())
-    timing = time_runner(runner, feed, settings)
-    memory: int | None = None
-    method: str | None = None
-    if cuda and plan.torch_memory:
-        # what this run added to what was already allocated (weights, other runs' cuBLAS workspaces), plus weights
-        memory = int(torch.cuda.max_memory_allocated()) - resident + plan.weight_bytes
-        method = "torch.cuda.max_memory_allocated during the run, less what it found allocated, plus the weights"
-    elif cuda and free_before_open is not None:
-        free_now = _free_device_memory()
-        if free_now is not None:
-            memory, method = max(0, free_before_open - free_now), "device-wide cudaMemGetInfo delta since the " \
-                                                                  "runner was created"
-    latency, e2e = Latency.of(timing.device_ms), Latency.of(timing.e2e_ms)
-    wide = latency.spread > settings.max_spread
-    accuracy = accuracy_of(timing.outputs, reference, bucket, top1=context.classifier, data=context.data)
-    result = BenchResult(
-        backend=plan.backend, precision=plan.precision, bucket=bucket, runner=runner.name, device=runner.device,
-        clock=timing.clock, iterations=len(timing.e2e_ms), seconds=round(timing.seconds, 4),
-        stopped_early=timing.stopped_early, latency_ms=latency, e2e_ms=e2e,
-        throughput=bucket * 1000.0 / latency.mean if latency.mean > 0 else float("inf"),
-        e2e_throughput=bucket * 1000.0 / e2e.mean if e2e.mean > 0 else float("inf"),
-        spread=latency.spread, cv=latency.cv, spread_wide=wide, peak_memory_bytes=memory, memory_method=method,
-        accuracy=accuracy, dims=dict(context.dims[bucket]))
-    log.info("%s bucket %d on %s: P50 %.3f ms (end to end %.3f ms), %d runs, cosine %.6f", result.name, bucket,
-             runner.name, latency.p50, e2e.p50, result.iterations, accuracy.cosine)
-    return result
-
-
-@dataclass(frozen=True)
-class _RunContext:
-    """What every measurement of one run shares: whether top-1 applies, where the inputs came from, dynamic dims."""
-
-    classifier: bool
-    data: str
-    dims: dict[int, dict[str, int]]
-
-
-def _run_plan(plan: Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str, np.ndarray]],
-              reference: dict[int, dict[str, np.ndarray]], settings: BenchSettings, context: _RunContext,
-              ) -> tuple[list[BenchResult], list[Skipped]]:
-    """Measure one backend at every bucket, with one serving context opened for all of them. A failure is
-    recorded (failed=True) with its error, not raised: the other backends still run, and the report and table
-    show it."""
-    results: list[BenchResult] = []
-    skipped: list[Skipped] = []
-    try:
-        free_before = _free_device_memory()
-        try:
-            runner = plan.open()
-        except _FAILURES as err:  # the runner shared by all buckets: each bucket would fail the same way
-            return results, [Skipped(plan.backend, plan.precision, None, _failure(plan, buckets[0], err), failed=True)]
-        try:
-            for bucket in buckets:
-                try:
-                    results.append(_measure(plan, runner, bucket, feeds[bucket], reference[bucket], settings,
-                                            free_before, context))
-                except Unavailable as why:
-                    skipped.append(Skipped(plan.backend, plan.precision, bucket, str(why)))
-                except _FAILURES as err:
-                    skipped.append(Skipped(plan.backend, plan.precision, bucket, _failure(plan, bucket, err),
-                                           failed=True))
-        finally:
-            runner.close()
-    finally:
-        _release_device_memory()
-    return results, skipped
-
-
-_FAILURES = (TrtcError, RuntimeError, OSError, ValueError, ImportError)  # a backend that fails is a row, not a crash
-
-
-def _failure(plan: Plan, bucket: int, err: BaseException) -> str:
-    """The report's reason for a failed backend, logged as a warning (the traceback at debug level)."""
-    reason = f"failed: {type(err).__name__}: {first_line(err)}"
-    log.warning("%s/%s at bucket %d %s", plan.backend, plan.precision, bucket, reason)
-    log.debug("traceback", exc_info=True)
-    return reason
 
 
 def _with_speedups(results: list[BenchResult]) -> list[BenchResult]:
@@ -211,8 +95,6 @@ def _with_speedups(results: list[BenchResult]) -> list[BenchResult]:
                                        e2e_speedup=ref.e2e_ms.p50 / r.e2e_ms.p50 if r.e2e_ms.p50 else None))
     return out
 
-
-# --- entry points -------------------------------------------------------------------------------------------------
 
 def bench_directory(directory: Path, settings: BenchSettings) -> BenchReport:
     """Benchmark a build directory (``trtc export``/``calibrate``/``build`` output); writes the report files.
@@ -250,7 +132,7 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
                                       settings.data)
     tf32, tf32_source = _tf32(settings, manifest)
     onnx_paths = VerifiedOnnx(directory, manifest)
-    context = _RunContext(is_classifier(directory, manifest, onnx_paths), data_source,
+    context = RunContext(is_classifier(directory, manifest, onnx_paths), data_source,
                           {b: {d: int(next(a.shape[axis] for n, a in feed.items() if n == i.name))
                                for i in spec.inputs for axis, d in enumerate(i.dims) if isinstance(d, str)
                                and d != BATCH_DIM} for b, feed in feeds.items()})
@@ -262,7 +144,7 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
         reference, reference_name = reference_outputs(target, feeds, device)
         plans, skipped = plans_for(target, settings, device, buckets, tf32)
         for plan in plans:
-            got, missed = _run_plan(plan, buckets, feeds, reference, settings, context)
+            got, missed = measure_plan(plan, buckets, feeds, reference, settings, context)
             results += got
             skipped += missed
     results = _with_speedups(results)
