@@ -1,49 +1,27 @@
 """``trtc bench``: latency, throughput and accuracy of every way a build can run, on identical inputs.
 
-Backends, each run at every batch bucket. Every row is a serving backend of ``compiler.load``
-(``compiler.backends``), one context of it, timed through the context's upload / compute /
-download split: the harness measures exactly what is served.
+``bench_directory`` (a build directory) and ``bench_model`` (a model file, exported into a temporary
+directory first) run these steps, each in a file of its own:
 
-  torch            the source model in eager mode (the torch backend, graphs off): FP32, and under
-                   autocast FP16 when the build is FP16/INT8
-  torch-cudagraph  the torch backend with its CUDA graph per bucket (CUDA only)
-  onnxruntime      every ONNX of the build (fp32, int8, fp16) on the onnxruntime backend: CUDA when
-                   present (``ort_providers`` CPUExecutionProvider first keeps it on the CPU)
-  tensorrt         the build's engines on the tensorrt backend
+  inputs     one feed per bucket, the same bytes for every backend: ``--data``, else the build's
+             evaluation or calibration data, else seeded random normal values
+  reference  the outputs every row is compared with: FP32 eager PyTorch, or ONNX Runtime FP32 on the
+             CPU when there is no PyTorch model (an ONNX source)
+  plans      which backends and precisions run here (torch, torch-cudagraph, onnxruntime, tensorrt),
+             each through a serving context of ``compiler.load``; the others are skipped with the reason
+  measure    each plan at every bucket: ``timing`` (device and end-to-end latency), peak device memory
+             and ``accuracy``; a backend that fails is a row marked failed, not a crash
+  baseline   with ``--baseline``, the rows that got slower than an earlier bench.json allows
+  report     bench.json, bench.csv and bench.png, in ``DIR/report/`` unless ``report_dir`` says
+             otherwise; ``table`` is the terminal view of the same data
 
 One precision policy per run: FP32 math of every backend uses TF32 or none does (``tf32``; default
 the manifest's ``build.tf32``, else True): PyTorch's ``allow_tf32`` flags and ONNX Runtime's
 ``use_tf32`` are set to match, and TensorRT rows run as their engines were built. The table title
 and bench.json say which.
 
-A backend that cannot run here is listed in the report's ``skipped`` with the reason; a backend that
-fails while running is listed there too, as failed, with the error.
-
-Inputs are made once per bucket and every backend gets the same bytes (their sha256 is in the
-report): from ``data`` (an .npz), else from the build's evaluation data or, failing that, its
-calibration data (as recorded in ``report/accuracy.json``, when the files are still there), else
-seeded random normal values; the report and the table say which. Outputs of each backend's first
-run are compared with the FP32 eager PyTorch reference: max abs error, cosine similarity, and top-1
-agreement for classifiers only (the accuracy gate used labels, or the output is 2-D and comes from a
-linear layer or softmax). Without a PyTorch model (an ONNX source) the reference is ONNX Runtime
-FP32 on the CPU.
-
-Timing (``time_runner``): warm-up of at least ``warmup`` runs and ``warmup_seconds``, then at least
-``iterations`` runs and at least ``min_seconds`` (``max_seconds`` caps both; stopping early is noted).
-Every run uploads the feed, launches and downloads the outputs. The host clock (``perf_counter_ns``)
-around all three is the *end-to-end* latency; the launch alone is the *device* latency, timed with
-CUDA events on a GPU and with the host clock on the CPU. Speed-ups (against eager PyTorch FP32 at the
-same bucket), throughput and regressions use the device latency. cuDNN autotuning is on while
-benchmarking. CUDA work runs on the serving context's own stream.
-
-Peak device memory: for the torch backends, torch's allocator peak during the run less what was already
-allocated, plus the model's weights; for TensorRT and ONNX Runtime on CUDA, the device-wide drop in free
-memory since the runner was created (``cudaMemGetInfo``; other processes on the GPU disturb it); on the
-CPU, not measured (None).
-
-Files, in ``DIR/report/`` unless ``report_dir`` says otherwise: ``bench.json`` (everything; layout in
-``report_dict``), ``bench.csv`` (one row per backend and bucket, skipped ones included) and ``bench.png``
-(latency and throughput against batch size; needs matplotlib, the ``trtc[plot]`` extra).
+Speed-ups (against eager PyTorch FP32 at the same bucket), throughput and regressions use the device
+latency. cuDNN autotuning is on while benchmarking.
 """
 
 from __future__ import annotations
@@ -83,19 +61,6 @@ __all__ = ["bench_directory", "bench_model"]
 log = logging.getLogger(__name__)
 
 
-def _with_speedups(results: list[BenchResult]) -> list[BenchResult]:
-    base = {r.bucket: r for r in results if (r.backend, r.precision) == REFERENCE}
-    out = []
-    for r in results:
-        ref = base.get(r.bucket)
-        if ref is None:
-            out.append(r)
-            continue
-        out.append(dataclasses.replace(r, speedup=ref.latency_ms.p50 / r.latency_ms.p50 if r.latency_ms.p50 else None,
-                                       e2e_speedup=ref.e2e_ms.p50 / r.e2e_ms.p50 if r.e2e_ms.p50 else None))
-    return out
-
-
 def bench_directory(directory: Path, settings: BenchSettings) -> BenchReport:
     """Benchmark a build directory (``trtc export``/``calibrate``/``build`` output); writes the report files.
 
@@ -133,9 +98,9 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
     tf32, tf32_source = _tf32(settings, manifest)
     onnx_paths = VerifiedOnnx(directory, manifest)
     context = RunContext(is_classifier(directory, manifest, onnx_paths), data_source,
-                          {b: {d: int(next(a.shape[axis] for n, a in feed.items() if n == i.name))
-                               for i in spec.inputs for axis, d in enumerate(i.dims) if isinstance(d, str)
-                               and d != BATCH_DIM} for b, feed in feeds.items()})
+                         {b: {d: int(next(a.shape[axis] for n, a in feed.items() if n == i.name))
+                              for i in spec.inputs for axis, d in enumerate(i.dims) if isinstance(d, str)
+                              and d != BATCH_DIM} for b, feed in feeds.items()})
     baseline = read_baseline(settings.baseline, manifest) if settings.baseline else None
     results: list[BenchResult] = []
     with torch_bench_mode(tf32):
@@ -181,6 +146,8 @@ def _tf32(settings: BenchSettings, manifest: dict[str, Any]) -> tuple[bool, str]
 
 
 def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
+    """The report's warnings: wide spreads, runs stopped by ``--max-seconds``, and ONNX Runtime INT8 rows on a CPU
+    further from FP32 than the accuracy gate measured."""
     notes = []
     for r in results:
         if r.spread_wide:
@@ -197,3 +164,18 @@ def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
     for note in notes:
         log.debug("%s", note)  # shown with the table, from the report
     return notes
+
+
+def _with_speedups(results: list[BenchResult]) -> list[BenchResult]:
+    """Each row with its speed-up over the torch/fp32 row of its bucket (device and end-to-end P50), where there is
+    one."""
+    base = {r.bucket: r for r in results if (r.backend, r.precision) == REFERENCE}
+    out = []
+    for r in results:
+        ref = base.get(r.bucket)
+        if ref is None:
+            out.append(r)
+            continue
+        out.append(dataclasses.replace(r, speedup=ref.latency_ms.p50 / r.latency_ms.p50 if r.latency_ms.p50 else None,
+                                       e2e_speedup=ref.e2e_ms.p50 / r.e2e_ms.p50 if r.e2e_ms.p50 else None))
+    return out

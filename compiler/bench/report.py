@@ -100,6 +100,8 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Regression:
+    """A row slower than the baseline allows: the metric, its value before and now, and the change."""
+
     name: str
     bucket: int
     metric: str  # "p50_ms" or "throughput"
@@ -275,6 +277,8 @@ def _png_bytes(data: dict[str, Any]) -> bytes | None:
 
 
 def write_report(data: dict[str, Any], report_dir: Path, plot: bool, regressions: list[Regression]) -> BenchReport:
+    """Write bench.png (unless ``plot`` is False or matplotlib is missing; ``data["plot"]`` says which), bench.csv
+    and bench.json into ``report_dir``, each atomically, and return the ``BenchReport``."""
     report_dir.mkdir(parents=True, exist_ok=True)
     json_path, csv_path, png_path = report_dir / JSON_NAME, report_dir / CSV_NAME, report_dir / PNG_NAME
     png = _png_bytes(data) if plot else None
