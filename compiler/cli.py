@@ -448,7 +448,7 @@ class PercentType(click.ParamType):
     name = "PERCENT"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> float:
-        from compiler.bench.harness import parse_percent
+        from compiler.bench.baseline import parse_percent
 
         if isinstance(value, float):
             return value
@@ -460,7 +460,7 @@ class PercentType(click.ParamType):
 
 def bench_settings_from(kw: dict[str, Any]) -> Any:
     """BenchSettings from the command-line options."""
-    from compiler.bench.harness import BACKENDS, BenchSettings
+    from compiler.bench.settings import BACKENDS, BenchSettings
 
     def names(text: str | None) -> tuple[str, ...]:
         return tuple(p.strip() for p in (text or "").split(",") if p.strip())
@@ -527,7 +527,8 @@ def bench_cmd(**kw: Any) -> None:
     """
     from rich.console import Console
 
-    from compiler.bench.harness import bench_directory, bench_model, bench_renderables
+    from compiler.bench.harness import bench_directory, bench_model
+    from compiler.bench.table import bench_renderables
     from compiler.core.report import console
 
     settings = bench_settings_from(kw)

@@ -23,20 +23,16 @@ import torch
 from click.testing import CliRunner
 from onnx import numpy_helper
 
-from compiler.bench.harness import (
-    BenchReport,
-    BenchSettings,
-    _engine_precision,
-    _short_runner,
-    accuracy_of,
-    bench_directory,
-    bench_renderables,
-    eager_model,
-    find_regressions,
-    input_feeds,
-    parse_percent,
-    time_runner,
-)
+from compiler.bench.accuracy import accuracy_of
+from compiler.bench.baseline import find_regressions, parse_percent
+from compiler.bench.harness import bench_directory
+from compiler.bench.inputs import input_feeds
+from compiler.bench.plans import engine_precision
+from compiler.bench.reference import eager_model
+from compiler.bench.report import BenchReport
+from compiler.bench.settings import BenchSettings
+from compiler.bench.table import bench_renderables, short_runner
+from compiler.bench.timing import time_runner
 from compiler.cli import cli
 from compiler.core.errors import InputError
 from compiler.core.manifest import onnx_entry, read_manifest, write_manifest
@@ -341,14 +337,14 @@ def test_settings_are_validated() -> None:
         BenchSettings(backends=("tensorrt", "tvm"))
     with pytest.raises(InputError, match="at least 1"):
         dataclasses.replace(BenchSettings(), iterations=0)
-    assert _short_runner("onnxruntime[CUDAExecutionProvider]") == "CUDA EP" and _short_runner("torch") == "eager"
+    assert short_runner("onnxruntime[CUDAExecutionProvider]") == "CUDA EP" and short_runner("torch") == "eager"
 
 
 def test_an_engine_is_labelled_with_the_precision_of_its_onnx(build: Path) -> None:
     manifest = read_manifest(build)
     entry = {"bucket": 4, "file": "engines/b4.engine", "onnx": "model.fp16.onnx"}
-    assert _engine_precision(entry, manifest) == "fp16"
-    assert _engine_precision({"bucket": 1, "onnx": "elsewhere.onnx"}, {"build": {"precision": "int8"}}) == "int8"
+    assert engine_precision(entry, manifest) == "fp16"
+    assert engine_precision({"bucket": 1, "onnx": "elsewhere.onnx"}, {"build": {"precision": "int8"}}) == "int8"
 
 
 @pytest.mark.gpu
@@ -398,16 +394,16 @@ def test_rows_run_the_serving_backends(build: Path, tmp_path: Path, monkeypatch:
 def test_each_onnx_is_checked_against_the_manifest_once(build: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The classifier check, the reference and the onnxruntime rows share one sha256 check per graph."""
-    import compiler.bench.harness as bench_module
+    import compiler.bench.target as target_module
 
     checked: list[str] = []
-    real = bench_module.verified_onnx
+    real = target_module.verified_onnx
 
     def counting(directory: Path, entry: Any, precision: str = "") -> Path:
         checked.append(precision)
         return real(directory, entry, precision)
 
-    monkeypatch.setattr(bench_module, "verified_onnx", counting)
+    monkeypatch.setattr(target_module, "verified_onnx", counting)
     data = bench_directory(build, BenchSettings(**FAST, backends=("onnxruntime",), buckets=(1,),  # type: ignore[arg-type]
                                                 report_dir=tmp_path, plot=False)).data
     assert sorted(checked) == ["fp16", "fp32"] and data["classifier"] is True
@@ -416,10 +412,12 @@ def test_each_onnx_is_checked_against_the_manifest_once(build: Path, tmp_path: P
 def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A runner that does not open fails once for every bucket; one that fails at a bucket fails that bucket."""
-    import compiler.bench.harness as bench_module
-    from compiler.bench.harness import Skipped, _Plan, _run_plan, _RunContext
+    import compiler.bench.measure as measure_module
+    from compiler.bench.measure import RunContext, measure_plan
+    from compiler.bench.plans import Plan
+    from compiler.bench.report import Skipped
 
-    context = _RunContext(False, "random", {})
+    context = RunContext(False, "random", {})
     settings = BenchSettings(**FAST)  # type: ignore[arg-type]
     opened: list[int] = []
 
@@ -427,7 +425,7 @@ def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPat
         opened.append(1)
         raise RuntimeError("no device\nmore detail")
 
-    results, skipped = _run_plan(_Plan("onnxruntime", "fp32", broken), (1, 4), {}, {}, settings, context)
+    results, skipped = measure_plan(Plan("onnxruntime", "fp32", broken), (1, 4), {}, {}, settings, context)
     assert results == [] and len(opened) == 1
     assert skipped == [Skipped("onnxruntime", "fp32", None, "failed: RuntimeError: no device", failed=True)]
     assert "onnxruntime/fp32 at bucket 1 failed: RuntimeError: no device" in caplog.text
@@ -441,25 +439,25 @@ def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPat
     def measure(plan: Any, runner: Any, bucket: int, *args: Any) -> Any:
         raise ValueError(f"bucket {bucket} does not fit")
 
-    monkeypatch.setattr(bench_module, "_measure", measure)
-    results, skipped = _run_plan(_Plan("torch", "fp32", Runner), (1, 4), {1: {}, 4: {}}, {1: {}, 4: {}}, settings,
-                                 context)
+    monkeypatch.setattr(measure_module, "measure_bucket", measure)
+    results, skipped = measure_plan(Plan("torch", "fp32", Runner), (1, 4), {1: {}, 4: {}}, {1: {}, 4: {}}, settings,
+                                    context)
     assert results == [] and closed == [1]
     assert [(s.bucket, s.reason, s.failed) for s in skipped] == [
         (b, f"failed: ValueError: bucket {b} does not fit", True) for b in (1, 4)]
 
 
 def test_one_tf32_policy_per_run(build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import compiler.bench.harness as bench_module
+    import compiler.bench.measure as measure_module
 
     seen: list[tuple[bool, bool]] = []
-    real = bench_module._measure
+    real = measure_module.measure_bucket
 
     def watching(*args: Any, **kwargs: Any) -> Any:
         seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bench_module, "_measure", watching)
+    monkeypatch.setattr(measure_module, "measure_bucket", watching)
     directory = _copy(build, tmp_path / "b")
     manifest = read_manifest(directory)
     manifest.setdefault("build", {})["tf32"] = False

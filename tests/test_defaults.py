@@ -13,7 +13,7 @@ from typing import Any
 import click
 import pytest
 
-from compiler.bench.harness import BenchSettings
+from compiler.bench.settings import BenchSettings
 from compiler.cli import bench_settings_from, cli
 from compiler.core.profile import SCHEMA, build_settings, calibration_settings, export_settings
 from compiler.core.settings import BuildSettings, CalibrationSettings, ExportSettings, GateSettings, ModelSource

@@ -301,7 +301,7 @@ def test_other_outputs_naming_a_file_are_one_line_and_exit_2(copy: Path, tmp_pat
 # --- 5. the same weights everywhere ---------------------------------------------------------------------------------
 
 def test_torch_backend_and_bench_run_the_weights_the_build_exported(built: Path) -> None:
-    from compiler.bench.harness import eager_model
+    from compiler.bench.reference import eager_model
 
     x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
     manifest = manifest_of(built)
