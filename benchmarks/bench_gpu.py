@@ -39,10 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from compiler.bench.harness import bench_directory
 from compiler.bench.report import BenchReport
-from compiler.bench.settings import BenchSettings
 from compiler.bench.table import bench_renderables
 from compiler.core.manifest import MANIFEST, read_manifest
-from compiler.core.settings import ExportSettings, ModelSource
+from compiler.core.settings import BenchSettings, ExportSettings, ModelSource
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
 log = logging.getLogger("bench_gpu")

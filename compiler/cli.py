@@ -458,22 +458,6 @@ class PercentType(click.ParamType):
             self.fail(str(err), param, ctx)
 
 
-def bench_settings_from(kw: dict[str, Any]) -> Any:
-    """BenchSettings from the command-line options."""
-    from compiler.bench.settings import BACKENDS, BenchSettings
-
-    def names(text: str | None) -> tuple[str, ...]:
-        return tuple(p.strip() for p in (text or "").split(",") if p.strip())
-
-    return BenchSettings(
-        backends=names(kw["backends"]) or BACKENDS, buckets=tuple(kw["buckets"] or ()), iterations=kw["iterations"],
-        min_seconds=kw["min_seconds"], max_seconds=kw["max_seconds"], warmup=kw["warmup"],
-        warmup_seconds=kw["warmup_seconds"], seed=kw["seed"], data=kw["data"], ort_providers=names(kw["ort_providers"]),
-        device=kw["device"], trust_pickle=bool(kw["trust_pickle"]), baseline=kw["baseline"],
-        max_regression=kw["max_regression"], report_dir=kw["report_dir"], plot=not kw["no_plot"], threads=kw["threads"],
-        tf32=kw["tf32"], wide=bool(kw["wide"]))
-
-
 @cli.command("bench")
 @model_options
 @click.option("--buckets", type=BucketsType(), help="Batch sizes to run (default: the build's buckets).")
@@ -529,9 +513,10 @@ def bench_cmd(**kw: Any) -> None:
 
     from compiler.bench.harness import bench_directory, bench_model
     from compiler.bench.table import bench_renderables
+    from compiler.core.profile import bench_settings
     from compiler.core.report import console
 
-    settings = bench_settings_from(kw)
+    settings = bench_settings(kw)
     target = kw["model"]
     if target is not None and target.is_dir():
         if kw["model_factory"] or kw["inputs"] or kw["dims"] or kw["profile"] or kw["weights"]:

@@ -23,6 +23,7 @@ import torch
 from click.testing import CliRunner
 from onnx import numpy_helper
 
+from compiler.backends.base import Runner
 from compiler.bench.accuracy import accuracy_of
 from compiler.bench.baseline import find_regressions, parse_percent
 from compiler.bench.harness import bench_directory
@@ -30,14 +31,13 @@ from compiler.bench.inputs import input_feeds
 from compiler.bench.plans import engine_precision
 from compiler.bench.reference import eager_model
 from compiler.bench.report import BenchReport
-from compiler.bench.settings import BenchSettings
 from compiler.bench.table import bench_renderables, short_runner
 from compiler.bench.timing import time_runner
 from compiler.cli import cli
 from compiler.core.errors import InputError
 from compiler.core.manifest import onnx_entry, read_manifest, write_manifest
 from compiler.core.onnx_io import load_onnx, save_onnx
-from compiler.core.settings import ExportSettings, ModelSource
+from compiler.core.settings import BenchSettings, ExportSettings, ModelSource
 from compiler.core.specs import DimRange, ModelSpec, parse_input_spec
 from compiler.pipeline.export import export_directory
 from examples import models
@@ -279,43 +279,43 @@ def test_the_eager_model_loads_from_the_build_snapshot_of_a_factory_source(tmp_p
     assert none is None and "--trust-pickle" in why
 
 
-class CountingRunner:
-    """A runner that sleeps a fixed time per launch and counts its calls (for the timing loop alone)."""
-
-    stream = None
+class CountingRunner(Runner):
+    """A runner that sleeps a fixed time per execute and counts its calls (for the timing loop alone)."""
 
     def __init__(self, seconds: float) -> None:
+        super().__init__()
         self.name, self.device, self.input_names, self.output_names = "counting", "cpu", ["x"], ["y"]
         self.seconds, self.launches = seconds, 0
 
-    def upload(self, feed: dict[str, np.ndarray]) -> None:
+    def _activate(self) -> None:
+        pass
+
+    def _upload(self, feed: dict[str, np.ndarray]) -> None:
         self.feed = feed
 
-    def launch(self) -> None:
+    def _execute(self) -> None:
         self.launches += 1
         time.sleep(self.seconds)
 
-    def download(self) -> dict[str, np.ndarray]:
+    def _download(self) -> dict[str, np.ndarray]:
         return {"y": self.feed["x"] * 2}
 
-    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.upload(feed)
-        self.launch()
-        return self.download()
-
-    def close(self) -> None:
+    def _release(self) -> None:
         pass
 
 
 def test_timing_honours_counts_seconds_and_the_cap() -> None:
     feed = {"x": np.ones((2, 2), dtype=np.float32)}
     runner = CountingRunner(0.001)
+    runner.activate()
     timing = time_runner(runner, feed, BenchSettings(iterations=5, min_seconds=0.05, warmup=4, warmup_seconds=0))
     assert timing.warmup_runs == 4 and len(timing.device_ms) == len(timing.e2e_ms) >= 5
     assert timing.seconds >= 0.05 and runner.launches == 4 + len(timing.e2e_ms)
     assert min(timing.device_ms) >= 1.0 and all(e >= d for e, d in zip(timing.e2e_ms, timing.device_ms))
     assert np.array_equal(timing.outputs["y"], feed["x"] * 2) and not timing.stopped_early
-    capped = time_runner(CountingRunner(0.01), feed, BenchSettings(iterations=1000, min_seconds=0, warmup=0,
+    slow = CountingRunner(0.01)
+    slow.activate()
+    capped = time_runner(slow, feed, BenchSettings(iterations=1000, min_seconds=0, warmup=0,
                                                                    warmup_seconds=0, max_seconds=0.1))
     assert capped.stopped_early and len(capped.e2e_ms) < 1000
 
@@ -411,7 +411,8 @@ def test_each_onnx_is_checked_against_the_manifest_once(build: Path, tmp_path: P
 
 def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    """A runner that does not open fails once for every bucket; one that fails at a bucket fails that bucket."""
+    """A runner that does not open fails once for every bucket; one that fails at a bucket fails that bucket, and
+    the runner is released once after its buckets."""
     import compiler.bench.measure as measure_module
     from compiler.bench.measure import RunContext, measure_plan
     from compiler.bench.plans import Plan
@@ -432,15 +433,15 @@ def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPat
 
     closed: list[int] = []
 
-    class Runner:
-        def close(self) -> None:
+    class Released(CountingRunner):
+        def _release(self) -> None:
             closed.append(1)
 
     def measure(plan: Any, runner: Any, bucket: int, *args: Any) -> Any:
         raise ValueError(f"bucket {bucket} does not fit")
 
     monkeypatch.setattr(measure_module, "measure_bucket", measure)
-    results, skipped = measure_plan(Plan("torch", "fp32", Runner), (1, 4), {1: {}, 4: {}}, {1: {}, 4: {}}, settings,
+    results, skipped = measure_plan(Plan("torch", "fp32", lambda: Released(0.0)), (1, 4), {1: {}, 4: {}}, {1: {}, 4: {}}, settings,
                                     context)
     assert results == [] and closed == [1]
     assert [(s.bucket, s.reason, s.failed) for s in skipped] == [

@@ -13,10 +13,16 @@ from typing import Any
 import click
 import pytest
 
-from compiler.bench.settings import BenchSettings
-from compiler.cli import bench_settings_from, cli
-from compiler.core.profile import SCHEMA, build_settings, calibration_settings, export_settings
-from compiler.core.settings import BuildSettings, CalibrationSettings, ExportSettings, GateSettings, ModelSource
+from compiler.cli import cli
+from compiler.core.profile import SCHEMA, bench_settings, build_settings, calibration_settings, export_settings
+from compiler.core.settings import (
+    BenchSettings,
+    BuildSettings,
+    CalibrationSettings,
+    ExportSettings,
+    GateSettings,
+    ModelSource,
+)
 
 PROFILES = (Path(__file__).resolve().parent.parent / "docs" / "profiles.md").read_text()
 
@@ -107,7 +113,7 @@ def test_the_command_line_without_options_gives_the_dataclass_defaults() -> None
 
 def test_bench_option_defaults_are_the_dataclass_defaults() -> None:
     context = cli.commands["bench"].make_context("bench", ["build/m"], resilient_parsing=True)
-    assert bench_settings_from(context.params) == BenchSettings()
+    assert bench_settings(context.params) == BenchSettings()
     # and --help shows those values
     shown = {p.name: p.default for p in cli.commands["bench"].params if isinstance(p, click.Option) and p.show_default}
     fields = {f.name: f.default for f in dataclasses.fields(BenchSettings)}

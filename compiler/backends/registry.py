@@ -25,14 +25,16 @@ __all__ = ["BACKENDS", "REGISTRY", "BackendKind", "ServingSource", "serving_back
 @dataclass(frozen=True)
 class ServingSource:
     """What a serving backend is made from: a build directory and its manifest (None for a module served without a
-    build), the input spec, the buckets to serve, and the eager module for the torch backend (the build's
-    snapshot, loaded by the caller, or a module in memory)."""
+    build), the input spec, the buckets to serve, the eager module for the torch backend (the build's snapshot,
+    loaded by the caller, or a module in memory), and for ONNX Runtime the graph when the caller has verified it
+    already (else the manifest's for the settings' precision)."""
 
     directory: Path | None
     manifest: Mapping[str, Any]
     spec: ModelSpec
     buckets: tuple[int, ...]
     module: Any = None
+    onnx: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ def _onnxruntime_serving(source: ServingSource, settings: ServeSettings) -> Back
 
     if source.directory is None:
         raise InputError("the onnxruntime backend serves a build directory's ONNX: export one with `trtc export`")
-    path = onnx_for(source.directory, source.manifest, settings.precision)
+    path = source.onnx or onnx_for(source.directory, source.manifest, settings.precision)
     tf32 = recorded_tf32(source.manifest.get("build")) if settings.tf32 is None else settings.tf32
     return OrtBackend(path, source.spec, source.buckets, settings.device, settings.threads, tf32=tf32,
                       cuda_options=dict(settings.ort_cuda_options), cuda_graphs=settings.cuda_graphs)

@@ -47,13 +47,12 @@ from compiler.bench.report import (
     report_dict,
     write_report,
 )
-from compiler.bench.settings import BenchSettings
 from compiler.bench.target import Target, VerifiedOnnx
 from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.files import directory_lock, require_directory
 from compiler.core.manifest import read_manifest, spec_from_manifest
-from compiler.core.settings import ExportSettings
+from compiler.core.settings import BenchSettings, ExportSettings
 from compiler.core.specs import BATCH_DIM
 
 __all__ = ["bench_directory", "bench_model"]

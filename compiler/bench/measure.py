@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from compiler.backends.base import Runner
 from compiler.bench.accuracy import accuracy_of
 from compiler.bench.inputs import first_line
-from compiler.bench.plans import Plan, Unavailable
+from compiler.bench.plans import Plan
 from compiler.bench.report import BenchResult, Skipped
-from compiler.bench.settings import BenchSettings
-from compiler.bench.timing import Latency, StagedRunner, time_runner
+from compiler.bench.timing import Latency, time_runner
 from compiler.core.errors import TrtcError
+from compiler.core.settings import BenchSettings
+from compiler.serve.engines import BatchTooLarge
 
 __all__ = ["RunContext", "measure_bucket", "measure_plan"]
 
@@ -47,7 +49,7 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def measure_bucket(plan: Plan, runner: StagedRunner, bucket: int, feed: dict[str, np.ndarray],
+def measure_bucket(plan: Plan, runner: Runner, bucket: int, feed: dict[str, np.ndarray],
                    reference: dict[str, np.ndarray], settings: BenchSettings, free_before_open: int | None,
                    context: RunContext) -> BenchResult:
     """Time ``runner`` at one bucket (CUDA work on the runner's stream) and compare its first outputs with
@@ -109,20 +111,19 @@ def measure_plan(plan: Plan, buckets: tuple[int, ...], feeds: dict[int, dict[str
         free_before = _free_device_memory()
         try:
             runner = plan.open()
+            runner.activate()
         except _FAILURES as err:  # the runner shared by all buckets: each bucket would fail the same way
             return results, [Skipped(plan.backend, plan.precision, None, _failure(plan, buckets[0], err), failed=True)]
-        try:
+        with runner:
             for bucket in buckets:
                 try:
                     results.append(measure_bucket(plan, runner, bucket, feeds[bucket], reference[bucket],
                                                   settings, free_before, context))
-                except Unavailable as why:
+                except BatchTooLarge as why:
                     skipped.append(Skipped(plan.backend, plan.precision, bucket, str(why)))
                 except _FAILURES as err:
                     skipped.append(Skipped(plan.backend, plan.precision, bucket, _failure(plan, bucket, err),
                                            failed=True))
-        finally:
-            runner.close()
     finally:
         _release_device_memory()
     return results, skipped

@@ -1,7 +1,9 @@
-"""What a bench run measures: one ``Plan`` per backend and precision, each opening a ``ServedRunner``.
+"""What a bench run measures: one ``Plan`` per backend and precision, each opening a runner over one buffer set of
+a serving backend (``Engines.runner``).
 
-Every row is a serving backend of ``compiler.load`` (``compiler.backends``), one context of it, timed
-through the context's upload / compute / download split: the harness measures exactly what is served.
+Every row is a serving backend of ``compiler.load``, made by name (``compiler.backends.registry``), one context
+of it, timed through the runner's upload / execute / download split: the harness measures exactly what is
+served.
 
   torch            the source model in eager mode (the torch backend, graphs off): FP32, and under
                    autocast FP16 when the build is FP16/INT8
@@ -18,71 +20,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from compiler.backends.base import Runner
 from compiler.bench.report import Skipped
-from compiler.bench.settings import BACKENDS, BenchSettings
 from compiler.bench.target import Target
-from compiler.bench.timing import StagedRunner, as_float32
+from compiler.core.capabilities import capabilities, cuda_available
+from compiler.core.settings import BENCH_BACKENDS, BenchSettings, ServeSettings
 
-__all__ = ["Plan", "ServedRunner", "Unavailable", "cuda_available", "engine_precision", "plans_for"]
+__all__ = ["Plan", "engine_precision", "plans_for"]
 
 log = logging.getLogger(__name__)
 
 ONNX_PRECISION_ORDER = ("fp32", "fp16", "int8")
-
-
-class Unavailable(Exception):
-    """A backend cannot run at this bucket; the message says why."""
-
-
-class ServedRunner:
-    """One context of a serving backend (``compiler.serve.engines.Engines``), staged for ``time_runner``.
-
-    ``upload`` checks the feed as ``engines(x)`` does and queues its copy into the bucket's buffers,
-    ``launch`` queues the model run (``compute``), ``download`` queues the outputs' copy to pinned host
-    memory, waits, and returns them (floats as float32, for the accuracy columns). The engines are
-    closed with the runner.
-    """
-
-    def __init__(self, engines: Any, name: str) -> None:
-        self.engines = engines
-        self.name = name
-        self.device = "cuda" if str(engines.device).startswith("cuda") else "cpu"
-        self.input_names = list(engines.input_names)
-        self.output_names = list(engines.output_names)
-        self._borrowed = engines.borrow()
-        self._context = self._borrowed.__enter__()
-        self.stream = self._context.stream
-        self._call: Any = None
-        self._bucket = 0
-
-    def upload(self, feed: dict[str, np.ndarray]) -> None:
-        call = self.engines.check(dict(feed))
-        if call.rows > self.engines.buckets[-1]:
-            raise Unavailable(f"batch {call.rows} is larger than the largest bucket {self.engines.buckets[-1]}")
-        self._call, self._bucket = call, self.engines.bucket_for(call.rows)
-        self._context.upload(self._bucket, call, 0, call.rows)
-
-    def launch(self) -> None:
-        self._context.compute(self._bucket, self._call)
-
-    def download(self) -> dict[str, np.ndarray]:
-        self._context.download(True)
-        self._context.wait()
-        return self._context.copy_outputs()
-
-    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.upload(feed)
-        self.launch()
-        return as_float32(self.download())
-
-    def close(self) -> None:
-        self._borrowed.__exit__(None, None, None)
-        self.engines.close()
 
 
 @dataclass
@@ -91,41 +41,20 @@ class Plan:
 
     backend: str
     precision: str
-    open: Callable[[], StagedRunner]
+    open: Callable[[], Runner]  # not yet active; releasing it closes its serving backend
     torch_memory: bool = False  # peak memory from torch's allocator (else the device-wide free-memory delta)
     weight_bytes: int = 0  # the eager model's parameters and buffers, resident before the measurement starts
 
 
-def cuda_available() -> bool:
-    """Whether PyTorch sees a CUDA device (``torch.cuda.is_available()``)."""
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def _tensorrt_unavailable() -> str | None:
-    """Why the tensorrt backend cannot run here, or None."""
-    from compiler.core.capabilities import tensorrt_version
-
-    if tensorrt_version() is None:
-        return "TensorRT is not installed (no real `tensorrt` imports); install trtc[tensorrt] on a machine " \
-               "with an NVIDIA GPU"
-    if not cuda_available():
-        return "no CUDA device: torch.cuda.is_available() is False"
-    return None
-
-
 def plans_for(target: Target, settings: BenchSettings, device: str, buckets: tuple[int, ...], tf32: bool,
               ) -> tuple[list[Plan], list[Skipped]]:
-    """A plan for each backend of ``settings.backends`` (in ``BACKENDS`` order) and precision that can run here,
+    """A plan for each backend of ``settings.backends`` (in ``BENCH_BACKENDS`` order) and precision that can run here,
     and the ones that cannot, each with the reason."""
-    from compiler.backends.onnxrt import OrtBackend
-    from compiler.backends.pytorch import TorchBackend
+    from compiler.backends.registry import ServingSource, serving_backend
     from compiler.serve.engines import Engines
     from compiler.serve.load import load
 
     manifest, spec, model = target.manifest, target.spec, target.model
-    outputs = list(manifest.get("output_names") or [])
     onnx = manifest.get("onnx") or {}
     reduced = any(p in onnx for p in ("fp16", "int8")) or manifest.get("precision") in ("fp16", "int8")
     torch_precisions = ("fp32", "fp16") if reduced else ("fp32",)
@@ -141,26 +70,30 @@ def plans_for(target: Target, settings: BenchSettings, device: str, buckets: tup
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) \
         if model is not None and hasattr(model, "parameters") else 0
 
-    def torch_runner(precision: str, graphs: bool) -> Callable[[], StagedRunner]:
-        def open_torch() -> StagedRunner:
-            backend = TorchBackend(model, spec, buckets, outputs, device, cuda_graphs=graphs,
-                                   autocast_fp16=precision == "fp16")
-            name = ("torch-cudagraph" if graphs else "torch") + ("[autocast-fp16]" if precision == "fp16" else "")
-            return ServedRunner(Engines(backend, contexts=1), name)
+    def served(name: str, source: ServingSource, serve: ServeSettings, label: str | None = None,
+               ) -> Callable[[], Runner]:
+        def open_runner() -> Runner:
+            engines = Engines(serving_backend(name, source, serve), contexts=1)
+            provider = "CUDAExecutionProvider" if engines.device.startswith("cuda") else "CPUExecutionProvider"
+            return engines.runner(label or f"{name}[{provider}]", closing=True)
 
-        return open_torch
+        return open_runner
 
-    def ort_runner(path: Path, ort_device: str | None) -> Callable[[], StagedRunner]:
-        def open_ort() -> StagedRunner:
-            backend = OrtBackend(path, spec, buckets, ort_device, settings.threads, tf32=tf32)
-            return ServedRunner(Engines(backend, contexts=1), f"onnxruntime[{backend.provider}]")
+    def torch_runner(precision: str, graphs: bool) -> Callable[[], Runner]:
+        source = ServingSource(target.directory, manifest, spec, buckets, module=model)
+        label = ("torch-cudagraph" if graphs else "torch") + ("[autocast-fp16]" if precision == "fp16" else "")
+        return served("torch", source, ServeSettings(backend="torch", device=device, contexts=1, cuda_graphs=graphs,
+                                                     autocast_fp16=precision == "fp16"), label)
 
-        return open_ort
+    def ort_runner(precision: str, ort_device: str | None) -> Callable[[], Runner]:
+        source = ServingSource(target.directory, manifest, spec, buckets, onnx=target.onnx.path(precision))
+        return served("onnxruntime", source, ServeSettings(backend="onnxruntime", device=ort_device, contexts=1,
+                                                           threads=settings.threads, tf32=tf32))
 
-    def trt_runner() -> StagedRunner:
-        return ServedRunner(load(target.directory, backend="tensorrt", contexts=1), "tensorrt")
+    def trt_runner() -> Runner:
+        return load(target.directory, backend="tensorrt", contexts=1).runner("tensorrt", closing=True)
 
-    for backend in BACKENDS:
+    for backend in BENCH_BACKENDS:
         if backend not in settings.backends:
             continue
         if backend == "torch":
@@ -189,10 +122,10 @@ def plans_for(target: Target, settings: BenchSettings, device: str, buckets: tup
             ort_device = _ort_device(settings.ort_providers)
             for precision in sorted(onnx, key=lambda p: ONNX_PRECISION_ORDER.index(p)
                                     if p in ONNX_PRECISION_ORDER else 99):
-                plans.append(Plan(backend, precision, ort_runner(target.onnx.path(precision), ort_device)))
+                plans.append(Plan(backend, precision, ort_runner(precision, ort_device)))
         elif backend == "tensorrt":
             engines = manifest.get("engines") or []
-            reason = model_mode_note if target.model_mode else _tensorrt_unavailable()
+            reason = model_mode_note if target.model_mode else capabilities().tensorrt_unavailable()
             if reason is None and not engines:
                 note = str(manifest.get("engines_note") or "not built")
                 reason = f"the build has no TensorRT engines ({note.removeprefix('not built: ')}); " \

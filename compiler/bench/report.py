@@ -23,11 +23,11 @@ import numpy as np
 
 from compiler.bench.accuracy import Accuracy
 from compiler.bench.inputs import feed_record
-from compiler.bench.settings import BenchSettings
 from compiler.bench.timing import Latency
 from compiler.core.errors import TrtcError
 from compiler.core.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 from compiler.core.manifest import now, tool_versions
+from compiler.core.settings import BenchSettings
 
 __all__ = ["CSV_NAME", "JSON_NAME", "PNG_NAME", "REFERENCE", "REPORT_KIND", "BenchReport", "BenchResult",
            "PerformanceRegression", "Regression", "Skipped", "machine_info", "report_dict", "write_report"]

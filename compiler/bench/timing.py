@@ -1,23 +1,24 @@
 """Timing one runner at one feed: ``time_runner`` and what it measures (``Timing``, ``Latency``).
 
 Warm-up of at least ``warmup`` runs and ``warmup_seconds``, then at least ``iterations`` runs and at
-least ``min_seconds`` (``max_seconds`` caps both; stopping early is noted). Every run uploads the feed,
-launches and downloads the outputs. The host clock (``perf_counter_ns``) around all three is the
-*end-to-end* latency; the launch alone is the *device* latency, timed with CUDA events on the runner's
-stream on a GPU and with the host clock on the CPU.
+least ``min_seconds`` (``max_seconds`` caps both; stopping early is noted). Every run is the runner's three
+stages (``compiler.backends.base.Runner``): upload the feed, execute, download the outputs. The host clock
+(``perf_counter_ns``) around all three is the *end-to-end* latency; execute alone is the *device* latency,
+timed with CUDA events on the runner's stream on a GPU and with the host clock on the CPU.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from compiler.bench.settings import BenchSettings
+from compiler.backends.base import Runner
+from compiler.core.settings import BenchSettings
 
-__all__ = ["Latency", "StagedRunner", "Timing", "as_float32", "time_runner"]
+__all__ = ["Latency", "Timing", "as_float32", "time_runner"]
 
 
 @dataclass(frozen=True)
@@ -62,33 +63,16 @@ class Timing:
     outputs: dict[str, np.ndarray]
 
 
-class StagedRunner(Protocol):
-    """What ``time_runner`` times: ``upload`` the feed, ``launch`` the model on it, ``download`` the outputs (and wait
-    for them). ``stream``: the CUDA stream ``launch`` queues on (None on the CPU)."""
-
-    name: str
-    device: str  # "cpu" or "cuda"
-    stream: Any
-
-    def upload(self, feed: dict[str, np.ndarray]) -> None: ...
-
-    def launch(self) -> None: ...
-
-    def download(self) -> dict[str, np.ndarray]: ...
-
-    def close(self) -> None: ...
-
-
 def as_float32(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Float outputs as float32 (an FP16 build's outputs compare with the FP32 reference), others as they are."""
     return {name: a.astype(np.float32) if np.issubdtype(a.dtype, np.floating) and a.dtype != np.float32 else a
             for name, a in outputs.items()}
 
 
-def time_runner(runner: StagedRunner, feed: dict[str, np.ndarray], settings: BenchSettings) -> Timing:
-    """Warm ``runner`` up, then time upload + launch + download (end to end) and the launch alone (device).
+def time_runner(runner: Runner, feed: dict[str, np.ndarray], settings: BenchSettings) -> Timing:
+    """Warm ``runner`` (active) up, then time upload + execute + download (end to end) and execute alone (device).
 
-    On CUDA the launch is bracketed by CUDA events on the runner's stream; on the CPU by ``perf_counter_ns``.
+    On CUDA the execute is bracketed by CUDA events on the runner's stream; on the CPU by ``perf_counter_ns``.
     The first run's outputs are returned for the accuracy check.
     """
     cuda = runner.device == "cuda"
@@ -98,14 +82,14 @@ def time_runner(runner: StagedRunner, feed: dict[str, np.ndarray], settings: Ben
     cap = settings.max_seconds
     start = time.perf_counter()
     runner.upload(feed)
-    runner.launch()
+    runner.execute()
     outputs = as_float32(runner.download())  # for the accuracy check; the timed runs leave their outputs as they are
     warmup_runs = 1
     while warmup_runs < settings.warmup or time.perf_counter() - start < settings.warmup_seconds:
         if cap is not None and time.perf_counter() - start >= cap:
             break
         runner.upload(feed)
-        runner.launch()
+        runner.execute()
         runner.download()
         warmup_runs += 1
     events: list[tuple[Any, Any]] = []
@@ -119,12 +103,12 @@ def time_runner(runner: StagedRunner, feed: dict[str, np.ndarray], settings: Ben
         if cuda:
             first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             first.record(stream)
-            runner.launch()
+            runner.execute()
             last.record(stream)
             events.append((first, last))
         else:
             l0 = time.perf_counter_ns()
-            runner.launch()
+            runner.execute()
             device_ns.append(time.perf_counter_ns() - l0)
         runner.download()  # waits for the outputs
         e2e_ns.append(time.perf_counter_ns() - t0)

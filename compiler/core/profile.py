@@ -18,6 +18,7 @@ import tomllib
 
 from compiler.core.errors import InputError
 from compiler.core.settings import (
+    BenchSettings,
     BuildSettings,
     CalibrationSettings,
     ExportSettings,
@@ -27,7 +28,8 @@ from compiler.core.settings import (
 )
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 
-__all__ = ["SCHEMA", "PATH_KEYS", "load_profile", "export_settings", "calibration_settings", "build_settings"]
+__all__ = ["SCHEMA", "PATH_KEYS", "load_profile", "export_settings", "calibration_settings", "build_settings",
+           "bench_settings"]
 
 Profile = Mapping[str, Mapping[str, Any]]
 Options = Mapping[str, Any]
@@ -157,3 +159,8 @@ def build_settings(options: Options, buckets: tuple[int, ...], precision: str,
                    profile: Profile | None = None) -> BuildSettings:
     """BuildSettings for the export's ``buckets`` and ``precision`` from the command-line options and the profile."""
     return _merged(BuildSettings, options, profile or {}, buckets=buckets, precision=precision)
+
+
+def bench_settings(options: Options) -> BenchSettings:
+    """BenchSettings from ``trtc bench``'s command-line options (bench takes no profile keys)."""
+    return _merged(BenchSettings, options, {})

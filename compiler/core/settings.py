@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,9 @@ from compiler.core.errors import InputError
 from compiler.core.specs import ModelSpec, parse_buckets
 
 __all__ = ["ModelSource", "ExportSettings", "ImagePreprocessing", "GateSettings", "CalibrationSettings",
-           "BuildSettings", "ServeSettings", "Tolerance", "ProfileKey", "profiled", "PRECISIONS",
-           "REDUCED_PRECISIONS", "HARDWARE_COMPAT_LEVELS", "SERVE_BACKENDS", "hardware_compat_level"]
+           "BuildSettings", "BenchSettings", "ServeSettings", "Tolerance", "ProfileKey", "profiled", "PRECISIONS",
+           "REDUCED_PRECISIONS", "HARDWARE_COMPAT_LEVELS", "SERVE_BACKENDS", "BENCH_BACKENDS",
+           "hardware_compat_level"]
 
 PRECISIONS = ("fp32", "fp16", "int8")
 REDUCED_PRECISIONS = ("int8", "fp16")  # what calibration makes, each a file of its own (model.<precision>.onnx)
@@ -27,6 +28,7 @@ REDUCED_PRECISIONS = ("int8", "fp16")  # what calibration makes, each a file of 
 # built on; "same-compute-capability" any GPU of its compute capability; "ampere-plus" any GPU of capability 8.0+
 HARDWARE_COMPAT_LEVELS = ("none", "same-compute-capability", "ampere-plus")
 SERVE_BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
+BENCH_BACKENDS = ("torch", "torch-cudagraph", "onnxruntime", "tensorrt")  # the rows of ``trtc bench``, in order
 
 
 # --- how a field says where it comes from ---------------------------------------------------------------------------
@@ -59,6 +61,12 @@ def _strings(value: Any) -> tuple[str, ...]:
 
 def _buckets(value: Any) -> tuple[int, ...]:
     return parse_buckets(list(value) if isinstance(value, (list, tuple)) else value)
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """``"a,b"`` (the command line's form) or a sequence of names, as a tuple."""
+    parts = value.split(",") if isinstance(value, str) else value
+    return tuple(p.strip() for p in parts if p.strip())
 
 
 STR, NUMBER, INT, BOOL, LIST, TABLE = (str,), (float, int), (int,), (bool,), (list,), (dict,)
@@ -301,6 +309,66 @@ class BuildSettings:
         object.__setattr__(self, "hardware_compat", hardware_compat_level(self.hardware_compat))
         if self.jobs < 1:
             raise InputError(f"--jobs {self.jobs} must be at least 1")
+
+
+# --- bench ----------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """How ``trtc bench`` measures. Seconds are wall-clock; fractions (``max_spread``, ``max_regression``) are 0-1."""
+
+    backends: tuple[str, ...] = field(default=BENCH_BACKENDS, metadata=profiled(convert=_names))
+    buckets: tuple[int, ...] = field(default=(), metadata=profiled(convert=tuple))  # empty: the build's buckets
+    # at least this many timed runs per backend and bucket, and at least this long
+    iterations: int = field(default=defaults.BENCH_ITERATIONS, metadata=profiled())
+    min_seconds: float = field(default=defaults.BENCH_MIN_SECONDS, metadata=profiled())
+    # stop a measurement (warm-up included) after this long; noted in the report
+    max_seconds: float | None = field(default=None, metadata=profiled())
+    # at least this many untimed runs first, and at least this long
+    warmup: int = field(default=defaults.BENCH_WARMUP, metadata=profiled())
+    warmup_seconds: float = field(default=defaults.BENCH_WARMUP_SECONDS, metadata=profiled())
+    seed: int = field(default=defaults.BENCH_SEED, metadata=profiled())
+    # an .npz with one array per input name (first axis = samples); None: seeded random
+    data: Path | None = field(default=None, metadata=profiled(convert=_path))
+    # empty: CUDA where usable, else the CPU; CPUExecutionProvider first: the CPU
+    ort_providers: tuple[str, ...] = field(default=(), metadata=profiled(convert=_names))
+    device: str | None = field(default=None, metadata=profiled())  # the torch backends': cuda or cpu; None: CUDA
+    trust_pickle: bool = field(default=False, metadata=profiled(convert=bool))  # load a pickled nn.Module source
+    max_spread: float = defaults.BENCH_MAX_SPREAD  # (P90 - P50) / P50 above this is reported as a wide spread
+    baseline: Path | None = field(default=None, metadata=profiled(convert=_path))  # an earlier bench.json
+    # slower P50 or lower throughput than the baseline by more than this fails
+    max_regression: float = field(default=defaults.BENCH_MAX_REGRESSION, metadata=profiled())
+    report_dir: Path | None = field(default=None, metadata=profiled(convert=_path))  # default DIR/report
+    plot: bool = field(default=True, metadata=profiled(option="no_plot", convert=lambda no_plot: not no_plot))
+    threads: int = field(default=defaults.BENCH_THREADS, metadata=profiled())  # ONNX Runtime intra-op; 0: its own
+    # TF32 for FP32 math on every backend; None: the manifest's build.tf32, else True
+    tf32: bool | None = field(default=None, metadata=profiled())
+    wide: bool = field(default=False, metadata=profiled(convert=bool))  # every column in the terminal table
+
+    def __post_init__(self) -> None:
+        unknown = [b for b in self.backends if b not in BENCH_BACKENDS]
+        if unknown or not self.backends:
+            raise InputError(f"--backends {','.join(self.backends)}: choose from {','.join(BENCH_BACKENDS)}")
+        if any(b < 1 for b in self.buckets):
+            raise InputError(f"--buckets {self.buckets}: buckets are positive batch sizes")
+        if self.iterations < 1:
+            raise InputError(f"--iterations {self.iterations} must be at least 1")
+        if self.warmup < 0 or self.warmup_seconds < 0 or self.min_seconds < 0:
+            raise InputError("--warmup, --warmup-seconds and --min-seconds cannot be negative")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise InputError(f"--max-seconds {self.max_seconds} must be positive")
+        if self.device not in (None, "cuda", "cpu"):
+            raise InputError(f"--device {self.device!r}: use cuda or cpu")
+        if not 0 <= self.max_regression < 10:
+            raise InputError(f"--max-regression {100 * self.max_regression:g}%: give a percentage such as 5%")
+        if self.data is not None and not Path(self.data).is_file():
+            raise InputError(f"--data {self.data}: no such file; pass an .npz with one array per input")
+        if self.baseline is not None and not Path(self.baseline).is_file():
+            raise InputError(f"--baseline {self.baseline}: no such file; pass an earlier report/bench.json")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v
+                for k, v in asdict(self).items()}
 
 
 # --- serving --------------------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ from compiler.core import defaults
 from compiler.core.errors import FeedError, InputError
 from compiler.core.specs import InputSpec, ModelSpec
 
-__all__ = ["Engines", "Started", "ContextRunner"]
+__all__ = ["Engines", "Started", "ContextRunner", "BatchTooLarge"]
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +138,11 @@ class Engines:
     def inputs(self) -> tuple[InputSpec, ...]:
         return self.spec.inputs
 
-    def runner(self, name: str | None = None) -> ContextRunner:
+    def runner(self, name: str | None = None, *, closing: bool = False) -> ContextRunner:
         """One buffer set of the pool as a ``Runner`` (``compiler.backends.base``), held by the caller from
-        ``activate`` to ``release``: what ``trtc bench`` times, stage by stage."""
-        return ContextRunner(self, name or self.backend)
+        ``activate`` to ``release``: what ``trtc bench`` times, stage by stage. ``closing``: releasing the runner
+        closes these engines too (a runner that owns them)."""
+        return ContextRunner(self, name or self.backend, closing)
 
     def __repr__(self) -> str:
         return (f"Engines(backend={self.backend!r}, device={self.device!r}, inputs={[str(i) for i in self.inputs]}, "
@@ -489,16 +490,22 @@ class Engines:
         return (os.cpu_count() or 1) > 1
 
 
+class BatchTooLarge(FeedError):
+    """A runner over one buffer set runs at most the largest bucket's rows (``Engines`` itself runs more in
+    chunks)."""
+
+
 class ContextRunner(Runner):
     """A ``Runner`` over one buffer set of an ``Engines`` (``Engines.runner``): ``upload`` checks the feed as
     ``engines(x)`` does and queues its copy into the bucket's buffers, ``execute`` queues the model run,
     ``download`` queues the outputs' copy to pinned host memory, waits, and returns copies of them. The set is
     borrowed (``Engines.borrow``) from ``activate`` to ``release``; batches up to the largest bucket only."""
 
-    def __init__(self, engines: Engines, name: str) -> None:
+    def __init__(self, engines: Engines, name: str, closing: bool = False) -> None:
         super().__init__()
         self.engines = engines
         self.name = name
+        self.closing = closing
         self.device = "cuda" if str(engines.device).startswith("cuda") else "cpu"
         self.input_names = list(engines.input_names)
         self.output_names = list(engines.output_names)
@@ -516,7 +523,7 @@ class ContextRunner(Runner):
         """``engines.check``: every input against the spec; at most the largest bucket's rows."""
         call = self.engines.check(dict(feed))
         if call.rows > self.engines.buckets[-1]:
-            raise InputError(f"batch {call.rows} is larger than the largest bucket {self.engines.buckets[-1]}")
+            raise BatchTooLarge(f"batch {call.rows} is larger than the largest bucket {self.engines.buckets[-1]}")
         return call
 
     def _upload(self, call: CheckedFeed) -> None:
@@ -538,6 +545,8 @@ class ContextRunner(Runner):
         if self._borrowed is not None:
             self._borrowed.close()
         self._borrowed = self._context = self._call = None
+        if self.closing:
+            self.engines.close()
 
 
 class _Stopped(Exception):
