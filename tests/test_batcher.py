@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from compiler.core.errors import FeedError, InputError
-from compiler.serve.batcher import BatcherClosed, DynamicBatcher, OverdueWaits, RequestTimeout
+from compiler.serve.batcher import DynamicBatcher
 from compiler.serve.engines import Engines
 from compiler.serve.load import load
+from compiler.serve.waits import BatcherClosed, OverdueWaits, RequestTimeout
 from tests.test_runtime import build_directory
 
 

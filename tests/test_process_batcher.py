@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from compiler.core.errors import FeedError, InputError
-from compiler.serve.batcher import BatcherClosed, RequestTimeout
 from compiler.serve.engines import Engines
 from compiler.serve.load import load
 from compiler.serve.processes import ClientHandle, ProcessBatcher, RequestFailed
+from compiler.serve.waits import BatcherClosed, RequestTimeout
 from tests.test_batcher import Recording, join_all
 from tests.test_runtime import build_directory
 

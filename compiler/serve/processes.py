@@ -70,7 +70,8 @@ import numpy as np
 from compiler.backends.feeds import NUMPY_DTYPES, InputCheck, check_shape, checks_for, mismatch
 from compiler.core.errors import FeedError, InputError
 from compiler.core.specs import BATCH_DIM, DimRange, ModelSpec
-from compiler.serve.batcher import BatcherClosed, OverdueWaits, RequestTimeout, check_settings, is_ready
+from compiler.serve.batcher import check_settings, is_ready
+from compiler.serve.waits import BatcherClosed, OverdueWaits, RequestTimeout
 
 __all__ = ["ProcessBatcher", "ClientHandle", "BatcherClient", "RequestFailed"]
 
