@@ -134,10 +134,10 @@ def test_requests_of_other_sequence_lengths_run_in_their_own_batches(transformer
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Each batch's rows reach the engines as one feed gathered from the slots, or (a large batch) a feed per
     request: both at each request's own sequence length."""
-    import compiler.serve.processes
+    import compiler.serve.processes.server
 
     if not gather:
-        monkeypatch.setattr(compiler.serve.processes, "_GATHER_BYTES", 0)
+        monkeypatch.setattr(compiler.serve.processes.server, "_GATHER_BYTES", 0)
     recording = Recording(transformer)
     feeds = [{"input_ids": np.full((1, n), i, np.int64), "attention_mask": np.ones((1, n), np.int64)}
              for i, n in enumerate((4, 4, 9, 4, 9))]
@@ -686,10 +686,10 @@ def test_on_a_gpu_answers_are_read_where_the_gpu_copied_them(engines: Engines, m
     written into every slot; each client copies its rows from there and marks them taken, and an area serves the
     next batches only once every answer in it was taken, or its requests' time is over. A client whose area was
     reused before it read it gets an error, never another request's rows."""
-    import compiler.serve.processes as processes
+    import compiler.serve.processes.server as server
 
-    monkeypatch.setattr(processes, "_page_lock", lambda areas, device: 1)  # the CUDA call; the protocol is tested
-    monkeypatch.setattr(processes, "_page_unlock", lambda address, device: None)
+    monkeypatch.setattr(server, "page_lock", lambda areas, device: 1)  # the CUDA call; the protocol is tested
+    monkeypatch.setattr(server, "page_unlock", lambda address, device: None)
     into = IntoAreas(engines)
     requests = [rows(i, 1 + i % 2) for i in range(60)]
     answers: dict[int, Any] = {}
@@ -748,7 +748,7 @@ def test_on_a_gpu_answers_are_read_where_the_gpu_copied_them(engines: Engines, m
 
         def frees(area: int) -> bool:  # whether the batcher would give ``area`` to its next batch
             others = {i: r for i, r in enumerate(batcher._readers) if i != area}
-            batcher._readers[:] = [batcher._readers[i] if i == area else processes._FILLING for i in range(4)]
+            batcher._readers[:] = [batcher._readers[i] if i == area else server._FILLING for i in range(4)]
             try:
                 return batcher._free_area() == area
             finally:
@@ -825,11 +825,11 @@ def test_on_a_real_gpu_the_outputs_are_copied_into_the_page_locked_results_areas
 
 def test_an_output_larger_than_its_slot_fails_through_a_results_area_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """A results area may have room for an output its slot would not hold; the request fails the same way."""
-    import compiler.serve.processes as processes
+    import compiler.serve.processes.server as server
     from compiler.serve.load import engines_from_module
 
-    monkeypatch.setattr(processes, "_page_lock", lambda areas, device: 1)
-    monkeypatch.setattr(processes, "_page_unlock", lambda address, device: None)
+    monkeypatch.setattr(server, "page_lock", lambda areas, device: 1)
+    monkeypatch.setattr(server, "page_unlock", lambda address, device: None)
     with engines_from_module(FirstPositives(), ["x:Bx64"], buckets=(1, 4), device="cpu", contexts=1) as engines, \
             ProcessBatcher(IntoAreas(engines), capacity=1, max_wait_ms=0) as batcher:
         room = batcher._model.outputs[0].largest[0]
