@@ -152,7 +152,8 @@ def test_requests_of_other_sequence_lengths_run_in_their_own_batches(transformer
     for i, feed in enumerate(feeds):
         assert answers[i]["out"].shape == (1, feed["input_ids"].shape[1], 64)
         np.testing.assert_allclose(answers[i]["out"], transformer(feed)["out"], rtol=1e-5, atol=1e-5)
-    assert sorted(tuple(b[:, 0]) for b in recording.batches[1:]) == [(0, 1, 3), (2, 4)]
+    # the requests' threads may send in any order: which requests share a batch is what is checked
+    assert sorted(tuple(sorted(b[:, 0].tolist())) for b in recording.batches[1:]) == [(0, 1, 3), (2, 4)]
     assert recording.parts == ([1, 1] if gather else [len(b) for b in recording.batches[1:]])
     with ProcessBatcher(transformer, capacity=1, max_wait_ms=0) as batcher:  # one slot, its views kept per shape
         client = batcher.client_handle(1).connect()
