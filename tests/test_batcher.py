@@ -183,6 +183,28 @@ def test_requests_of_other_shapes_are_not_packed_together(tmp_path: Path) -> Non
         assert sorted(tuple(b[:, 0]) for b in recording.batches) == [(0, 1, 3), (2, 4)]
 
 
+def test_a_batch_takes_requests_of_its_shape_from_past_the_first_max_batch_requests(tmp_path: Path) -> None:
+    """The batcher gives the policy the queue's first ``max_batch`` requests, and the whole queue when their batch is
+    not full: a request of the first one's shape further back still joins it."""
+    directory = build_directory(tmp_path / "tr", "transformer_encoder")
+    with load(directory, backend="onnxruntime") as engines:
+        gate = threading.Event()
+        recording = Recording(engines, gate)
+        feeds = [{"input_ids": np.full((1, n), i, np.int64), "attention_mask": np.ones((1, n), np.int64)}
+                 for i, n in enumerate((9, 4, 9, 9, 4))]
+        with DynamicBatcher(recording, max_wait_ms=0, max_batch=2) as batcher:
+            try:
+                futures = [batcher.submit_async(feeds[0])]
+                assert recording.entered.wait(timeout=10)  # its batch is held at the gate while the others queue
+                futures += [batcher.submit_async(f) for f in feeds[1:]]
+            finally:
+                gate.set()
+            results = [f.result(timeout=10) for f in futures]
+        for feed, result in zip(feeds, results):
+            np.testing.assert_allclose(result["out"], engines(feed)["out"], rtol=1e-5, atol=1e-5)
+        assert [b[:, 0].tolist() for b in recording.batches] == [[0], [1, 4], [2, 3]]
+
+
 def test_close_without_draining_fails_queued_requests(engines: Engines) -> None:
     gate = threading.Event()
     recording = Recording(engines, gate)

@@ -8,7 +8,8 @@ instead of waiting forever. High-priority requests (``priority=True``) go first 
 
 Only requests whose non-batch shapes and dtypes agree are packed together (two sequence lengths
 make two batches). Requests are checked when submitted, so a bad request fails its own caller
-at once and never a batch of others.
+at once and never a batch of others. When a batch is ready and which requests it takes is
+``compiler.serve.batching``'s policy, which the process batcher shares.
 
 Requests are never packed into a batch array of their own: each request's rows are copied
 straight into the (pinned) input buffers of the context that runs the batch
@@ -29,9 +30,11 @@ batch of 64 costs one wake-up of the loop instead of 64 thread switches.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -44,6 +47,7 @@ import numpy as np
 from compiler.backends.feeds import CheckedFeed, as_kind
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
+from compiler.serve.batching import BatchPolicy, is_ready
 from compiler.serve.waits import BatcherClosed, OverdueWaits, RequestTimeout
 
 __all__ = ["DynamicBatcher"]
@@ -175,22 +179,6 @@ class _NoSet:
 _NO_SET = _NoSet()
 
 
-def is_ready(finish: Callable[..., Any]) -> bool:
-    """Whether a started batch (``Engines.start_parts``) is done; True for engines that do not say."""
-    ready = getattr(finish, "ready", None)
-    return True if ready is None else bool(ready())
-
-
-def check_settings(max_batch: int | None, max_wait_ms: float, timeout: float | None) -> None:
-    """The settings every batcher shares (this one and ``compiler.serve.processes.ProcessBatcher``)."""
-    if max_batch is not None and max_batch < 1:
-        raise InputError(f"max_batch={max_batch}: a batch holds at least one row")
-    if max_wait_ms < 0:
-        raise InputError(f"max_wait_ms={max_wait_ms} must not be negative")
-    if timeout is not None and timeout <= 0:
-        raise InputError(f"timeout={timeout} must be positive (or None to wait forever)")
-
-
 class DynamicBatcher:
     """Packs concurrent requests into batches for ``engines``; thread-safe.
 
@@ -203,13 +191,11 @@ class DynamicBatcher:
 
     def __init__(self, engines: _Engines, *, max_batch: int | None = None, max_wait_ms: float = 10.0,
                  timeout: float | None = 10.0, workers: int = 1) -> None:
-        check_settings(max_batch, max_wait_ms, timeout)
+        self._policy = BatchPolicy.of(engines.buckets, max_batch, max_wait_ms, timeout)  # ``compiler.serve.batching``
         if workers < 1:
             raise InputError(f"workers={workers}: the batcher needs at least one worker")
         self.engines = engines
         self._unbatched = tuple(sorted(i.name for i in engines.spec.inputs if not i.dims or i.dims[0] != BATCH_DIM))
-        self.max_batch = max_batch or max(engines.buckets)
-        self.max_wait = max_wait_ms / 1000.0
         self.timeout = timeout
         self._lanes: tuple[collections.deque[_Request], collections.deque[_Request]] = (
             collections.deque(), collections.deque())  # high priority, normal
@@ -223,6 +209,16 @@ class DynamicBatcher:
                          for i in range(workers)]
         for thread in self._threads:
             thread.start()
+
+    @property
+    def max_batch(self) -> int:
+        """Rows per batch at most."""
+        return self._policy.max_batch
+
+    @property
+    def max_wait(self) -> float:
+        """Seconds the first queued request waits for company (``max_wait_ms`` / 1000)."""
+        return self._policy.max_wait
 
     def __enter__(self) -> DynamicBatcher:
         return self
@@ -395,45 +391,52 @@ class DynamicBatcher:
                         answers.fail(lane.popleft(), BatcherClosed("the batcher was closed before this request ran"))
                 self._queued = 0
                 return None
-            first = high[0] if high else normal[0]
-            window_end = first.submitted + self.max_wait
-            while not self._closed and self._queued < self.max_batch:
-                left = window_end - time.monotonic()
-                if left <= 0:
+            first = (high[0] if high else normal[0]).submitted
+            while not self._closed:
+                now = time.monotonic()
+                if self._policy.ready(self._queued, first, now):
                     break
-                self._cond.wait(left)
+                self._cond.wait(self._policy.window_end(first) - now)
             return self._take(answers)
 
     def _take(self, answers: _Answers) -> list[_Request]:
-        """Pop the requests of one batch (high lane first), failing the expired ones on the way; with ``_cond``
-        held. What is left is another worker's next batch: one is woken for it."""
+        """Pop the requests of one batch (``BatchPolicy.take``; the high lane first), failing the expired ones; with
+        ``_cond`` held. What is left is another worker's next batch: one is woken for it.
+
+        The policy looks at the queue's first ``max_batch`` requests, and at the whole queue only when the batch
+        it takes from those is not full: first fit stops once the batch is full, so a full batch of the first
+        requests is the whole queue's (and converting a queue of objects to the policy's arrays costs Python per
+        request). Requests past those expire at a later look."""
         now = time.monotonic()
-        batch: list[_Request] = []
-        rows = 0
-        signature = None
-        for lane in self._lanes:
-            kept: list[_Request] = []
-            while lane:
-                request = lane.popleft()
-                if request.deadline < now:
-                    answers.fail(request, RequestTimeout(
-                        f"the request waited {(now - request.submitted) * 1000:.0f} ms in the queue, over its timeout "
-                        f"of {request.timeout * 1000:.0f} ms: {_OVERLOADED}"))
-                    continue
-                if signature is None:
-                    signature = request.signature
-                fits = request.signature == signature and (rows + request.rows <= self.max_batch or not batch)
-                if not fits:
-                    kept.append(request)
-                    if rows >= self.max_batch:
-                        break
-                    continue
-                if not request.start():
-                    continue  # its caller gave up (a timeout)
-                batch.append(request)
-                rows += request.rows
-            lane.extendleft(reversed(kept))
-        self._queued = sum(r.rows for lane in self._lanes for r in lane)
+        high, normal = self._lanes
+        size = len(high) + len(normal)
+        look = min(size, self.max_batch)
+        while True:
+            queue = list(itertools.islice(itertools.chain(high, normal), look))
+            rows = np.array([r.call.rows for r in queue], np.int64)
+            taken = self._policy.take(rows, _signature_codes([r.signature for r in queue]),
+                                      np.array([r.deadline for r in queue], np.float64), now)
+            if look == size or taken.rows >= self.max_batch:
+                break
+            look = size
+        for index in taken.expired.tolist():
+            request = queue[index]
+            answers.fail(request, RequestTimeout(
+                f"the request waited {(now - request.submitted) * 1000:.0f} ms in the queue, over its timeout "
+                f"of {request.timeout * 1000:.0f} ms: {_OVERLOADED}"))
+        # a request whose caller gave up (cancelled, or timed out) is dropped here, and its rows are left empty
+        batch = [queue[index] for index in taken.batch.tolist() if queue[index].start()]
+        # the requests looked at leave the lanes, and those kept go back in front, in their order
+        from_high = min(look, len(high))
+        for _ in range(from_high):
+            high.popleft()
+        for _ in range(look - from_high):
+            normal.popleft()
+        kept = np.flatnonzero(taken.left).tolist()
+        split = bisect.bisect_left(kept, from_high)  # kept[:split] came from the high lane
+        high.extendleft(queue[index] for index in reversed(kept[:split]))
+        normal.extendleft(queue[index] for index in reversed(kept[split:]))
+        self._queued -= taken.rows + (int(rows[taken.expired].sum()) if len(taken.expired) else 0)
         if self._queued:
             self._cond.notify()
         return batch
@@ -485,9 +488,19 @@ class DynamicBatcher:
             if self._closed or not (high or normal):
                 return []
             first = high[0] if high else normal[0]
-            if self._queued < self.max_batch and time.monotonic() < first.submitted + self.max_wait:
+            if not self._policy.ready(self._queued, first.submitted, time.monotonic()):
                 return []
             return self._take(answers)
+
+
+def _signature_codes(signatures: list[tuple[Any, ...]]) -> np.ndarray:
+    """The signatures of a queue as ``BatchPolicy.take`` takes them: a number per request, equal for equal
+    signatures; no column when all are equal (the common case, found by one C-level count)."""
+    if signatures.count(signatures[0]) == len(signatures):
+        return np.empty((len(signatures), 0), np.int64)
+    codes: dict[tuple[Any, ...], int] = {}
+    return np.array([codes.setdefault(s, len(codes)) for s in signatures], np.int64).reshape(-1, 1)
+
 
 def _signature(call: CheckedFeed, feed: Mapping[str, Any], unbatched: tuple[str, ...]) -> tuple[Any, ...]:
     """What must agree for two requests to share a batch: the sizes of the dynamic dimensions, the device of

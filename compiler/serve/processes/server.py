@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from compiler.core.errors import InputError
-from compiler.serve.batcher import check_settings, is_ready
+from compiler.serve.batching import BatchPolicy, is_ready
 from compiler.serve.processes.client import ClientHandle
 from compiler.serve.processes.layout import (
     ERROR_BYTES,
@@ -119,7 +119,7 @@ class ProcessBatcher:
                  shm_dir: str | None = None) -> None:
         if capacity < 1 or slot_rows < 1:
             raise InputError(f"capacity={capacity}, slot_rows={slot_rows}: both must be at least 1")
-        check_settings(max_batch, max_wait_ms, timeout)
+        policy = BatchPolicy.of(engines.buckets, max_batch, max_wait_ms, timeout)
         sets = getattr(engines, "buffer_sets", None)
         if in_flight is None:  # on the CPU a batch runs in start_parts: a second one would only delay the answers
             in_flight = 2 if getattr(engines, "queues_on_gpu", False) and (sets or 1) >= 2 else 1
@@ -130,15 +130,14 @@ class ProcessBatcher:
                              f"({engines.contexts} context(s)): load them with more contexts, or lower in_flight")
         self.engines = engines
         self.in_flight = in_flight
-        self.max_batch = max_batch or max(engines.buckets)
-        self.max_wait = max_wait_ms / 1000.0
+        self._policy = policy  # when a batch is ready and which requests it takes (``compiler.serve.batching``)
         self.timeout = timeout
         self._model = slot_model(engines, slot_rows)
         # on a GPU the outputs are copied into results areas of the shared memory: one per batch in flight, and two
         # whose clients are still reading (engines that take ``start_parts(out=...)``)
         areas = in_flight + 2 if RESULTS_AREAS and getattr(engines, "queues_on_gpu", False) and _takes_out(
             engines) else 0
-        self._layout = Layout.of(regions(self._model, capacity, areas, self.max_batch))
+        self._layout = Layout.of(regions(self._model, capacity, areas, policy.max_batch))
         self._memory, self._map = shared_memory(self._layout.size, shm_dir)
         self._arrays = self._layout.views(self._map)
         self._in = [(io, self._arrays[f"in:{io.name}"]) for io in self._model.inputs]
@@ -178,6 +177,16 @@ class ProcessBatcher:
         self._cpu_at_end = 0.0  # the thread's CPU time when it stopped (``cpu_seconds``)
         self._thread = threading.Thread(target=self._serve, name="trtc-process-batcher", daemon=True)
         self._thread.start()
+
+    @property
+    def max_batch(self) -> int:
+        """Rows per batch at most."""
+        return self._policy.max_batch
+
+    @property
+    def max_wait(self) -> float:
+        """Seconds the first request of the queue waits for company (``max_wait_ms`` / 1000)."""
+        return self._policy.max_wait
 
     @property
     def cpu_seconds(self) -> float:
@@ -397,8 +406,8 @@ class ProcessBatcher:
                 self._pending = pending.pick(slice(0, 0))
                 return None
             now = time.monotonic()
-            window_end = float(pending.submitted[0]) + self.max_wait
-            if pending.total_rows >= self.max_batch or now >= window_end or self._closed:
+            first = float(pending.submitted[0])
+            if self._closed or self._policy.ready(pending.total_rows, first, now):
                 batch = self._take(now)
                 if batch or not block:
                     return batch
@@ -406,39 +415,18 @@ class ProcessBatcher:
             if not block:
                 return pending.pick(slice(0, 0))
             # a nap, not a wake-up per request: every announcement would wake a reader of the pipe
-            time.sleep(min(window_end - now, _NAP))
+            time.sleep(min(self._policy.window_end(first) - now, _NAP))
 
     def _take(self, now: float) -> _Requests:
-        """Pop the requests of one batch (the oldest request's dims, up to ``max_batch`` rows; a request that does not
-        fit leaves room for later smaller ones), answering the expired ones on the way."""
+        """Pop the requests of one batch (``BatchPolicy.take``: the first request's dims, first fit up to
+        ``max_batch`` rows), answering the expired ones."""
         pending = self._pending
-        expired = pending.deadlines < now
-        if expired.any():
-            self._reply(pending.slots[expired], STATUS_EXPIRED,
+        taken = self._policy.take(pending.rows, pending.dims, pending.deadlines, now)
+        if len(taken.expired):
+            self._reply(pending.slots[taken.expired], STATUS_EXPIRED,
                         f"the request waited in the queue over its timeout: {OVERLOADED}")
-            pending = pending.pick(~expired)
-        if not pending:
-            self._pending = pending
-            return pending
-        same = (pending.dims == pending.dims[0]).all(axis=1)
-        chosen = np.flatnonzero(same)
-        rows = pending.rows[chosen]
-        if (rows == 1).all():
-            chosen = chosen[:self.max_batch]
-        else:  # first fit, in arrival order
-            fits: list[int] = []
-            total = 0
-            for index, n in zip(chosen.tolist(), rows.tolist(), strict=True):
-                if total >= self.max_batch:
-                    break
-                if total + n <= self.max_batch or not fits:
-                    fits.append(index)
-                    total += n
-            chosen = np.asarray(fits, np.int64)
-        taken = np.zeros(len(pending), bool)
-        taken[chosen] = True
-        self._pending = pending.pick(~taken)
-        return pending.pick(chosen)
+        self._pending = pending.pick(taken.left)
+        return pending.pick(taken.batch)
 
     def _start(self, batch: _Requests, wait: bool) -> _Running | None:
         """Queue the batch on the engines, its outputs copied into a free results area when there is one. None when
