@@ -184,6 +184,23 @@ def test_bad_requests_fail_in_the_client_with_one_line(engines: Engines, transfo
         ProcessBatcher(engines, in_flight=0)
 
 
+def test_the_client_refuses_a_bad_feed_with_the_message_engines_gives(engines: Engines, transformer: Engines) -> None:
+    """One feed checker (``compiler.serve.feeds``): what ``Engines`` refuses, a client refuses with the same words."""
+    bad = [(engines, np.zeros((1, 64))), (engines, np.zeros((1, 63), np.float32)),
+           (engines, np.zeros((0, 64), np.float32)), (engines, {"y": rows(0)}), (engines, {"x": rows(0), "y": rows(0)}),
+           (transformer, np.zeros((1, 4), np.int64)),
+           (transformer, {"input_ids": np.zeros((2, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}),
+           (transformer, {"input_ids": np.zeros((1, 4), np.int64), "attention_mask": np.ones((1, 5), np.int64)})]
+    with ProcessBatcher(engines, capacity=1) as mlp, ProcessBatcher(transformer, capacity=1) as tr:
+        clients = {id(engines): mlp.client_handle(1).connect(), id(transformer): tr.client_handle(1).connect()}
+        for model, x in bad:
+            with pytest.raises(FeedError) as by_engines:
+                model(x)
+            with pytest.raises(FeedError) as by_client:
+                clients[id(model)].submit(x)
+            assert str(by_client.value) == str(by_engines.value)
+
+
 class Slow(Recording):
     """Batches wait at a gate; the first batch optionally fails."""
 

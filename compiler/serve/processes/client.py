@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from compiler.backends.feeds import check_shape, mismatch
 from compiler.core.errors import FeedError, InputError
 from compiler.serve.processes.layout import (
     GRACE,
@@ -84,6 +83,7 @@ class BatcherClient:
             raise BatcherClosed("the batcher's shared memory is gone: the batcher was closed") from None
         self._handle = handle
         self._model = handle.model
+        self._names = [io.name for io in self._model.inputs]
         self._arrays = handle.layout.views(self._map)
         self._inputs = [(io, self._arrays[f"in:{io.name}"]) for io in self._model.inputs]  # the slots' input areas
         self._outputs = [(io, self._arrays[f"out:{io.name}"]) for io in self._model.outputs]
@@ -110,7 +110,7 @@ class BatcherClient:
 
     @property
     def input_names(self) -> list[str]:
-        return [io.name for io in self._model.inputs]
+        return list(self._names)
 
     @property
     def output_names(self) -> list[str]:
@@ -186,11 +186,18 @@ class BatcherClient:
         limit = self._handle.timeout if timeout is None else timeout
         if limit is not None and limit <= 0:
             raise InputError(f"timeout={limit} must be positive")
+        model = self._model
         single = not isinstance(x, Mapping)
-        feed = {self._model.inputs[0].name: x} if single else x
-        arrays, rows, dims = self._checked(feed, single)
+        call = model.checker.check(x, single)  # as ``Engines`` checks its feeds (``compiler.backends.feeds``)
+        if call.kind == "cuda":
+            name, value = next(iter(call.arrays.items()))
+            raise FeedError(f"input {name!r} is a {type(value).__name__} that is not host memory; pass a numpy array "
+                            "or a CPU tensor")
+        if call.rows > model.slot_rows:
+            raise FeedError(f"the request has {call.rows} rows and a slot holds {model.slot_rows}: split it, or make "
+                            f"the batcher with slot_rows={call.rows}")
         self._check_open()
-        return limit, single, arrays, rows, dims
+        return limit, single, [call.arrays[name] for name in self._names], call.rows, list(call.key)
 
     def _check_open(self) -> None:
         if not self._arrays:
@@ -228,33 +235,6 @@ class BatcherClient:
             return self._answer(slot, number, rows, single)
         finally:
             self._free.put(slot)
-
-    def _checked(self, feed: Mapping[str, Any], single: bool) -> tuple[list[np.ndarray], int, list[int]]:
-        """The request's arrays held to the model's contract (``compiler.backends.feeds``, as ``Engines`` holds them),
-        its rows and its dynamic sizes in slot order."""
-        model = self._model
-        if single and len(model.inputs) != 1:
-            raise FeedError(f"the model takes inputs {self.input_names}: pass a dict {{name: array}}")
-        if len(feed) != len(model.inputs) or any(io.name not in feed for io in model.inputs):
-            raise mismatch(self.input_names, feed)
-        arrays = []
-        rows = -1
-        sizes: dict[str, int] = {}
-        for check in model.checks:
-            value = feed[check.name]
-            array = value if type(value) is np.ndarray else _as_array(value, check.name)
-            if array.dtype != check.np_dtype:
-                raise FeedError(f"input {check.name!r} has dtype {array.dtype}, the model takes {check.dtype}: pass "
-                                f"x.astype(np.{check.dtype})")
-            rows = check_shape(check, array.shape, rows, sizes, model.ranges)
-            arrays.append(array)
-        dims = [sizes[name] for name in model.dim_names]
-        if rows == 0:
-            raise FeedError("the batch is empty (0 rows): pass at least one row")
-        if rows > model.slot_rows:
-            raise FeedError(f"the request has {rows} rows and a slot holds {model.slot_rows}: split it, or make the "
-                            f"batcher with slot_rows={rows}")
-        return arrays, rows, dims
 
     def _take_slot(self, end: float) -> int:
         while (slot := self._free_slot()) is None:
@@ -381,11 +361,3 @@ def _settle(futures: list[asyncio.Future[None]]) -> None:
     for future in futures:
         if not future.done():
             future.set_result(None)
-
-
-def _as_array(value: Any, name: str) -> np.ndarray:
-    try:
-        return np.asarray(value)
-    except (TypeError, RuntimeError, ValueError):
-        raise FeedError(f"input {name!r} is a {type(value).__name__} that is not host memory; pass a numpy array "
-                        "or a CPU tensor") from None

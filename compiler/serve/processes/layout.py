@@ -4,8 +4,9 @@ A ``ProcessBatcher`` (``server``) and its clients (``client``) share one file of
 fields: per slot a request's inputs and its answer's outputs (room for ``slot_rows`` rows at the model's largest
 sizes), the request's rows, dynamic sizes, numbers and times, the status of its answer (``STATUS_*``) and room for
 an error message; on a GPU, results areas the GPU copies whole batches' outputs into. ``Layout`` places them;
-``SlotModel`` is the model as the slots hold it. Both are plain numbers, so they pickle with a ``ClientHandle``.
-Numpy and the standard library only: a client process imports this.
+``SlotModel`` is the model as the slots hold it, with the feed checker its clients hold requests to. Both are
+plain data, so they pickle with a ``ClientHandle``. Numpy, the standard library and ``compiler.backends.feeds``
+only: a client process imports this.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from compiler.backends.feeds import NUMPY_DTYPES, InputCheck, checks_for
+from compiler.backends.feeds import NUMPY_DTYPES, FeedChecker
 from compiler.core.errors import InputError
-from compiler.core.specs import BATCH_DIM, DimRange, ModelSpec
+from compiler.core.specs import BATCH_DIM, ModelSpec
 
 STATUS_OK, STATUS_FAILED, STATUS_EXPIRED, STATUS_CLOSED = 1, 2, 3, 4  # a slot's status after its answer
 ERROR_BYTES = 480  # room for the message of a failed request
@@ -84,8 +85,7 @@ class SlotModel:
     inputs: tuple[SlotIo, ...]
     outputs: tuple[SlotIo, ...]
     dim_names: tuple[str, ...]  # the dynamic non-batch dims, in the order a slot stores their values
-    ranges: dict[str, DimRange]  # of each
-    checks: tuple[InputCheck, ...]  # the inputs' contracts, as ``Engines`` checks them
+    checker: FeedChecker  # the inputs' contracts: a client checks every request with it, as ``Engines`` does
     slot_rows: int
 
 
@@ -134,7 +134,7 @@ def slot_model(engines: Any, slot_rows: int) -> SlotModel:
         probe = {engines.output_names[0]: probe}
     outputs = tuple(SlotIo(name, str(np.asarray(probe[name]).dtype), tuple(np.asarray(probe[name]).shape[1:]),
                            tuple(np.asarray(probe[name]).shape[1:])) for name in engines.output_names)
-    return SlotModel(tuple(inputs), outputs, tuple(spec.dims), dict(spec.dims), tuple(checks_for(spec)), slot_rows)
+    return SlotModel(tuple(inputs), outputs, tuple(spec.dims), FeedChecker(spec), slot_rows)
 
 
 def shared_memory(size: int, directory: str | None) -> tuple[Any, mmap.mmap]:
