@@ -6,6 +6,8 @@ import asyncio
 import math
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -182,6 +184,15 @@ def test_bad_requests_fail_in_the_client_with_one_line(engines: Engines, transfo
         batcher.client_handle(3)
     with pytest.raises(InputError, match="in_flight=0"):
         ProcessBatcher(engines, in_flight=0)
+
+
+def test_a_client_process_imports_numpy_and_the_client_only() -> None:
+    """What a client process imports to reach a batcher: never torch or ONNX Runtime (nor the serving engines)."""
+    code = ("import sys, compiler.serve.processes; "
+            "heavy = {'torch', 'onnxruntime', 'compiler.serve.engines'} & set(sys.modules); assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_client_refuses_a_bad_feed_with_the_message_engines_gives(engines: Engines, transformer: Engines) -> None:
