@@ -398,7 +398,7 @@ def test_asyncio_requests_are_answered_in_one_loop_call_per_batch(engines: Engin
     results = asyncio.run(main())
     for i, out in enumerate(results):
         np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
-    assert 4 <= len(calls) <= 8  # one per batch of 16 (was one per request: 64)
+    assert 4 <= len(calls) <= 8  # one per batch of 16 (one per request would be 64)
 
     async def timed_out() -> None:
         gate = threading.Event()
@@ -499,7 +499,7 @@ def test_workers_are_woken_per_batch_not_per_request(engines: Engines, monkeypat
         gate.set()
         results = [f.result(timeout=10) for f in futures]
     assert [len(b) for b in recording.batches] == [16, 16, 8]  # full batches go at once, without the 2 s window
-    assert 1 <= wakeups.count(id(batcher._cond)) <= 6  # was one per request: 40
+    assert 1 <= wakeups.count(id(batcher._cond)) <= 6  # one per request would be 40
     for i, out in enumerate(results):
         np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
 

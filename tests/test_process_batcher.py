@@ -454,8 +454,8 @@ def test_close_without_draining_fails_queued_requests(engines: Engines) -> None:
     closer = threading.Thread(target=batcher.close, kwargs={"drain": False})
     closer.start()
     deadline = time.monotonic() + 10
-    while not batcher._closed and time.monotonic() < deadline:  # closed before the running batch ends (a fixed
-        time.sleep(0.005)  # sleep here let a loaded machine release it first, and the queued request then ran)
+    while not batcher._closed and time.monotonic() < deadline:  # closed before the running batch ends (after a fixed
+        time.sleep(0.005)  # sleep a loaded machine could release it first, and the queued request would then run)
     gate.set()
     join_all([closer, running, queued], timeout=20)
     np.testing.assert_allclose(results["running"], engines(rows(0)), rtol=1e-5, atol=1e-6)

@@ -322,13 +322,13 @@ class DynamicBatcher:
         GPU instead of holding up the next batch's copy for the GIL (on an H200, a CNN with one
         context: 9.6 k req/s at p99 15 ms against 7.0 k at 20.5 ms). Thread callers are answered
         first: 64 woken threads starved the worker of the GIL while it waited for the GPU (ONNX
-        Runtime: 1.0 k req/s against 2.7 k)."""
+        Runtime: 1.0 k req/s against 2.7 k). The figures are ``benchmarks/serving_gpu.py``'s on an H200 host."""
         running: collections.deque[tuple[list[_Request], Callable[[], dict[str, Any]]]] = collections.deque()
         overlap = self.engines.queues_on_gpu
-        # not where ``start_parts`` launches the kernels itself (eager torch): queueing a batch there while thread
-        # callers waited took ONNX Runtime's CNN rows from 7-26 % of the bound to 3-8 % on an H200 (the GIL), before
-        # its runs had a launcher thread; with that thread, two in flight took its transformer through asyncio from
-        # 36-44 % to 46-55 % (threads: 13-16 % either way)
+        # not where ``start_parts`` launches the kernels itself (eager torch): with ONNX Runtime launching a batch's
+        # kernels from the worker's thread, queueing a batch while thread callers waited took its CNN rows from
+        # 7-26 % of the bound to 3-8 % on an H200 (the GIL); launching from a thread of the context, two in flight
+        # take its transformer through asyncio from 36-44 % to 46-55 % (threads: 13-16 % either way)
         depth = 2 if (overlap and getattr(self.engines, "buffer_sets", 1) >= 2 * self._workers
                       and getattr(self.engines, "starts_at_once", True)) else 1
         waiting: list[_Request] | None = None  # a batch taken when no buffer set was free: started first

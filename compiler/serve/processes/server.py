@@ -353,7 +353,7 @@ class ProcessBatcher:
 
     def _feed(self, slot: int, rows: int, key: tuple[int, ...]) -> Any:
         """One request's rows as the checked feed ``start_parts`` takes: views of its slot (no copy until the pinned
-        buffers). Kept per slot and shape: the views see each new request's data (building one was 5-10 us per
+        buffers). Kept per slot and shape: the views see each new request's data (building one costs 5-10 us per
         request)."""
         from compiler.backends.feeds import CheckedFeed
 
