@@ -552,7 +552,7 @@ def main() -> None:
                              "(compiler.backends.onnxrt.ORDER_RUNS = True), to compare.")
     parser.add_argument("--no-results-areas", action="store_true",
                         help="ProcessBatcher writes every answer into its slot instead of the GPU copying the outputs "
-                             "into results areas (compiler.serve.processes.RESULTS_AREAS = False), to compare.")
+                             "into results areas (compiler.serve.processes.server.RESULTS_AREAS = False), to compare.")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="Load every backend with cuda_graphs=False (to compare: ONNX Runtime launches every "
                              "kernel from the host then).")
@@ -574,9 +574,9 @@ def main() -> None:
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     if args.no_results_areas:
-        import compiler.serve.processes
+        import compiler.serve.processes.server
 
-        compiler.serve.processes.RESULTS_AREAS = False
+        compiler.serve.processes.server.RESULTS_AREAS = False
     if args.ort_ordered:
         import compiler.backends.onnxrt
 

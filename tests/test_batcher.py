@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from compiler.core.errors import FeedError, InputError
-from compiler.serve.batcher import BatcherClosed, DynamicBatcher, OverdueWaits, RequestTimeout
+from compiler.serve.batcher import DynamicBatcher
 from compiler.serve.engines import Engines
 from compiler.serve.load import load
+from compiler.serve.waits import BatcherClosed, OverdueWaits, RequestTimeout
 from tests.test_runtime import build_directory
 
 
@@ -180,6 +181,28 @@ def test_requests_of_other_shapes_are_not_packed_together(tmp_path: Path) -> Non
         for feed, result in zip(feeds, results):
             np.testing.assert_allclose(result["out"], engines(feed)["out"], rtol=1e-5, atol=1e-5)
         assert sorted(tuple(b[:, 0]) for b in recording.batches) == [(0, 1, 3), (2, 4)]
+
+
+def test_a_batch_takes_requests_of_its_shape_from_past_the_first_max_batch_requests(tmp_path: Path) -> None:
+    """The batcher gives the policy the queue's first ``max_batch`` requests, and the whole queue when their batch is
+    not full: a request of the first one's shape further back still joins it."""
+    directory = build_directory(tmp_path / "tr", "transformer_encoder")
+    with load(directory, backend="onnxruntime") as engines:
+        gate = threading.Event()
+        recording = Recording(engines, gate)
+        feeds = [{"input_ids": np.full((1, n), i, np.int64), "attention_mask": np.ones((1, n), np.int64)}
+                 for i, n in enumerate((9, 4, 9, 9, 4))]
+        with DynamicBatcher(recording, max_wait_ms=0, max_batch=2) as batcher:
+            try:
+                futures = [batcher.submit_async(feeds[0])]
+                assert recording.entered.wait(timeout=10)  # its batch is held at the gate while the others queue
+                futures += [batcher.submit_async(f) for f in feeds[1:]]
+            finally:
+                gate.set()
+            results = [f.result(timeout=10) for f in futures]
+        for feed, result in zip(feeds, results):
+            np.testing.assert_allclose(result["out"], engines(feed)["out"], rtol=1e-5, atol=1e-5)
+        assert [b[:, 0].tolist() for b in recording.batches] == [[0], [1, 4], [2, 3]]
 
 
 def test_close_without_draining_fails_queued_requests(engines: Engines) -> None:
@@ -375,7 +398,7 @@ def test_asyncio_requests_are_answered_in_one_loop_call_per_batch(engines: Engin
     results = asyncio.run(main())
     for i, out in enumerate(results):
         np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
-    assert 4 <= len(calls) <= 8  # one per batch of 16 (was one per request: 64)
+    assert 4 <= len(calls) <= 8  # one per batch of 16 (one per request would be 64)
 
     async def timed_out() -> None:
         gate = threading.Event()
@@ -476,7 +499,7 @@ def test_workers_are_woken_per_batch_not_per_request(engines: Engines, monkeypat
         gate.set()
         results = [f.result(timeout=10) for f in futures]
     assert [len(b) for b in recording.batches] == [16, 16, 8]  # full batches go at once, without the 2 s window
-    assert 1 <= wakeups.count(id(batcher._cond)) <= 6  # was one per request: 40
+    assert 1 <= wakeups.count(id(batcher._cond)) <= 6  # one per request would be 40
     for i, out in enumerate(results):
         np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
 

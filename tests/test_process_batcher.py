@@ -6,6 +6,8 @@ import asyncio
 import math
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,10 +18,10 @@ import numpy as np
 import pytest
 
 from compiler.core.errors import FeedError, InputError
-from compiler.serve.batcher import BatcherClosed, RequestTimeout
 from compiler.serve.engines import Engines
 from compiler.serve.load import load
 from compiler.serve.processes import ClientHandle, ProcessBatcher, RequestFailed
+from compiler.serve.waits import BatcherClosed, RequestTimeout
 from tests.test_batcher import Recording, join_all
 from tests.test_runtime import build_directory
 
@@ -134,10 +136,10 @@ def test_requests_of_other_sequence_lengths_run_in_their_own_batches(transformer
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Each batch's rows reach the engines as one feed gathered from the slots, or (a large batch) a feed per
     request: both at each request's own sequence length."""
-    import compiler.serve.processes
+    import compiler.serve.processes.server
 
     if not gather:
-        monkeypatch.setattr(compiler.serve.processes, "_GATHER_BYTES", 0)
+        monkeypatch.setattr(compiler.serve.processes.server, "_GATHER_BYTES", 0)
     recording = Recording(transformer)
     feeds = [{"input_ids": np.full((1, n), i, np.int64), "attention_mask": np.ones((1, n), np.int64)}
              for i, n in enumerate((4, 4, 9, 4, 9))]
@@ -152,7 +154,8 @@ def test_requests_of_other_sequence_lengths_run_in_their_own_batches(transformer
     for i, feed in enumerate(feeds):
         assert answers[i]["out"].shape == (1, feed["input_ids"].shape[1], 64)
         np.testing.assert_allclose(answers[i]["out"], transformer(feed)["out"], rtol=1e-5, atol=1e-5)
-    assert sorted(tuple(b[:, 0]) for b in recording.batches[1:]) == [(0, 1, 3), (2, 4)]
+    # the requests' threads may send in any order: which requests share a batch is what is checked
+    assert sorted(tuple(sorted(b[:, 0].tolist())) for b in recording.batches[1:]) == [(0, 1, 3), (2, 4)]
     assert recording.parts == ([1, 1] if gather else [len(b) for b in recording.batches[1:]])
     with ProcessBatcher(transformer, capacity=1, max_wait_ms=0) as batcher:  # one slot, its views kept per shape
         client = batcher.client_handle(1).connect()
@@ -183,12 +186,43 @@ def test_bad_requests_fail_in_the_client_with_one_line(engines: Engines, transfo
         ProcessBatcher(engines, in_flight=0)
 
 
+def test_a_client_process_imports_numpy_and_the_client_only() -> None:
+    """What a client process imports to reach a batcher: never torch or ONNX Runtime (nor the serving engines)."""
+    code = ("import sys, compiler.serve.processes; "
+            "heavy = {'torch', 'onnxruntime', 'compiler.serve.engines'} & set(sys.modules); assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_client_refuses_a_bad_feed_with_the_message_engines_gives(engines: Engines, transformer: Engines) -> None:
+    """One feed checker (``compiler.serve.feeds``): what ``Engines`` refuses, a client refuses with the same words."""
+    bad = [(engines, np.zeros((1, 64))), (engines, np.zeros((1, 63), np.float32)),
+           (engines, np.zeros((0, 64), np.float32)), (engines, {"y": rows(0)}), (engines, {"x": rows(0), "y": rows(0)}),
+           (transformer, np.zeros((1, 4), np.int64)),
+           (transformer, {"input_ids": np.zeros((2, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}),
+           (transformer, {"input_ids": np.zeros((1, 4), np.int64), "attention_mask": np.ones((1, 5), np.int64)})]
+    with ProcessBatcher(engines, capacity=1) as mlp, ProcessBatcher(transformer, capacity=1) as tr:
+        clients = {id(engines): mlp.client_handle(1).connect(), id(transformer): tr.client_handle(1).connect()}
+        for model, x in bad:
+            with pytest.raises(FeedError) as by_engines:
+                model(x)
+            with pytest.raises(FeedError) as by_client:
+                clients[id(model)].submit(x)
+            assert str(by_client.value) == str(by_engines.value)
+
+
 class Slow(Recording):
     """Batches wait at a gate; the first batch optionally fails."""
 
     def __init__(self, engines: Engines, hold: threading.Event, fail: bool = False) -> None:
         super().__init__(engines)
         self.hold, self.fail = hold, fail
+
+    def __call__(self, x: Any) -> Any:
+        """The process batcher's probe of the output sizes: not a batch, so it leaves ``entered`` unset (tests wait
+        on it for a batch that is running)."""
+        return self.engines(x)
 
     def start_parts(self, calls: Any, wait: bool = True) -> Any:
         self.entered.set()
@@ -420,8 +454,8 @@ def test_close_without_draining_fails_queued_requests(engines: Engines) -> None:
     closer = threading.Thread(target=batcher.close, kwargs={"drain": False})
     closer.start()
     deadline = time.monotonic() + 10
-    while not batcher._closed and time.monotonic() < deadline:  # closed before the running batch ends (a fixed
-        time.sleep(0.005)  # sleep here let a loaded machine release it first, and the queued request then ran)
+    while not batcher._closed and time.monotonic() < deadline:  # closed before the running batch ends (after a fixed
+        time.sleep(0.005)  # sleep a loaded machine could release it first, and the queued request would then run)
     gate.set()
     join_all([closer, running, queued], timeout=20)
     np.testing.assert_allclose(results["running"], engines(rows(0)), rtol=1e-5, atol=1e-6)
@@ -686,10 +720,10 @@ def test_on_a_gpu_answers_are_read_where_the_gpu_copied_them(engines: Engines, m
     written into every slot; each client copies its rows from there and marks them taken, and an area serves the
     next batches only once every answer in it was taken, or its requests' time is over. A client whose area was
     reused before it read it gets an error, never another request's rows."""
-    import compiler.serve.processes as processes
+    import compiler.serve.processes.server as server
 
-    monkeypatch.setattr(processes, "_page_lock", lambda areas, device: 1)  # the CUDA call; the protocol is tested
-    monkeypatch.setattr(processes, "_page_unlock", lambda address, device: None)
+    monkeypatch.setattr(server, "page_lock", lambda areas, device: 1)  # the CUDA call; the protocol is tested
+    monkeypatch.setattr(server, "page_unlock", lambda address, device: None)
     into = IntoAreas(engines)
     requests = [rows(i, 1 + i % 2) for i in range(60)]
     answers: dict[int, Any] = {}
@@ -748,7 +782,7 @@ def test_on_a_gpu_answers_are_read_where_the_gpu_copied_them(engines: Engines, m
 
         def frees(area: int) -> bool:  # whether the batcher would give ``area`` to its next batch
             others = {i: r for i, r in enumerate(batcher._readers) if i != area}
-            batcher._readers[:] = [batcher._readers[i] if i == area else processes._FILLING for i in range(4)]
+            batcher._readers[:] = [batcher._readers[i] if i == area else server._FILLING for i in range(4)]
             try:
                 return batcher._free_area() == area
             finally:
@@ -825,11 +859,11 @@ def test_on_a_real_gpu_the_outputs_are_copied_into_the_page_locked_results_areas
 
 def test_an_output_larger_than_its_slot_fails_through_a_results_area_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """A results area may have room for an output its slot would not hold; the request fails the same way."""
-    import compiler.serve.processes as processes
+    import compiler.serve.processes.server as server
     from compiler.serve.load import engines_from_module
 
-    monkeypatch.setattr(processes, "_page_lock", lambda areas, device: 1)
-    monkeypatch.setattr(processes, "_page_unlock", lambda address, device: None)
+    monkeypatch.setattr(server, "page_lock", lambda areas, device: 1)
+    monkeypatch.setattr(server, "page_unlock", lambda address, device: None)
     with engines_from_module(FirstPositives(), ["x:Bx64"], buckets=(1, 4), device="cpu", contexts=1) as engines, \
             ProcessBatcher(IntoAreas(engines), capacity=1, max_wait_ms=0) as batcher:
         room = batcher._model.outputs[0].largest[0]

@@ -8,7 +8,8 @@ instead of waiting forever. High-priority requests (``priority=True``) go first 
 
 Only requests whose non-batch shapes and dtypes agree are packed together (two sequence lengths
 make two batches). Requests are checked when submitted, so a bad request fails its own caller
-at once and never a batch of others.
+at once and never a batch of others. When a batch is ready and which requests it takes is
+``compiler.serve.batching``'s policy, which the process batcher shares.
 
 Requests are never packed into a batch array of their own: each request's rows are copied
 straight into the (pinned) input buffers of the context that runs the batch
@@ -29,13 +30,14 @@ batch of 64 costs one wake-up of the loop instead of 64 thread switches.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,19 +47,12 @@ import numpy as np
 from compiler.backends.feeds import CheckedFeed, as_kind
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
+from compiler.serve.batching import BatchPolicy, is_ready
+from compiler.serve.waits import BatcherClosed, OverdueWaits, RequestTimeout
 
-__all__ = ["DynamicBatcher", "RequestTimeout", "BatcherClosed"]
+__all__ = ["DynamicBatcher"]
 
 log = logging.getLogger(__name__)
-_SWEEP = 0.01  # seconds between an event loop's looks for ``infer`` requests past their timeout
-
-
-class RequestTimeout(TimeoutError):
-    """A request was not answered within its timeout (the server is overloaded or stuck)."""
-
-
-class BatcherClosed(RuntimeError):
-    """The batcher was closed before the request ran."""
 
 
 class _Engines(Protocol):
@@ -159,92 +154,6 @@ class _Answers:
         self._by_loop.clear()
 
 
-class OverdueWaits:
-    """The ``infer`` waits of every event loop awaiting one batcher's answers (``DynamicBatcher``, or a
-    ``BatcherClient`` of a process batcher): one ``_Overdue`` per loop, each waiting future failed with
-    ``RequestTimeout`` once its time is over. Held weakly both ways (the waits hold their futures, which hold the
-    loop): the waiting ``infer`` calls and the scheduled look keep a loop's ``_Overdue``.
-
-    One look per event loop every ``_SWEEP`` seconds: a timer handle per request cost a fifth of the loop's time per
-    request (76 k against 95 k req/s with instant answers on the dev machine), and ``asyncio.timeout``'s context
-    manager and task cancellation a third before that; in a client process, an asyncio timer per request cost a
-    quarter of its time."""
-
-    def __init__(self, advice: str) -> None:
-        self._advice = advice  # what the timeout's message tells the user to do
-        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[_Overdue]] = (
-            weakref.WeakKeyDictionary())
-
-    def add(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], limit: float,
-            due: float) -> _Overdue:
-        """Fail ``future`` with "no answer within ``limit``" once ``time.monotonic()`` passes ``due``, unless it is
-        done by then; ``drop`` it from what this returns once it is."""
-        kept = self._by_loop.get(loop)
-        overdue = kept() if kept is not None else None
-        if overdue is None:
-            overdue = _Overdue(self._advice)
-            self._by_loop[loop] = weakref.ref(overdue)
-        overdue.add(loop, future, limit, due)
-        return overdue
-
-
-class _Overdue:
-    """The ``infer`` requests of one event loop waiting for their answers; touched on that loop only. While any
-    waits, one callback every ``_SWEEP`` seconds fails those past their time. The waits are kept by the ``_SWEEP``
-    tick they fall due in, so that adding and dropping one costs two dict operations and a look goes over the
-    ticks since the last look only (a look over every waiting request cost 2 us per request a second of waiting,
-    as much as the timer it replaces, when a server is overloaded), and a dropped (answered) wait keeps nothing
-    alive."""
-
-    def __init__(self, advice: str) -> None:
-        self.live: dict[asyncio.Future[Any], int] = {}  # future -> the tick it falls due in
-        self._ticks: dict[int, dict[asyncio.Future[Any], tuple[float, float]]] = {}  # tick -> {future: (due, limit)}
-        self._next = 0  # the first tick the next look goes over
-        self._advice = advice
-        self._armed = False
-
-    def add(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], limit: float, due: float) -> None:
-        tick = int(due // _SWEEP)
-        self._ticks.setdefault(tick, {})[future] = (due, limit)
-        self.live[future] = tick
-        self._next = min(self._next, tick) if self._armed else tick
-        if not self._armed:
-            self._armed = True
-            loop.call_later(_SWEEP, self._sweep, loop)
-
-    def drop(self, future: asyncio.Future[Any]) -> None:
-        tick = self.live.pop(future, None)
-        if tick is None:
-            return
-        waits = self._ticks[tick]
-        del waits[future]
-        if not waits:
-            del self._ticks[tick]
-
-    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            now = time.monotonic()
-            last = int(now // _SWEEP)
-            for tick in range(self._next, last + 1):
-                waits = self._ticks.get(tick)
-                if not waits:
-                    continue
-                for future, (due, limit) in list(waits.items()):
-                    if due > now:  # the last tick's later part
-                        continue
-                    del waits[future]
-                    del self.live[future]
-                    if not future.done():  # a request still queued is then dropped (``_Request.start``)
-                        future.set_exception(RequestTimeout(f"no answer within {limit * 1000:.0f} ms: {self._advice}"))
-                if not waits:
-                    del self._ticks[tick]
-            self._next = last
-        finally:  # re-armed whatever happened, or no later timeout of this loop would fire
-            self._armed = bool(self.live)
-            if self._armed:
-                loop.call_later(_SWEEP, self._sweep, loop)
-
-
 def _settle(items: list[tuple[Any, Any, BaseException | None]]) -> None:
     """On the event loop: set each asyncio future that is still waiting."""
     for future, value, error in items:
@@ -270,22 +179,6 @@ class _NoSet:
 _NO_SET = _NoSet()
 
 
-def is_ready(finish: Callable[..., Any]) -> bool:
-    """Whether a started batch (``Engines.start_parts``) is done; True for engines that do not say."""
-    ready = getattr(finish, "ready", None)
-    return True if ready is None else bool(ready())
-
-
-def check_settings(max_batch: int | None, max_wait_ms: float, timeout: float | None) -> None:
-    """The settings every batcher shares (this one and ``compiler.serve.processes.ProcessBatcher``)."""
-    if max_batch is not None and max_batch < 1:
-        raise InputError(f"max_batch={max_batch}: a batch holds at least one row")
-    if max_wait_ms < 0:
-        raise InputError(f"max_wait_ms={max_wait_ms} must not be negative")
-    if timeout is not None and timeout <= 0:
-        raise InputError(f"timeout={timeout} must be positive (or None to wait forever)")
-
-
 class DynamicBatcher:
     """Packs concurrent requests into batches for ``engines``; thread-safe.
 
@@ -298,13 +191,11 @@ class DynamicBatcher:
 
     def __init__(self, engines: _Engines, *, max_batch: int | None = None, max_wait_ms: float = 10.0,
                  timeout: float | None = 10.0, workers: int = 1) -> None:
-        check_settings(max_batch, max_wait_ms, timeout)
+        self._policy = BatchPolicy.of(engines.buckets, max_batch, max_wait_ms, timeout)  # ``compiler.serve.batching``
         if workers < 1:
             raise InputError(f"workers={workers}: the batcher needs at least one worker")
         self.engines = engines
         self._unbatched = tuple(sorted(i.name for i in engines.spec.inputs if not i.dims or i.dims[0] != BATCH_DIM))
-        self.max_batch = max_batch or max(engines.buckets)
-        self.max_wait = max_wait_ms / 1000.0
         self.timeout = timeout
         self._lanes: tuple[collections.deque[_Request], collections.deque[_Request]] = (
             collections.deque(), collections.deque())  # high priority, normal
@@ -318,6 +209,16 @@ class DynamicBatcher:
                          for i in range(workers)]
         for thread in self._threads:
             thread.start()
+
+    @property
+    def max_batch(self) -> int:
+        """Rows per batch at most."""
+        return self._policy.max_batch
+
+    @property
+    def max_wait(self) -> float:
+        """Seconds the first queued request waits for company (``max_wait_ms`` / 1000)."""
+        return self._policy.max_wait
 
     def __enter__(self) -> DynamicBatcher:
         return self
@@ -359,8 +260,8 @@ class DynamicBatcher:
         """``submit`` for asyncio: ``await batcher.infer(x)`` in a coroutine; the event loop is never blocked.
 
         Raises as ``submit`` does (the timeout fails the request up to 10 ms late: the loop looks for late
-        requests every ``_SWEEP`` seconds); a request whose caller is cancelled (or times out) before its
-        batch starts is dropped.
+        requests every ``compiler.serve.waits.SWEEP`` seconds); a request whose caller is cancelled (or times out)
+        before its batch starts is dropped.
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -421,13 +322,13 @@ class DynamicBatcher:
         GPU instead of holding up the next batch's copy for the GIL (on an H200, a CNN with one
         context: 9.6 k req/s at p99 15 ms against 7.0 k at 20.5 ms). Thread callers are answered
         first: 64 woken threads starved the worker of the GIL while it waited for the GPU (ONNX
-        Runtime: 1.0 k req/s against 2.7 k)."""
+        Runtime: 1.0 k req/s against 2.7 k). The figures are ``benchmarks/serving_gpu.py``'s on an H200 host."""
         running: collections.deque[tuple[list[_Request], Callable[[], dict[str, Any]]]] = collections.deque()
         overlap = self.engines.queues_on_gpu
-        # not where ``start_parts`` launches the kernels itself (eager torch): queueing a batch there while thread
-        # callers waited took ONNX Runtime's CNN rows from 7-26 % of the bound to 3-8 % on an H200 (the GIL), before
-        # its runs had a launcher thread; with that thread, two in flight took its transformer through asyncio from
-        # 36-44 % to 46-55 % (threads: 13-16 % either way)
+        # not where ``start_parts`` launches the kernels itself (eager torch): with ONNX Runtime launching a batch's
+        # kernels from the worker's thread, queueing a batch while thread callers waited took its CNN rows from
+        # 7-26 % of the bound to 3-8 % on an H200 (the GIL); launching from a thread of the context, two in flight
+        # take its transformer through asyncio from 36-44 % to 46-55 % (threads: 13-16 % either way)
         depth = 2 if (overlap and getattr(self.engines, "buffer_sets", 1) >= 2 * self._workers
                       and getattr(self.engines, "starts_at_once", True)) else 1
         waiting: list[_Request] | None = None  # a batch taken when no buffer set was free: started first
@@ -490,45 +391,52 @@ class DynamicBatcher:
                         answers.fail(lane.popleft(), BatcherClosed("the batcher was closed before this request ran"))
                 self._queued = 0
                 return None
-            first = high[0] if high else normal[0]
-            window_end = first.submitted + self.max_wait
-            while not self._closed and self._queued < self.max_batch:
-                left = window_end - time.monotonic()
-                if left <= 0:
+            first = (high[0] if high else normal[0]).submitted
+            while not self._closed:
+                now = time.monotonic()
+                if self._policy.ready(self._queued, first, now):
                     break
-                self._cond.wait(left)
+                self._cond.wait(self._policy.window_end(first) - now)
             return self._take(answers)
 
     def _take(self, answers: _Answers) -> list[_Request]:
-        """Pop the requests of one batch (high lane first), failing the expired ones on the way; with ``_cond``
-        held. What is left is another worker's next batch: one is woken for it."""
+        """Pop the requests of one batch (``BatchPolicy.take``; the high lane first), failing the expired ones; with
+        ``_cond`` held. What is left is another worker's next batch: one is woken for it.
+
+        The policy looks at the queue's first ``max_batch`` requests, and at the whole queue only when the batch
+        it takes from those is not full: first fit stops once the batch is full, so a full batch of the first
+        requests is the whole queue's (and converting a queue of objects to the policy's arrays costs Python per
+        request). Requests past those expire at a later look."""
         now = time.monotonic()
-        batch: list[_Request] = []
-        rows = 0
-        signature = None
-        for lane in self._lanes:
-            kept: list[_Request] = []
-            while lane:
-                request = lane.popleft()
-                if request.deadline < now:
-                    answers.fail(request, RequestTimeout(
-                        f"the request waited {(now - request.submitted) * 1000:.0f} ms in the queue, over its timeout "
-                        f"of {request.timeout * 1000:.0f} ms: {_OVERLOADED}"))
-                    continue
-                if signature is None:
-                    signature = request.signature
-                fits = request.signature == signature and (rows + request.rows <= self.max_batch or not batch)
-                if not fits:
-                    kept.append(request)
-                    if rows >= self.max_batch:
-                        break
-                    continue
-                if not request.start():
-                    continue  # its caller gave up (a timeout)
-                batch.append(request)
-                rows += request.rows
-            lane.extendleft(reversed(kept))
-        self._queued = sum(r.rows for lane in self._lanes for r in lane)
+        high, normal = self._lanes
+        size = len(high) + len(normal)
+        look = min(size, self.max_batch)
+        while True:
+            queue = list(itertools.islice(itertools.chain(high, normal), look))
+            rows = np.array([r.call.rows for r in queue], np.int64)
+            taken = self._policy.take(rows, _signature_codes([r.signature for r in queue]),
+                                      np.array([r.deadline for r in queue], np.float64), now)
+            if look == size or taken.rows >= self.max_batch:
+                break
+            look = size
+        for index in taken.expired.tolist():
+            request = queue[index]
+            answers.fail(request, RequestTimeout(
+                f"the request waited {(now - request.submitted) * 1000:.0f} ms in the queue, over its timeout "
+                f"of {request.timeout * 1000:.0f} ms: {_OVERLOADED}"))
+        # a request whose caller gave up (cancelled, or timed out) is dropped here, and its rows are left empty
+        batch = [queue[index] for index in taken.batch.tolist() if queue[index].start()]
+        # the requests looked at leave the lanes, and those kept go back in front, in their order
+        from_high = min(look, len(high))
+        for _ in range(from_high):
+            high.popleft()
+        for _ in range(look - from_high):
+            normal.popleft()
+        kept = np.flatnonzero(taken.left).tolist()
+        split = bisect.bisect_left(kept, from_high)  # kept[:split] came from the high lane
+        high.extendleft(queue[index] for index in reversed(kept[:split]))
+        normal.extendleft(queue[index] for index in reversed(kept[split:]))
+        self._queued -= taken.rows + (int(rows[taken.expired].sum()) if len(taken.expired) else 0)
         if self._queued:
             self._cond.notify()
         return batch
@@ -580,9 +488,19 @@ class DynamicBatcher:
             if self._closed or not (high or normal):
                 return []
             first = high[0] if high else normal[0]
-            if self._queued < self.max_batch and time.monotonic() < first.submitted + self.max_wait:
+            if not self._policy.ready(self._queued, first.submitted, time.monotonic()):
                 return []
             return self._take(answers)
+
+
+def _signature_codes(signatures: list[tuple[Any, ...]]) -> np.ndarray:
+    """The signatures of a queue as ``BatchPolicy.take`` takes them: a number per request, equal for equal
+    signatures; no column when all are equal (the common case, found by one C-level count)."""
+    if signatures.count(signatures[0]) == len(signatures):
+        return np.empty((len(signatures), 0), np.int64)
+    codes: dict[tuple[Any, ...], int] = {}
+    return np.array([codes.setdefault(s, len(codes)) for s in signatures], np.int64).reshape(-1, 1)
+
 
 def _signature(call: CheckedFeed, feed: Mapping[str, Any], unbatched: tuple[str, ...]) -> tuple[Any, ...]:
     """What must agree for two requests to share a batch: the sizes of the dynamic dimensions, the device of
