@@ -441,8 +441,8 @@ def test_a_backend_that_fails_is_a_row_not_a_crash(monkeypatch: pytest.MonkeyPat
         raise ValueError(f"bucket {bucket} does not fit")
 
     monkeypatch.setattr(measure_module, "measure_bucket", measure)
-    results, skipped = measure_plan(Plan("torch", "fp32", lambda: Released(0.0)), (1, 4), {1: {}, 4: {}}, {1: {}, 4: {}}, settings,
-                                    context)
+    results, skipped = measure_plan(Plan("torch", "fp32", lambda: Released(0.0)), (1, 4), {1: {}, 4: {}},
+                                    {1: {}, 4: {}}, settings, context)
     assert results == [] and closed == [1]
     assert [(s.bucket, s.reason, s.failed) for s in skipped] == [
         (b, f"failed: ValueError: bucket {b} does not fit", True) for b in (1, 4)]

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from compiler.backends.feeds import CheckedFeed, as_kind
+from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.serve.batching import BatchPolicy, is_ready
@@ -189,7 +190,7 @@ class DynamicBatcher:
     worker keeps two batches in flight when the engines have two sets per worker).
     """
 
-    def __init__(self, engines: _Engines, *, max_batch: int | None = None, max_wait_ms: float = 10.0,
+    def __init__(self, engines: _Engines, *, max_batch: int | None = None, max_wait_ms: float = defaults.MAX_WAIT_MS,
                  timeout: float | None = 10.0, workers: int = 1) -> None:
         self._policy = BatchPolicy.of(engines.buckets, max_batch, max_wait_ms, timeout)  # ``compiler.serve.batching``
         if workers < 1:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.serve.batching import BatchPolicy, is_ready
 from compiler.serve.processes.client import ClientHandle
@@ -115,7 +116,7 @@ class ProcessBatcher:
     """
 
     def __init__(self, engines: Any, *, capacity: int = 256, slot_rows: int = 1, max_batch: int | None = None,
-                 max_wait_ms: float = 10.0, timeout: float | None = 10.0, in_flight: int | None = None,
+                 max_wait_ms: float = defaults.MAX_WAIT_MS, timeout: float | None = 10.0, in_flight: int | None = None,
                  shm_dir: str | None = None) -> None:
         if capacity < 1 or slot_rows < 1:
             raise InputError(f"capacity={capacity}, slot_rows={slot_rows}: both must be at least 1")
