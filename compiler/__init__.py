@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from compiler.serve.load import load as load
 
-__version__ = "0.1.0"
+from compiler.core.version import __version__
+
 __all__ = ["__version__", "load"]
 
 

@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from compiler import __version__
 from compiler.core.errors import InputError
 from compiler.core.files import atomic_write_json, read_json, sha256_file, sha256_files
 from compiler.core.onnx_io import onnx_files
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
+from compiler.core.version import __version__
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "read_manifest", "write_manifest", "tool_versions", "onnx_entry",
            "refuse_other_model", "now", "spec_from_manifest", "inside", "verified_onnx", "verified_file", "onnx_for"]
