@@ -6,29 +6,8 @@ batch runs, so memory does not grow with the number of batches. ``amax_from_hist
 into a clipping threshold with one of the methods in ``AMAX_METHODS``. ``collect_max_abs`` runs the same
 machinery for the running max |x| only (FP16 overflow detection).
 
-What ``exclude_masked=True`` leaves out
----------------------------------------
-*Padding.* An attention mask is a graph input of integer or bool type whose name contains ``mask``, fed
-as a [B, S] array with 1 = real token and 0 = padding (the Hugging Face convention; PyTorch's
-``key_padding_mask``, where True means padding, is the opposite and is not detected). With such a feed:
-
-* a tensor whose two leading dims are [B, S] (token activations [B, S, ...]) keeps only the positions
-  where mask == 1;
-* a tensor shaped [B, ..., S, S] (attention scores) keeps element [b, ..., q, k] only where both query q
-  and key k are real tokens. It must have at least 4 dims ([B, H, S, S]), or 3 dims and lie in the
-  mask-bias cone below, so that a [B, S, D] tensor with D == S is not mistaken for scores.
-
-*Mask biases.* Values <= -``mask_bias_threshold`` (default 1000.0; -inf included) are left out of every
-tensor in the mask-bias cone: the tensors computed from a mask input (any graph input whose name contains
-``mask``) or from a constant holding such values (a baked causal mask, a ``-1e9`` or ``finfo.min`` fill),
-following only inputs whose values reach the output (not Gather indices, Reshape shapes, Where
-conditions) and stopping at Softmax, which turns a masked score into a probability of exactly 0. Why
-1000: the biases in use are -1e4, -1e9, -65504 and finfo.min, all far below it, while a real pre-Softmax
-score of -1000 already has weight exp(-1000) == 0 in FP32, so no value that matters is lost. Values
-below the threshold outside the cone (large real activations) are kept.
-
-NaN anywhere, and +-inf other than a mask bias, in a value that is kept raises ``CalibrationError``
-naming the batch and the tensor.
+With ``exclude_masked=True`` (the default of ``collect_histograms``) padding positions and attention-mask
+biases stay out of the histograms; ``calibration/masks.py`` says which values those are.
 """
 
 from __future__ import annotations
@@ -45,22 +24,30 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
+from calibration.masks import (
+    DEFAULT_MASK_BIAS_THRESHOLD,
+    check_finite,
+    kept_values,
+    log_exclusions,
+    mask_bias_cone,
+    padding_mask,
+    padding_mask_inputs,
+)
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
-from compiler.core.onnx_io import load_onnx, ort_session, outer_scope_names, save_onnx, weightless_copy
+from compiler.core.onnx_io import load_onnx, ort_session, save_onnx, weightless_copy
 from compiler.core.worker import mark_step
 
 __all__ = ["AbsHistogram", "CalibrationStats", "AMAX_METHODS", "amax_from_histogram", "collect_histograms",
-           "collect_max_abs", "DEFAULT_BINS", "AMAX_FLOOR", "DEFAULT_MASK_BIAS_THRESHOLD",
+           "collect_max_abs", "DEFAULT_BINS", "AMAX_FLOOR",
            "DEFAULT_MEMORY_BUDGET"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BINS = 2048  # as TensorRT's and ModelOpt's histogram calibrators
 AMAX_FLOOR = 1e-8  # the amax of an all-zero (or never seen) tensor: a scale of 0 would divide by zero
-DEFAULT_MASK_BIAS_THRESHOLD = 1000.0
 INT8_LEVELS = 127  # positive levels of symmetric signed INT8
 ENTROPY_LEVELS = 128  # TensorRT's entropy calibration quantizes the reference distribution to 128 bins
 ENTROPY_START_BIN = 128  # and tries thresholds from bin 128 upward
@@ -76,24 +63,6 @@ _TORCH_UPDATE_CHUNK = 1 << 24  # values binned at once on the GPU: 128 MiB of fl
 # one or two samples at a time (docs/benchmarks.md, calibration memory, has its peak RSS).
 DEFAULT_MEMORY_BUDGET = 64 << 20
 _PROTO_LIMIT = 2**31 - 2**24  # protobuf cannot serialize 2 GiB; bigger models go through a scratch file
-_MAX_SEED_CONSTANT = 1 << 22  # constants up to 4M elements (a 2048 x 2048 causal mask) are scanned for biases
-_FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16})
-_MASK_TYPES = frozenset({TensorProto.BOOL, TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16,
-                         TensorProto.INT32, TensorProto.INT64})
-
-# Inputs (by position) that steer where data goes but whose values never reach the output: a mask bias
-# does not flow through them.
-_INDEX_INPUTS: dict[str, frozenset[int]] = {
-    "Gather": frozenset({1}), "GatherElements": frozenset({1}), "GatherND": frozenset({1}),
-    "Reshape": frozenset({1}), "Expand": frozenset({1}), "Tile": frozenset({1}), "Where": frozenset({0}),
-    "Slice": frozenset({1, 2, 3, 4}), "Unsqueeze": frozenset({1}), "Squeeze": frozenset({1}),
-    "Pad": frozenset({1, 3}), "ReduceSum": frozenset({1}), "ReduceMean": frozenset({1}),
-    "ReduceMax": frozenset({1}), "ReduceMin": frozenset({1}), "TopK": frozenset({1}),
-}
-# Outputs that describe shapes or positions, never values.
-_SHAPE_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "ConstantOfShape", "EyeLike", "Range"})
-# A mask bias ends here: masked positions come out as exactly 0.
-_BIAS_SINKS = frozenset({"Softmax"})
 
 
 class AbsHistogram:
@@ -455,7 +424,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
                 progress(observed.samples)
         for future in pending:
             future.result()
-    _log_exclusions(excluded, mask_bias_threshold)
+    log_exclusions(excluded, mask_bias_threshold)
     binned_on = (chosen[0] if chosen else None) or "host"
     log.info("collected |x| histograms of %d tensors from %d batches (%d samples), binned on %s", len(histograms),
              count, samples, binned_on)
@@ -532,7 +501,7 @@ def _scalar_max_abs(index: int, name: str, value: float, in_cone: bool) -> float
 def _input_max_abs(index: int, name: str, array: np.ndarray, in_cone: bool, threshold: float) -> float:
     """The max |x| of a graph input read from the feed, every value counted (mask biases too)."""
     flat = array.ravel()
-    _check_finite(index, name, flat[flat > -threshold] if in_cone else flat)
+    check_finite(index, name, flat[flat > -threshold] if in_cone else flat)
     return max(float(flat.max()), -float(flat.min())) if flat.size else 0.0
 
 
@@ -686,9 +655,8 @@ def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str]
         if not fetched:  # only the scalars leave ONNX Runtime, not the model's own outputs
             del graph.output[:]
         reduced = _add_max_abs_reductions(graph, to_reduce, types)
-    mask_inputs = [i for i in graph.input if i.name in inputs and "mask" in i.name.lower()]
-    padding_masks = tuple(i.name for i in mask_inputs if i.type.tensor_type.elem_type in _MASK_TYPES)
-    cone = _mask_bias_cone(graph, {i.name for i in mask_inputs} | _bias_constants(graph, threshold, weights_dir))
+    padding_masks = padding_mask_inputs(graph, inputs)
+    cone = mask_bias_cone(graph, inputs, threshold, weights_dir)
     return _Probe(model, inputs, tuple(names), fetched, padding_masks, cone, weights_dir, tuple(max_abs_names),
                   reduced)
 
@@ -714,50 +682,6 @@ def _element_types(model: onnx.ModelProto, names: list[str]) -> dict[str, int]:
         except (onnx.shape_inference.InferenceError, ValueError) as err:
             log.warning("shape inference failed (%s); exposing calibrated tensors as float32", err)
     return {i.name: i.type.tensor_type.elem_type for i in infos if i.type.tensor_type.elem_type}
-
-
-def _bias_constants(graph: onnx.GraphProto, threshold: float, weights_dir: Path | None = None) -> set[str]:
-    """Initializers and Constant/ConstantOfShape outputs holding a value <= -threshold (baked mask biases)."""
-    found = set()
-    for init in graph.initializer:
-        if init.data_type in _FLOAT_TYPES and math.prod(init.dims) <= _MAX_SEED_CONSTANT \
-                and _holds_bias(numpy_helper.to_array(init, str(weights_dir or "")), threshold):
-            found.add(init.name)
-    for node in graph.node:
-        if node.op_type in ("Constant", "ConstantOfShape") \
-                and any(_holds_bias(_attribute_values(attr), threshold) for attr in node.attribute):
-            found.update(out for out in node.output if out)
-    return found
-
-
-def _attribute_values(attr: onnx.AttributeProto) -> np.ndarray:
-    """The float values a Constant-like attribute holds (empty for any other kind)."""
-    if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type in _FLOAT_TYPES:
-        return numpy_helper.to_array(attr.t)
-    if attr.type == onnx.AttributeProto.FLOAT:
-        return np.array([attr.f])
-    if attr.type == onnx.AttributeProto.FLOATS:
-        return np.array(attr.floats)
-    return np.zeros(0)
-
-
-def _holds_bias(values: np.ndarray, threshold: float) -> bool:
-    return bool(values.size) and float(np.min(values)) <= -threshold
-
-
-def _mask_bias_cone(graph: onnx.GraphProto, seeds: set[str]) -> frozenset[str]:
-    """Every tensor a mask bias can reach from ``seeds`` through value-carrying inputs, up to Softmax."""
-    cone = set(seeds)
-    if not cone:
-        return frozenset()
-    for node in graph.node:  # ONNX graphs list nodes in topological order
-        if node.op_type in _SHAPE_OPS or node.op_type in _BIAS_SINKS:
-            continue
-        skipped = _INDEX_INPUTS.get(node.op_type, frozenset())
-        carried = [name for pos, name in enumerate(node.input) if pos not in skipped]
-        if any(name in cone for name in carried) or not cone.isdisjoint(outer_scope_names(node)):
-            cone.update(out for out in node.output if out)
-    return frozenset(cone)
 
 
 def _session_for(probe: _Probe, providers: list[str] | None, scratch: Path, in_node_order: bool = False) -> Any:
@@ -800,7 +724,7 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
     arrays = results[:len(probe.fetched)]
     tensors = dict(zip(probe.fetched, arrays))
     scalars = dict(zip(probe.reduced, results[len(probe.fetched):]))
-    mask: Any = _padding_mask(probe, feed) if exclude_masked else None
+    mask: Any = padding_mask(feed, probe.padding_masks) if exclude_masked else None
     if device is not None and mask is not None:
         mask = _on_device(mask, device)
     values: dict[str, Any] = {}
@@ -810,7 +734,7 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
             array = tensors[name] if device is not None else np.asarray(tensors[name])
         else:  # a graph input, read from the feed
             array = feed[name] if device is None else _on_device(feed[name], device)
-        values[name] = _kept_values(index, name, array, mask, name in probe.bias_cone, exclude_masked, threshold)
+        values[name] = kept_values(index, name, array, mask, name in probe.bias_cone, exclude_masked, threshold)
         excluded[name] = _numel(array) - _numel(values[name])
     maxima: dict[str, float] = {}
     for name in probe.max_abs_names:
@@ -890,63 +814,3 @@ def _numel(values: Any) -> int:
 
 def _nbytes(values: Any) -> int:
     return int(values.nbytes) if isinstance(values, np.ndarray) else int(values.numel() * values.element_size())
-
-
-def _padding_mask(probe: _Probe, feed: dict[str, np.ndarray]) -> np.ndarray | None:
-    """The first [B, S] mask input of this feed as bools (True = real token), if any."""
-    for name in probe.padding_masks:
-        if feed[name].ndim == 2:
-            return feed[name] != 0
-    return None
-
-
-def _kept_values(index: int, name: str, array: Any, mask: Any, in_cone: bool, exclude_masked: bool,
-                 threshold: float) -> Any:
-    """The flattened values of ``array`` that enter the statistics; raises on NaN or non-bias Inf.
-
-    ``array`` and ``mask`` are numpy arrays, or torch tensors on one device (the device path): the same
-    indexing on either.
-    """
-    if mask is not None:
-        array = _unpadded(array, mask, in_cone)
-    flat = array.ravel()
-    if not in_cone:
-        _check_finite(index, name, flat)
-        return flat
-    biases = flat <= -threshold
-    _check_finite(index, name, flat[~biases])
-    return flat[~biases] if exclude_masked else flat
-
-
-def _unpadded(array: Any, mask: Any, in_cone: bool) -> Any:
-    """The elements of ``array`` at real-token positions (see the module docstring for the two shapes)."""
-    b, s = mask.shape
-    shape = array.shape
-    if array.ndim >= 3 and shape[0] == b and shape[-2:] == (s, s) and (array.ndim >= 4 or in_cone):
-        pairs = mask[:, :, None] & mask[:, None, :]
-        keep = pairs.reshape((b,) + (1,) * (array.ndim - 3) + (s, s))
-        return array[np.broadcast_to(keep, shape) if isinstance(keep, np.ndarray) else keep.expand(shape)]
-    if array.ndim >= 2 and shape[:2] == (b, s):
-        return array[mask]
-    return array
-
-
-def _check_finite(index: int, name: str, values: Any) -> None:
-    if isinstance(values, np.ndarray):
-        bad = int(np.count_nonzero(~np.isfinite(values)))
-    else:
-        import torch
-
-        bad = int((~torch.isfinite(values)).sum())
-    if bad:
-        raise CalibrationError(f"batch {index}: tensor {name!r} has {bad} NaN or Inf value(s) of {_numel(values)}; "
-                               "check that batch's data (scaling, dtype, uninitialised arrays) or the model")
-
-
-def _log_exclusions(excluded: dict[str, int], threshold: float) -> None:
-    touched = {name: count for name, count in excluded.items() if count}
-    if touched:
-        log.info("left %d values of %d tensors out of their histograms: padding positions or mask biases <= -%g",
-                 sum(touched.values()), len(touched), threshold)
-    for name, count in touched.items():
-        log.debug("left %d values of %s out of its histogram", count, name)
