@@ -182,8 +182,8 @@ def binning_check(model: Path, inputs: str, samples: int) -> dict[str, Any]:
 
     from calibration.calibrate import _float_tensors  # the FP16 remainder's max |x| rides along, as in the build
     from calibration.data import calibration_data
+    from calibration.observe import collect_histograms
     from calibration.qdq import tensors_to_calibrate
-    from calibration.statistics import collect_histograms
     from compiler.core.capabilities import checking_providers
     from compiler.core.onnx_io import load_onnx
     from compiler.core.specs import ModelSpec, parse_input_spec

@@ -1,9 +1,10 @@
 """trtc's precision stage: INT8 (explicit Q/DQ) and FP16 ONNX graphs from calibration data, proven by an
 accuracy gate in ONNX Runtime.
 
-Modules, in pipeline order: ``data`` (read and check samples), ``statistics`` (streaming |x| histograms
-and amax methods), ``qdq`` (TensorRT-placeable Q/DQ), ``fp16`` (FP16 with FP32 where needed),
-``accuracy`` (the gate and its layer fallback), ``calibrate`` (the stage as a whole).
+Modules, in pipeline order: ``data`` (read and check samples), ``observe`` (run them through ONNX Runtime
+and observe the activations), ``masks`` (which values stay out: padding, mask biases), ``statistics``
+(streaming |x| histograms and amax methods), ``qdq`` (TensorRT-placeable Q/DQ), ``fp16`` (FP16 with FP32
+where needed), ``accuracy`` (the gate and its layer fallback), ``calibrate`` (the stage as a whole).
 """
 
-__all__ = ["accuracy", "calibrate", "data", "fp16", "qdq", "statistics"]
+__all__ = ["accuracy", "calibrate", "data", "fp16", "masks", "observe", "qdq", "statistics"]

@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 
 from calibration.fp16 import fp16_rounding_emulation
-from calibration.statistics import DEFAULT_MEMORY_BUDGET
+from calibration.observe import DEFAULT_MEMORY_BUDGET
 from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner
 from compiler.core.capabilities import checking_providers

@@ -28,8 +28,8 @@ from calibration.fp16 import (
     int8_fp16_model_from,
     node_precisions,
 )
+from calibration.observe import collect_histograms, collect_max_abs
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
-from calibration.statistics import collect_histograms, collect_max_abs
 from compiler.core.capabilities import checking_providers
 from compiler.core.errors import AccuracyGateError, CalibrationError
 from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file

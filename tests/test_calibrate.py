@@ -23,8 +23,8 @@ from click.testing import CliRunner, Result
 
 import calibration.calibrate as calibrate_module
 from calibration.data import calibration_data
+from calibration.observe import collect_max_abs
 from calibration.qdq import tensors_to_calibrate
-from calibration.statistics import collect_max_abs
 from compiler.cli import cli
 from compiler.core.files import sha256_file, sha256_files
 from compiler.core.onnx_io import load_onnx, ort_session

@@ -97,7 +97,7 @@ def _dims(vi: onnx.ValueInfoProto) -> list[str | int]:
 
 
 def _observed_max_abs(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, float]:
-    """Max |x| of every float tensor on one batch (what calibration.statistics.collect_max_abs measures)."""
+    """Max |x| of every float tensor on one batch (what calibration.observe.collect_max_abs measures)."""
     inferred = onnx.shape_inference.infer_shapes(model)
     names = [vi.name for vi in inferred.graph.value_info if _elem_type(vi) == FLOAT]
     probe = onnx.ModelProto()
