@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from calibration.fp16 import fp16_rounding_emulation
+from calibration.fp16_rounding import fp16_rounding_emulation
 from calibration.observe import DEFAULT_MEMORY_BUDGET
 from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner

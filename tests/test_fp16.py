@@ -328,7 +328,7 @@ def test_subgraph_reads_stay_fp32() -> None:
 
 def test_the_emulation_keeps_a_weight_a_subgraph_reads() -> None:
     """An INT8 weight whose DequantizeLinear the emulation computes stays while a control-flow subgraph reads it."""
-    from calibration.fp16 import fp16_rounding_emulation
+    from calibration.fp16_rounding import fp16_rounding_emulation
 
     w = np.arange(-8, 8, dtype=np.int8).reshape(4, 4)
     then_branch = helper.make_graph([helper.make_node("Identity", ["w"], ["t_out"])], "then", [],
