@@ -21,13 +21,8 @@ import onnx
 
 from calibration.accuracy import Evaluator, GateOutcome, gate_with_fallback
 from calibration.data import RANDOM, CalibrationData, calibration_data
-from calibration.fp16 import (
-    Fp16Policy,
-    Fp16Report,
-    fp16_model_from,
-    int8_fp16_model_from,
-    node_precisions,
-)
+from calibration.fp16 import Fp16Report, fp16_model_from, int8_fp16_model_from, node_precisions
+from calibration.fp16_policy import Fp16Policy
 from calibration.observe import collect_histograms, collect_max_abs
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from compiler.core.capabilities import checking_providers

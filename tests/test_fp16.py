@@ -16,7 +16,8 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from calibration.fp16 import FP32_OPS, Fp16Policy, Fp16Report, fp16_model_from
+from calibration.fp16 import Fp16Report, fp16_model_from
+from calibration.fp16_policy import FP32_OPS, Fp16Policy
 from compiler.core.errors import InputError
 from compiler.core.onnx_io import MAX_IR_VERSION, ort_session
 from tests.onnx_helpers import make_model, tensor

@@ -16,7 +16,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from calibration.fp16 import Fp16Policy, int8_fp16_model_from
+from calibration.fp16 import int8_fp16_model_from
+from calibration.fp16_policy import Fp16Policy
 from calibration.qdq import QdqPolicy, qdq_model_from, tensors_to_calibrate
 from compiler.core.onnx_io import load_onnx, load_onnx_by_reference, ort_session, save_onnx, tensor_array
 
