@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 FLOAT = TensorProto.FLOAT
 FLOAT16 = TensorProto.FLOAT16
-_QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+_QDQ_NODE_TYPES = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 # Ops that read only the shape of a float input: they never need a Cast.
 _SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
@@ -109,7 +109,7 @@ def int8_fp16_model_from(qdq_model: onnx.ModelProto, policy: Fp16Policy | None =
     constants = {t.name: t for t in qdq_model.graph.initializer}
     tiny = set()
     for node in qdq_model.graph.node:
-        if node.op_type in _QDQ_OPS and len(node.input) > 1 and node.input[1] in constants:
+        if node.op_type in _QDQ_NODE_TYPES and len(node.input) > 1 and node.input[1] in constants:
             scale = tensor_array(constants[node.input[1]])
             if scale.size and float(np.min(np.abs(scale))) < FP16_MIN_NORMAL:
                 tiny.add(node.name)
@@ -128,7 +128,7 @@ def node_precisions(model: onnx.ModelProto, int8_nodes: Iterable[str], report: F
     remainder stays FP32. Q/DQ, Cast, Shape and Constant nodes are not counted. Returns
     ``{"counts": {"int8": n, "fp16": n, "fp32": n}, "int8": [...], "fp16": [...], "fp32": {name: why}}``.
     """
-    skip = _QDQ_OPS | {"Constant", "Shape", "Size", "Cast"}
+    skip = _QDQ_NODE_TYPES | {"Constant", "Shape", "Size", "Cast"}
     names = [node.name or f"{node.op_type}_{i}" for i, node in enumerate(model.graph.node)
              if node.op_type not in skip]
     known = set(names)

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # Bytes of exposed tensors one ONNX Runtime run may hold: a batch with more is run in slices of fewer samples.
 # Exposed tensors cannot share ONNX Runtime's buffers and two runs' worth are held at once (one being binned
 # while the next runs), so this bounds the activation memory at about 2x it. 64 MiB runs ResNet-50 at 224x224
-# one or two samples at a time (docs/benchmarks.md has its peak RSS).
+# one or two samples at a time (benchmarks/calibration_memory.py measures its peak RSS).
 DEFAULT_MEMORY_BUDGET = 64 << 20
 _PROTO_LIMIT = 2**31 - 2**24  # protobuf cannot serialize 2 GiB; bigger models go through a scratch file
 

@@ -72,8 +72,8 @@ class AbsHistogram:
         batch_max = self._grow_for(float(np.max(flat)), float(np.min(flat)))
         if self.upper > 0.0:
             scale = self.num_bins / self.upper
-            # in float64 as before, but a cache-sized chunk at a time: a whole batch converted at once took
-            # four temporaries of 8 bytes a value (200 MB for one 224x224 activation batch) and twice the time
+            # in float64, a cache-sized chunk at a time: converting a whole batch at once takes four
+            # temporaries of 8 bytes a value (200 MB for one 224x224 activation batch) and twice the time
             for start in range(0, flat.size, _UPDATE_CHUNK):
                 scaled = np.abs(flat[start:start + _UPDATE_CHUNK], dtype=np.float64)
                 scaled *= scale
