@@ -39,7 +39,7 @@ from onnx import TensorProto, helper, numpy_helper
 from calibration.fp16_policy import FP16_MAX, FP16_MIN_NORMAL, FP16_TINY, FP32_OPS, Fp16Policy
 from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, outer_scope_names, tensor_array, weightless_copy
 
-__all__ = ["Fp16Report", "fp16_model_from", "int8_fp16_model_from", "node_precisions"]
+__all__ = ["Fp16Report", "float_tensors", "fp16_model_from", "int8_fp16_model_from", "node_precisions"]
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,18 @@ def node_precisions(model: onnx.ModelProto, int8_nodes: Iterable[str], report: F
         fp32 = {n: report.fp32_nodes[n] for n in high if n in report.fp32_nodes}
     return {"counts": {"int8": len(int8), "fp16": len(fp16), "fp32": len(fp32)}, "int8": int8, "fp16": fp16,
             "fp32": fp32}
+
+
+def float_tensors(model: onnx.ModelProto) -> list[str]:
+    """The FLOAT tensors ``model``'s nodes compute, in graph order: those whose max |x| the range rule reads.
+
+    Types come from shape inference on the graph alone (no copy of the weights, no 2 GiB limit); a tensor
+    whose type it cannot infer is left out.
+    """
+    typed = onnx.shape_inference.infer_shapes(weightless_copy(model))
+    floats = {vi.name for vi in list(typed.graph.value_info) + list(typed.graph.output)
+              if vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    return [o for n in model.graph.node for o in n.output if o in floats]
 
 
 @dataclass
