@@ -69,7 +69,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     counted. A batch whose exposed tensors would exceed ``budget_bytes`` runs in slices of fewer samples
     (measured on the first sample), so memory is bounded whatever the batch size and the model.
     ``progress`` gets the number of samples after each slice. With ``exclude_masked`` (the default),
-    padding and mask biases stay out as the module docstring describes. ``max_abs_names``: tensors whose
+    padding and mask biases stay out as calibration/masks.py describes. ``max_abs_names``: tensors whose
     max |x| is measured in the same pass, as ``collect_max_abs`` with its defaults measures it (every value
     counted, reduced inside the graph, only a scalar per tensor leaves ONNX Runtime), into
     ``CalibrationStats.max_abs``: the FP16 remainder of an INT8 model needs no second pass over the data.
