@@ -42,15 +42,15 @@ from compiler.core.errors import CalibrationError
 from compiler.core.onnx_io import load_onnx, ort_session, save_onnx, weightless_copy
 from compiler.core.worker import mark_step
 
-__all__ = ["collect_histograms", "collect_max_abs", "DEFAULT_MEMORY_BUDGET"]
+__all__ = ["collect_histograms", "collect_max_abs"]
 
 log = logging.getLogger(__name__)
 
-# Bytes of exposed tensors one ONNX Runtime run may hold: a batch with more is run in slices of fewer samples.
-# Exposed tensors cannot share ONNX Runtime's buffers and two runs' worth are held at once (one being binned
-# while the next runs), so this bounds the activation memory at about 2x it. 64 MiB runs ResNet-50 at 224x224
-# one or two samples at a time (benchmarks/calibration_memory.py measures its peak RSS).
-DEFAULT_MEMORY_BUDGET = 64 << 20
+# budget_bytes (default defaults.CALIB_MEMORY_BUDGET) bounds the bytes of exposed tensors one ONNX Runtime run may
+# hold: a batch with more is run in slices of fewer samples. Exposed tensors cannot share ONNX Runtime's buffers
+# and two runs' worth are held at once (one being binned while the next runs), so this bounds the activation
+# memory at about 2x it. 64 MiB runs ResNet-50 at 224x224 one or two samples at a time
+# (benchmarks/calibration_memory.py measures its peak RSS).
 _PROTO_LIMIT = 2**31 - 2**24  # protobuf cannot serialize 2 GiB; bigger models go through a scratch file
 
 
@@ -58,7 +58,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
                        batches: Iterable[dict[str, np.ndarray]], *, providers: list[str] | None = None,
                        progress: Callable[[int], None] | None = None, num_bins: int = DEFAULT_BINS,
                        exclude_masked: bool = True, mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD,
-                       budget_bytes: int = DEFAULT_MEMORY_BUDGET,
+                       budget_bytes: int = defaults.CALIB_MEMORY_BUDGET,
                        max_abs_names: Iterable[str] = (), device: str = "auto",
                        device_budget_bytes: int | None = None) -> CalibrationStats:
     """Run every batch through ONNX Runtime and histogram |x| of each tensor in ``tensor_names``.
@@ -130,7 +130,7 @@ def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_name
                     batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None = None, *,
                     progress: Callable[[int], None] | None = None, exclude_masked: bool = False,
                     mask_bias_threshold: float = DEFAULT_MASK_BIAS_THRESHOLD,
-                    budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> dict[str, float]:
+                    budget_bytes: int = defaults.CALIB_MEMORY_BUDGET) -> dict[str, float]:
     """The max |x| of each tensor over all batches (0.0 for a tensor that held no value).
 
     Built for FP16 overflow detection, so by default every value counts, padding and mask biases
@@ -229,7 +229,7 @@ class _Observed:
 
 def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
                       batches: Iterable[dict[str, np.ndarray]], providers: list[str] | None,
-                      exclude_masked: bool, threshold: float, budget_bytes: int = DEFAULT_MEMORY_BUDGET,
+                      exclude_masked: bool, threshold: float, budget_bytes: int = defaults.CALIB_MEMORY_BUDGET,
                       max_abs_names: tuple[str, ...] = (), device: str = "host",
                       device_budget_bytes: int | None = None,
                       on_device: Callable[[str | None], None] | None = None) -> Iterator[_Observed]:

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from calibration import observe, statistics
-from calibration.observe import DEFAULT_MEMORY_BUDGET, collect_histograms, collect_max_abs
+from calibration.observe import collect_histograms, collect_max_abs
 from calibration.statistics import AMAX_FLOOR, AMAX_METHODS, AbsHistogram, amax_from_histogram
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
@@ -459,7 +459,7 @@ def _cases() -> dict[str, tuple[onnx.ModelProto, list[str], list[dict[str, np.nd
 
 
 @pytest.mark.parametrize("case", ["mlp", "padding", "mask bias", "baked mask"])
-@pytest.mark.parametrize("budget", [1, DEFAULT_MEMORY_BUDGET])
+@pytest.mark.parametrize("budget", [1, defaults.CALIB_MEMORY_BUDGET])
 def test_the_device_path_gives_the_host_histograms(case: str, budget: int) -> None:
     pytest.importorskip("torch")
     model, names, batches, max_abs = _cases()[case]
