@@ -180,10 +180,10 @@ def binning_check(model: Path, inputs: str, samples: int) -> dict[str, Any]:
     """The INT8 histogram pass on ``model`` binned on the host and on the GPU, from the same CUDA session."""
     import numpy as np
 
-    from calibration.calibrate import _float_tensors  # the FP16 remainder's max |x| rides along, as in the build
     from calibration.data import calibration_data
+    from calibration.fp16 import float_tensors  # the FP16 remainder's max |x| rides along, as in the build
+    from calibration.observe import collect_histograms
     from calibration.qdq import tensors_to_calibrate
-    from calibration.statistics import collect_histograms
     from compiler.core.capabilities import checking_providers
     from compiler.core.onnx_io import load_onnx
     from compiler.core.specs import ModelSpec, parse_input_spec
@@ -191,7 +191,7 @@ def binning_check(model: Path, inputs: str, samples: int) -> dict[str, Any]:
     spec = ModelSpec(tuple(parse_input_spec(text) for text in inputs.split(",")))
     data = calibration_data("random", spec, max_samples=samples)
     graph = load_onnx(model, load_weights=False)
-    tensors, floats = tensors_to_calibrate(graph), _float_tensors(graph)
+    tensors, floats = tensors_to_calibrate(graph), float_tensors(graph)
     providers = checking_providers()
     result: dict[str, Any] = {"model": str(model), "samples": samples, "batch": data.batch_size,
                               "tensors": len(tensors), "max_abs_tensors": len(floats), "providers": providers}

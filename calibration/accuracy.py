@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from calibration.fp16 import fp16_rounding_emulation
-from calibration.statistics import DEFAULT_MEMORY_BUDGET
+from calibration.fp16_rounding import fp16_rounding_emulation
 from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner
+from compiler.core import defaults
 from compiler.core.capabilities import checking_providers
 from compiler.core.onnx_io import TemporaryOnnxFile, load_onnx, load_onnx_by_reference
 from compiler.core.settings import GateSettings
@@ -167,7 +167,7 @@ class Evaluator:
 
     def __init__(self, batches: Iterable[dict[str, np.ndarray]], fp32_outputs: list[list[np.ndarray | Path]],
                  labels: np.ndarray | None, settings: GateSettings, output_names: list[str] | None = None,
-                 providers: list[str] | None = None, budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> None:
+                 providers: list[str] | None = None, budget_bytes: int = defaults.CALIB_MEMORY_BUDGET) -> None:
         self.batches = batches
         self.reference = fp32_outputs  # per batch, per output: an array, or the .npy file holding it
         self.labels = labels
@@ -186,7 +186,7 @@ class Evaluator:
     @classmethod
     def from_model(cls, fp32: onnx.ModelProto | str, batches: Iterable[dict[str, np.ndarray]],
                    labels: np.ndarray | None, settings: GateSettings, providers: list[str] | None = None,
-                   budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> Evaluator:
+                   budget_bytes: int = defaults.CALIB_MEMORY_BUDGET) -> Evaluator:
         providers = providers or checking_providers()
         runner = check_runner("onnxruntime", fp32, providers, memory_arena=False)
         runner.activate()
@@ -399,7 +399,7 @@ def _holds_fp16(model: onnx.ModelProto) -> bool:
 
 
 def _read_reference(names: list[str], outputs: list[list[np.ndarray | Path]],
-                    budget_bytes: int = DEFAULT_MEMORY_BUDGET, predictions: bool = False,
+                    budget_bytes: int = defaults.CALIB_MEMORY_BUDGET, predictions: bool = False,
                     ) -> tuple[list[str], list[np.ndarray]]:
     """One read of the FP32 reference outputs: what makes a comparison with them degenerate (all-zero samples,
     one value for all samples), and with ``predictions`` each batch's top-1 classes from the first output.
@@ -505,7 +505,7 @@ def _limited(batches: Iterable[dict[str, np.ndarray]], samples: int) -> Iterator
 
 
 def layer_errors(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers: list[str],
-                 batches: Iterable[dict[str, np.ndarray]], budget_bytes: int = DEFAULT_MEMORY_BUDGET,
+                 batches: Iterable[dict[str, np.ndarray]], budget_bytes: int = defaults.CALIB_MEMORY_BUDGET,
                  ) -> dict[str, float]:
     """Each layer's own error in ``candidate``, all layers measured in one ONNX Runtime run per slice of a batch.
 

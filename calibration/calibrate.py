@@ -21,15 +21,10 @@ import onnx
 
 from calibration.accuracy import Evaluator, GateOutcome, gate_with_fallback
 from calibration.data import RANDOM, CalibrationData, calibration_data
-from calibration.fp16 import (
-    Fp16Policy,
-    Fp16Report,
-    fp16_model_from,
-    int8_fp16_model_from,
-    node_precisions,
-)
+from calibration.fp16 import Fp16Report, float_tensors, fp16_model_from, int8_fp16_model_from, node_precisions
+from calibration.fp16_policy import Fp16Policy
+from calibration.observe import collect_histograms, collect_max_abs
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
-from calibration.statistics import collect_histograms, collect_max_abs
 from compiler.core.capabilities import checking_providers
 from compiler.core.errors import AccuracyGateError, CalibrationError
 from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file
@@ -42,7 +37,7 @@ from compiler.core.manifest import (
     verified_onnx,
     write_manifest,
 )
-from compiler.core.onnx_io import load_onnx_by_reference, save_onnx, weightless_copy
+from compiler.core.onnx_io import load_onnx_by_reference, save_onnx
 from compiler.core.progress import progress, stage_timer
 from compiler.core.settings import CalibrationSettings
 from compiler.core.specs import ModelSpec
@@ -222,7 +217,7 @@ def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, 
                                    "--calib-cache with a calibration.json from an earlier build")
         start = time.perf_counter()
         # the FP16 remainder's max |x| of every float tensor comes from the same pass (scalars reduced in-graph)
-        floats = [] if settings.fp32_rest else _float_tensors(model)
+        floats = [] if settings.fp32_rest else float_tensors(model)
         mark(f"INT8 calibration: histograms of {len(tensors)} tensors and max |x| of {len(floats)} of the FP32 model")
         with progress(f"calibrating {len(tensors)} tensors", data.samples) as advance:
             stats = collect_histograms(fp32_path, tensors, data.batches(), progress=advance,
@@ -317,7 +312,7 @@ def _float_ranges(model: onnx.ModelProto, fp32_path: Path, record: dict[str, Any
         log.warning("no calibration data and no max |x| in the calibration cache: the FP16 remainder uses the "
                     "type rules only (no overflow check); pass --calib-data to measure ranges")
         return None
-    max_abs = collect_max_abs(fp32_path, _float_tensors(model), data.batches(), providers=checking_providers(),
+    max_abs = collect_max_abs(fp32_path, float_tensors(model), data.batches(), providers=checking_providers(),
                               budget_bytes=settings.memory_budget)
     record["max_abs"] = max_abs
     log.info("measured max |x| of %d tensors for the FP16 remainder", len(max_abs))
@@ -360,7 +355,7 @@ def _fp16(model: onnx.ModelProto, fp32_path: Path, data: CalibrationData | None,
           settings: CalibrationSettings) -> tuple[GateOutcome | None, dict[str, Any]]:
     max_abs: dict[str, float] | None = None
     if data is not None:
-        names = _float_tensors(model)
+        names = float_tensors(model)
         mark(f"FP16 range pass: max |x| of {len(names)} tensors of the FP32 model")
         with progress(f"FP16 range of {len(names)} tensors", data.samples) as advance:
             max_abs = collect_max_abs(fp32_path, names, data.batches(), providers=checking_providers(),
@@ -404,11 +399,3 @@ def _candidate(what: str, excluded: frozenset[str]) -> str:
     names = sorted(excluded)
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return f"{what} accuracy gate: the {what} model with {shown} kept in FP32"
-
-
-def _float_tensors(model: onnx.ModelProto) -> list[str]:
-    typed = onnx.shape_inference.infer_shapes(weightless_copy(model))  # no copy of the weights (nor 2 GiB limit)
-    floats = {vi.name for vi in list(typed.graph.value_info) + list(typed.graph.output)
-              if vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
-    return [o for n in model.graph.node for o in n.output if o in floats]
-

@@ -5,7 +5,7 @@ rewrites an FP32 graph so that float computation runs in FP16, except nodes kept
 reasons, checked in this order and reported in ``Fp16Report.fp32_nodes``:
 
 1. named, or of an op type named, in ``Fp16Policy.keep_fp32`` (``--keep-fp32``);
-2. an op type in ``Fp16Policy.fp32_ops`` (by default ``FP32_OPS`` below);
+2. an op type in ``Fp16Policy.fp32_ops`` (by default ``FP32_OPS``, in ``calibration/fp16_policy.py``);
 3. an op whose ONNX schema has no float16 at the model's opset (float ``Range``), or no ONNX schema at all
    (custom domains, model-local functions), or that feeds a control-flow subgraph;
 4. data: it produces or consumes a tensor whose observed max |x| (``max_abs``, from calibration data,
@@ -34,55 +34,18 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
-from compiler.core.errors import InputError
+from calibration.fp16_policy import FP16_MAX, FP16_MIN_NORMAL, FP16_TINY, FP32_OPS, Fp16Policy
 from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, outer_scope_names, tensor_array, weightless_copy
 
-__all__ = ["FP32_OPS", "FP16_MAX", "FP16_MIN_NORMAL", "Fp16Policy", "Fp16Report", "fp16_model_from",
-           "fp16_rounding_emulation", "int8_fp16_model_from", "node_precisions"]
+__all__ = ["Fp16Report", "float_tensors", "fp16_model_from", "int8_fp16_model_from", "node_precisions"]
 
 log = logging.getLogger(__name__)
 
 FLOAT = TensorProto.FLOAT
 FLOAT16 = TensorProto.FLOAT16
-FP16_MAX = 65504.0
-FP16_TINY = 2.0**-24  # smallest positive FP16 subnormal
-FP16_MIN_NORMAL = 2.0**-14  # below it FP16 keeps fewer than 11 significant bits
-_QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
-
-# Op types kept in FP32 by default, and why. Deliberately absent:
-# * Softmax and LayerNormalization: TensorRT takes FP16 in and out but computes internally in FP32 (Softmax
-#   subtracts the row max; opset >= 17 LayerNormalization becomes INormalizationLayer, whose statistics follow
-#   stash_type=1, i.e. FP32); ModelOpt AutoCast keeps no compute op in FP32 by type, and the data check below
-#   catches scores or residuals that are actually too large. Add them with --keep-fp32 Softmax if needed.
-# * ReduceMean (global average pooling): the mean is bounded by the largest input, and TensorRT accumulates
-#   FP16 reductions, GEMMs and convolutions in FP32.
-FP32_OPS: dict[str, str] = {
-    # elementwise ops whose output range explodes (PyTorch autocast runs these in FP32 too)
-    "Exp": "e^x overflows FP16 above x = 11.1",
-    "Pow": "x^p leaves FP16 range quickly (x^2 overflows above |x| = 256)",
-    "Log": "log magnifies the coarse FP16 resolution near 0 (subnormals below 6.1e-5)",
-    # sums over many elements grow with the reduced length, beyond any range seen in calibration
-    "ReduceSum": "a sum grows with the number of elements reduced",
-    "ReduceSumSquare": "a sum of squares grows with the number of elements and overflows FP16",
-    "ReduceL1": "a sum grows with the number of elements reduced",
-    "ReduceL2": "a sum of squares overflows FP16 before its square root is taken",
-    "ReduceProd": "a product over many elements overflows or underflows FP16",
-    "ReduceLogSumExp": "exp of the inputs overflows FP16",
-    "CumSum": "a running sum grows with the sequence length",
-    # indices and coordinates: FP16 rounding changes which element is picked (onnxconverter-common's
-    # default block list; AutoCast keeps Resize scales, Upsample and NonMaxSuppression in FP32)
-    "TopK": "FP16 ties change the selected indices",
-    "NonMaxSuppression": "box coordinates and IoU thresholds need FP32 resolution",
-    "RoiAlign": "box coordinates need FP32 resolution",
-    "Resize": "scales and coordinate transforms need FP32 resolution",
-    "Upsample": "scales need FP32 resolution",
-    # control flow: subgraphs are not converted, so the node and what feeds them stay FP32
-    "If": "subgraphs are left in FP32",
-    "Loop": "subgraphs are left in FP32",
-    "Scan": "subgraphs are left in FP32",
-}
+_QDQ_NODE_TYPES = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 # Ops that read only the shape of a float input: they never need a Cast.
 _SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
@@ -92,33 +55,6 @@ _DTYPE_ATTR_OPS = frozenset({"Cast", "ConstantOfShape", "EyeLike", "RandomNormal
 # (op, output index) whose float type is fixed by an attribute left as it is (stash_type=1: FP32 statistics).
 _FIXED_FP32_OUTPUTS = frozenset({("LayerNormalization", 1), ("LayerNormalization", 2)})
 _Formal = onnx.defs.OpSchema.FormalParameter
-
-
-@dataclass(frozen=True)
-class Fp16Policy:
-    """What ``fp16_model_from`` keeps in FP32.
-
-    ``keep_fp32``: node names or op types (``--keep-fp32``). ``keep_io_types``: float graph inputs and outputs
-    stay FP32, with Casts after the inputs and before the outputs. ``overflow_threshold``: a tensor whose
-    observed max |x| exceeds it is produced and consumed in FP32; half the FP16 maximum (32752) leaves room
-    for inputs up to 2x larger than any seen in calibration (AutoCast's more conservative default is 512).
-    ``fp32_ops``: op types always kept in FP32 (``FP32_OPS`` by default).
-    """
-
-    keep_fp32: frozenset[str] = frozenset()
-    keep_io_types: bool = True
-    overflow_threshold: float = FP16_MAX / 2
-    fp32_ops: frozenset[str] = frozenset(FP32_OPS)
-
-    def __post_init__(self) -> None:
-        for name in ("keep_fp32", "fp32_ops"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                raise InputError(f"Fp16Policy.{name}={value!r}: pass a set of names, not one string")
-            object.__setattr__(self, name, frozenset(value))
-        if not 0 < self.overflow_threshold <= FP16_MAX:
-            raise InputError(f"Fp16Policy.overflow_threshold={self.overflow_threshold}: use a value in "
-                             f"(0, {FP16_MAX:g}], the FP16 maximum")
 
 
 @dataclass
@@ -173,7 +109,7 @@ def int8_fp16_model_from(qdq_model: onnx.ModelProto, policy: Fp16Policy | None =
     constants = {t.name: t for t in qdq_model.graph.initializer}
     tiny = set()
     for node in qdq_model.graph.node:
-        if node.op_type in _QDQ_OPS and len(node.input) > 1 and node.input[1] in constants:
+        if node.op_type in _QDQ_NODE_TYPES and len(node.input) > 1 and node.input[1] in constants:
             scale = tensor_array(constants[node.input[1]])
             if scale.size and float(np.min(np.abs(scale))) < FP16_MIN_NORMAL:
                 tiny.add(node.name)
@@ -192,7 +128,7 @@ def node_precisions(model: onnx.ModelProto, int8_nodes: Iterable[str], report: F
     remainder stays FP32. Q/DQ, Cast, Shape and Constant nodes are not counted. Returns
     ``{"counts": {"int8": n, "fp16": n, "fp32": n}, "int8": [...], "fp16": [...], "fp32": {name: why}}``.
     """
-    skip = _QDQ_OPS | {"Constant", "Shape", "Size", "Cast"}
+    skip = _QDQ_NODE_TYPES | {"Constant", "Shape", "Size", "Cast"}
     names = [node.name or f"{node.op_type}_{i}" for i, node in enumerate(model.graph.node)
              if node.op_type not in skip]
     known = set(names)
@@ -207,6 +143,18 @@ def node_precisions(model: onnx.ModelProto, int8_nodes: Iterable[str], report: F
         fp32 = {n: report.fp32_nodes[n] for n in high if n in report.fp32_nodes}
     return {"counts": {"int8": len(int8), "fp16": len(fp16), "fp32": len(fp32)}, "int8": int8, "fp16": fp16,
             "fp32": fp32}
+
+
+def float_tensors(model: onnx.ModelProto) -> list[str]:
+    """The FLOAT tensors ``model``'s nodes compute, in graph order: those whose max |x| the range rule reads.
+
+    Types come from shape inference on the graph alone (no copy of the weights, no 2 GiB limit); a tensor
+    whose type it cannot infer is left out.
+    """
+    typed = onnx.shape_inference.infer_shapes(weightless_copy(model))
+    floats = {vi.name for vi in list(typed.graph.value_info) + list(typed.graph.output)
+              if vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    return [o for n in model.graph.node for o in n.output if o in floats]
 
 
 @dataclass
@@ -590,125 +538,6 @@ class _Rewriter:
             name, i = f"{stem}_{i}", i + 1
         self.node_names.add(name)
         return name
-
-
-def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
-    """An FP32 graph that computes what the FP16 graph ``model`` computes on FP16 hardware, for CPUs.
-
-    ONNX Runtime's CPU provider has FP16 kernels for few ops: it runs the others in FP32 behind Casts that it
-    then removes between consecutive nodes, so an FP16 graph on the CPU keeps FP32 values from node to node
-    (no underflow, no overflow) and its gate would measure nothing. Here every FP16 tensor is held in FP32
-    but rounded to FP16 (a Cast to FLOAT16 and back, which ONNX Runtime keeps: it is not lossless) right
-    after the node that produces it, and FP16 weights become FP32 with the same values. Inside a node the
-    arithmetic is FP32, as TensorRT accumulates FP16 convolutions, GEMMs and reductions in FP32; values
-    round to nearest even, overflow to +-inf and underflow to subnormals and 0 as FP16 storage does. Graph
-    inputs and outputs typed FLOAT16 become FLOAT. A DequantizeLinear of a constant (an INT8 weight) is
-    computed here, the weight stored in FP32 with its FP16 rounding. ``model`` is not modified. Will not emulate
-    FP16 inside control-flow subgraphs (``fp16_model_from`` leaves them FP32).
-    """
-    typed = onnx.shape_inference.infer_shapes(weightless_copy(model))
-    types = {vi.name: vi.type.tensor_type.elem_type
-             for vi in [*typed.graph.input, *typed.graph.output, *typed.graph.value_info]
-             if vi.type.HasField("tensor_type")}
-    out = copy_fields(model, onnx.ModelProto(), skip={"graph"})
-    graph = model.graph
-    g = copy_fields(graph, out.graph, skip={"initializer", "node", "value_info", "input", "output"})
-    weights = _dequantized_weights(graph, types)
-    folded = [n for n in graph.node if n.output and n.output[0] in weights]
-    read = {name for n in graph.node if not (n.output and n.output[0] in weights) for name in n.input}
-    read |= {name for n in graph.node for name in outer_scope_names(n)}
-    read |= {o.name for o in graph.output} | {i.name for i in graph.input}
-    only_folded = {name for n in folded for name in n.input} - read
-    for t in graph.initializer:
-        if t.name in only_folded:
-            continue  # read only by the weights' DequantizeLinear, whose result replaces it
-        if t.data_type == FLOAT16:
-            g.initializer.append(numpy_helper.from_array(tensor_array(t).astype(np.float32), t.name))
-        else:
-            g.initializer.append(t)
-    for field_name in ("input", "output"):
-        for vi in getattr(graph, field_name):
-            new = getattr(g, field_name).add()
-            new.CopyFrom(vi)
-            if new.type.tensor_type.elem_type == FLOAT16:
-                new.type.tensor_type.elem_type = FLOAT
-    for name, node in weights.items():
-        _write_dequantized(graph, node, types[name], g)
-    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
-    for node in graph.node:
-        if node.output and node.output[0] in weights:
-            continue
-        new = g.node.add()
-        new.CopyFrom(node)
-        _fp32_attributes(new)
-        rounded = [(j, name) for j, name in enumerate(node.output) if name and types.get(name) == FLOAT16]
-        for j, name in rounded:
-            half, stem = f"{name}__fp16", name
-            while half in taken:
-                stem += "_"
-                half = f"{stem}__fp16"
-            taken.add(half)
-            if node.op_type == "Cast":  # already rounds: only come back to FP32
-                new.output[j] = half
-                g.node.add().CopyFrom(helper.make_node("Cast", [half], [name], to=FLOAT, name=f"{half}_up"))
-                continue
-            wide = f"{stem}__fp32"
-            taken.add(wide)
-            new.output[j] = wide
-            g.node.add().CopyFrom(helper.make_node("Cast", [wide], [half], to=FLOAT16, name=f"{half}_round"))
-            g.node.add().CopyFrom(helper.make_node("Cast", [half], [name], to=FLOAT, name=f"{half}_up"))
-    return out
-
-
-def _dequantized_weights(graph: onnx.GraphProto, types: dict[str, int]) -> dict[str, onnx.NodeProto]:
-    """Each DequantizeLinear of constants (an INT8 weight) that :func:`_write_dequantized` can compute, by output."""
-    constants = {t.name for t in graph.initializer}
-    return {node.output[0]: node for node in graph.node
-            if node.op_type == "DequantizeLinear" and _is_onnx(node) and len(node.output) == 1
-            and all(name in constants for name in node.input if name)
-            and types.get(node.output[0]) in (FLOAT, FLOAT16)
-            and not any(a.name == "block_size" for a in node.attribute)}
-
-
-def _write_dequantized(graph: onnx.GraphProto, node: onnx.NodeProto, dtype: int, target: onnx.GraphProto) -> None:
-    """Append the output of ``node`` (a DequantizeLinear of constants) to ``target`` as an FP32 initializer.
-
-    Computed as ONNX Runtime does (one float32 product (x - zero) * scale, as its kernel; round to nearest
-    even to FP16 where ``dtype`` is FP16, as its Cast), so the emulation reads the weights TensorRT computes
-    with. Done here rather than by ONNX Runtime's constant folding, which held every weight in FP32, then in
-    FP16, then in FP32 again while it built the session (a 2.25 GiB model's INT8 candidate peaked at 5.6 GiB).
-    """
-    constants = {t.name: t for t in graph.initializer if t.name in node.input}
-    q = tensor_array(constants[node.input[0]])
-    scale = tensor_array(constants[node.input[1]]).astype(np.float32)
-    zero = tensor_array(constants[node.input[2]]) if len(node.input) > 2 and node.input[2] else np.zeros_like(scale)
-    if scale.size > 1 or scale.ndim:  # per axis
-        axis = next((int(a.i) for a in node.attribute if a.name == "axis"), 1) % q.ndim
-        shape = [1] * q.ndim
-        shape[axis] = -1
-        scale, zero = scale.reshape(shape), zero.reshape(shape)
-    values = q.astype(np.int32)
-    values -= zero.astype(np.int32)
-    weight = values.astype(np.float32)
-    del values
-    weight *= scale
-    if dtype == FLOAT16:
-        weight = weight.astype(np.float16).astype(np.float32)
-    t = target.initializer.add()
-    t.name, t.data_type = node.output[0], FLOAT
-    t.dims.extend(weight.shape)
-    t.raw_data = weight.astype("<f4", copy=False).tobytes()
-
-
-def _fp32_attributes(node: onnx.NodeProto) -> None:
-    """Switch the attributes that make ``node`` produce FLOAT16 (dtype, Constant values) to FLOAT."""
-    if node.op_type == "Cast":
-        return  # Cast(to=FLOAT16) is the rounding itself
-    for attr in node.attribute:
-        if attr.type == AttributeProto.TENSOR and attr.t.data_type == FLOAT16:
-            attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
-        elif attr.name == "dtype" and attr.type == AttributeProto.INT and attr.i == FLOAT16:
-            attr.i = FLOAT
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------

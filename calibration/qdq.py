@@ -1,34 +1,28 @@
 """Insert INT8 QuantizeLinear/DequantizeLinear (Q/DQ) pairs where TensorRT can fuse them.
 
-TensorRT 11 is strongly typed: INT8 exists only where the ONNX graph says so with explicit
-Q/DQ nodes. This stage turns a folded FP32 graph plus one calibrated ``amax`` per activation tensor into such a graph.
-Every placement decision is one entry of ``PLACEMENT`` (op type -> rule and why), in the spirit of ONNX
-Runtime's quantization registry, following TensorRT's Q/DQ placement guide and ModelOpt:
+TensorRT 11 is strongly typed: INT8 exists only where the ONNX graph says so with explicit Q/DQ nodes. This
+stage turns a folded FP32 graph plus one calibrated ``amax`` per activation tensor into such a graph.
 
-* Weighted ops (Conv, ConvTranspose, Gemm, MatMul with a constant weight): Q/DQ on the *inputs*, the
-  activation per tensor, the weight per output channel; outputs are not quantized. Layers with fewer than
-  16 input or output channels (a 1- or 3-channel stem conv, a GEMV-like MatMul) stay in higher precision:
-  INT8 gains nothing there and only adds error. The head (a Gemm/MatMul whose result is a graph output)
-  stays in higher precision unless :attr:`QdqPolicy.quantize_output_layer`.
-* On a ResNet residual ``Add(conv_output, shortcut)`` quantize the shortcut, so that TensorRT can fuse the
-  add into the convolution (INT8 residual input), as ModelOpt does. Transformer residual and bias adds get
-  nothing.
-* MaxPool/AveragePool/GlobalAveragePool: the input, when it comes from a quantized layer, so TensorRT pools
-  in INT8 instead of dequantizing and requantizing.
-* Concat whose output is quantized: every input too, with one scale shared by inputs and output.
-* Symmetric INT8: zero point 0, ``scale = amax / 127``; one Q/DQ pair per activation tensor, shared by
-  every quantized consumer, so TensorRT sees one scale per tensor, and only quantized consumers read it.
-* Nothing before Relu, Softmax, LayerNormalization, Gelu or other element-wise operators, nothing on
-  biases and nothing on graph outputs: TensorRT cannot fuse Q/DQ there and would run extra reformat kernels.
-* Attention score products (MatMul of two activations, ``Q·K^T`` and ``attn·V``) stay in higher precision
-  unless :attr:`QdqPolicy.quantize_attention_matmuls` says otherwise.
+Where: every placement decision is one entry of ``PLACEMENT`` (op type -> all of that op's rules, and why), in
+the spirit of ONNX Runtime's quantization registry, following TensorRT's Q/DQ placement guide and ModelOpt.
+Weighted ops (Conv, ConvTranspose, Gemm, MatMul with a constant weight) get Q/DQ on their *inputs*, unless a
+layer has fewer than 16 input or output channels (a 1- or 3-channel stem conv, a GEMV-like MatMul: INT8 gains
+nothing there and only adds error) or is the model's head (a Gemm/MatMul whose result is a graph output). A
+ResNet residual ``Add(conv_output, shortcut)`` gets it on the shortcut, so that TensorRT fuses the add into the
+convolution, as ModelOpt does; transformer residual and bias adds get nothing. Pools after a quantized layer,
+and concats whose output is quantized, follow. Attention score products (MatMul of two activations, ``Q·K^T``
+and ``attn·V``) stay in higher precision unless :attr:`QdqPolicy.quantize_attention_matmuls`. Nothing before
+Relu, Softmax, LayerNormalization, Gelu or other element-wise operators, nothing on biases and nothing on
+graph outputs: TensorRT cannot fuse Q/DQ there and would run extra reformat kernels.
 
-Weights are stored as INT8 initializers followed by a DequantizeLinear only (no
-QuantizeLinear): TensorRT accepts pre-quantized weights behind a DQ layer (its explicit
-quantization guide) and ONNX Runtime runs the same graph on CPU, so both execute exactly the
-same INT8 values; the file is about 4x smaller than with FP32 weights plus a Q/DQ pair, and no
-rounding happens later at engine build time. Only weights that are constant initializers
-are quantized; a folding pass upstream turns Constant nodes into initializers.
+How: symmetric INT8, zero point 0, ``scale = amax / 127``; one Q/DQ pair per activation tensor, shared by
+every quantized consumer, so TensorRT sees one scale per tensor, and only quantized consumers read it. Weights
+get one scale per output channel and are stored as INT8 initializers followed by a DequantizeLinear only (no
+QuantizeLinear): TensorRT accepts pre-quantized weights behind a DQ layer (its explicit quantization guide) and
+ONNX Runtime runs the same graph on CPU, so both execute exactly the same INT8 values; the file is about 4x
+smaller than with FP32 weights plus a Q/DQ pair, and no rounding happens later at engine build time. Only
+weights that are constant initializers are quantized; a folding pass upstream turns Constant nodes into
+initializers.
 
 What this module will not do: choose amax values (calibration/statistics.py does), quantize
 inside subgraphs (If/Loop bodies), or quantize operators whose weight is not an initializer.
@@ -37,9 +31,9 @@ inside subgraphs (If/Loop bodies), or quantize operators whose weight is not an 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnx
@@ -47,64 +41,119 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, tensor_array
 
-__all__ = ["PLACEMENT", "OpRule", "QDQ_OPS", "RESIDUAL_ADD", "WEIGHT_CHANNEL_AXIS", "QdqPolicy", "QdqReport",
-           "tensors_to_calibrate", "quantizable_nodes", "qdq_model_from"]
+__all__ = ["PLACEMENT", "OpRule", "WeightChannels", "QdqPolicy", "QdqReport", "tensors_to_calibrate",
+           "quantizable_nodes", "qdq_model_from"]
 
 log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class OpRule:
-    """How one operator type gets Q/DQ: which inputs, the kind of rule, and why (one line).
 
-    ``kind``: ``"weighted"`` (activation per tensor + constant weight per output channel, ``weight_axis``),
-    ``"residual"`` (the shortcut of an add TensorRT fuses into a ``fuses_into`` producer), ``"pool"``
-    (the input, only where its producer is quantized, so TensorRT stays in INT8 through the pooling),
-    ``"concat"`` (every input, with one scale shared by the inputs and the output, only where the output
-    is quantized). ``min_channels``: a weighted op whose weight has fewer input or output channels (or a
-    MatMul/Gemm with a dimension under it) stays in higher precision: INT8 kernels gain nothing there.
+@dataclass(frozen=True)
+class WeightChannels:
+    """A constant weight read as a linear layer's: its input and output channels, and the axis of its scales.
+
+    ``axis``: the output-channel axis, along which the weight gets one scale per channel; None where one
+    scale serves the whole weight.
     """
 
-    kind: str
+    inputs: int
+    outputs: int
+    axis: int | None
+
+
+def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
+    for a in node.attribute:
+        if a.name == name:
+            return int(a.i)
+    return default
+
+
+def _conv_weight(node: onnx.NodeProto, dims: Sequence[int]) -> WeightChannels:
+    """Conv's weight [K, C/g, kh, kw]: C input and K output channels, one scale per output channel (axis 0)."""
+    return WeightChannels(dims[1] * _attr(node, "group", 1), dims[0], 0)
+
+
+def _conv_transpose_weight(node: onnx.NodeProto, dims: Sequence[int]) -> WeightChannels:
+    """ConvTranspose's weight [C, K/g, kh, kw]: C input and K output channels, one scale per output channel
+    (axis 1); with groups one scale for the whole weight, as axis 1 then indexes channels of every group."""
+    group = _attr(node, "group", 1)
+    return WeightChannels(dims[0], dims[1] * group, 1 if group == 1 else None)
+
+
+def _gemm_weight(node: onnx.NodeProto, dims: Sequence[int]) -> WeightChannels:
+    """Gemm's B: [K, N], or [N, K] with transB=1; one scale per output channel N."""
+    if _attr(node, "transB", 0):
+        return WeightChannels(dims[1], dims[0], 0)
+    return WeightChannels(dims[0], dims[1], 1)
+
+
+def _matmul_weight(node: onnx.NodeProto, dims: Sequence[int]) -> WeightChannels:
+    """MatMul's constant weight [..., K, N]: one scale per output channel N (the last axis)."""
+    return WeightChannels(dims[-2], dims[-1], len(dims) - 1)
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """All of one operator type's Q/DQ rules, and why (one line). ``kind`` says which rule applies:
+
+    * ``"weighted"``: the activation input per tensor, the constant weight (input 1) per output channel, as
+      ``weight`` reads the channels from the node and the weight's dims. A layer with fewer than
+      ``min_channels`` input or output channels stays in higher precision, for the reason ``too_small`` (filled
+      with ``inputs``, ``outputs`` and ``limit``). ``two_activations``: the op may multiply two activations
+      (attention's Q·K^T, attn·V), both then quantized per tensor only with
+      ``QdqPolicy.quantize_attention_matmuls``; else a weight that is not a constant leaves it unquantized.
+      ``head_through``: a node whose result reaches a graph output through single readers of these op types is
+      the model's head, kept in higher precision unless ``QdqPolicy.quantize_output_layer`` (one small layer
+      whose error lands on the outputs unfiltered); empty: no head rule.
+    * ``"residual"``: the shortcut of an add TensorRT fuses into a producer of a ``fuses_into`` type.
+    * ``"pool"``: the input, only where it comes from a quantized layer (through ``source_through`` ops).
+    * ``"concat"``: every input, with one scale shared by the inputs and the output, only where the output is
+      quantized.
+    """
+
+    kind: Literal["weighted", "residual", "pool", "concat"]
     inputs: tuple[int, ...]
     why: str
-    weight_axis: int | None = None  # weighted ops: the output-channel axis of the weight (None: by attribute)
-    fuses_into: frozenset[str] = frozenset()  # residual: producer types the add fuses into
+    weight: Callable[[onnx.NodeProto, Sequence[int]], WeightChannels] | None = None
     min_channels: int = 0
+    too_small: str = ""
+    two_activations: bool = False
+    head_through: frozenset[str] = frozenset()
+    fuses_into: frozenset[str] = frozenset()
+    source_through: frozenset[str] = frozenset()
 
 
-# The placement policy: every operator type that can get Q/DQ, its rule and why. Anything else gets none.
+_FEW_CHANNELS = "{inputs} input / {outputs} output channels: under {limit}, INT8 gains nothing and only adds error"
+_GEMV = "weight {inputs}x{outputs}: a dimension under {limit} (a GEMV in effect), INT8 gains nothing"
+
+# The placement policy: every operator type that can get Q/DQ, all its rules and why. Anything else gets none.
 # Not quantized, by design: Relu, Softmax, LayerNormalization, Gelu, bias adds and other element-wise ops
 # (TensorRT fuses Q/DQ into them or cannot use INT8 there, and would run reformat kernels); graph outputs.
 PLACEMENT: dict[str, OpRule] = {
     "Conv": OpRule("weighted", (0, 1), "TensorRT runs INT8 convolutions with the Q/DQ pair fused in",
-                   weight_axis=0, min_channels=16),  # weight [K, C/g, kh, kw]
+                   weight=_conv_weight, min_channels=16, too_small=_FEW_CHANNELS),
     "ConvTranspose": OpRule("weighted", (0, 1), "INT8 deconvolution, as Conv",
-                            weight_axis=1, min_channels=16),  # [C, K/g, ...]: per tensor when group > 1
-    "Gemm": OpRule("weighted", (0, 1), "INT8 GEMM; weight channels along transB", min_channels=16),
+                            weight=_conv_transpose_weight, min_channels=16, too_small=_FEW_CHANNELS),
+    "Gemm": OpRule("weighted", (0, 1), "INT8 GEMM; weight channels along transB",
+                   weight=_gemm_weight, min_channels=16, too_small=_GEMV, two_activations=True,
+                   head_through=frozenset({"Add", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity",
+                                           "Transpose"})),
     "MatMul": OpRule("weighted", (0, 1), "INT8 GEMM with a constant weight [..., K, N]; attention score "
-                     "products only with quantize_attention_matmuls", weight_axis=-1, min_channels=16),
+                     "products only with quantize_attention_matmuls",
+                     weight=_matmul_weight, min_channels=16, too_small=_GEMV, two_activations=True,
+                     head_through=frozenset({"Add", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity",
+                                             "Transpose"})),
     "Add": OpRule("residual", (0, 1), "a residual add fused into its convolution's epilogue (INT8 shortcut), "
                   "as ModelOpt; bias and transformer residual adds stay unquantized",
                   fuses_into=frozenset({"Conv", "ConvTranspose"})),
-    "MaxPool": OpRule("pool", (0,), "INT8 pooling after a quantized layer saves a dequantize and a requantize"),
-    "AveragePool": OpRule("pool", (0,), "INT8 pooling after a quantized layer, as MaxPool"),
-    "GlobalAveragePool": OpRule("pool", (0,), "INT8 pooling after a quantized layer, as MaxPool"),
+    "MaxPool": OpRule("pool", (0,), "INT8 pooling after a quantized layer saves a dequantize and a requantize",
+                      source_through=frozenset({"Relu", "Clip", "LeakyRelu"})),
+    "AveragePool": OpRule("pool", (0,), "INT8 pooling after a quantized layer, as MaxPool",
+                          source_through=frozenset({"Relu", "Clip", "LeakyRelu"})),
+    "GlobalAveragePool": OpRule("pool", (0,), "INT8 pooling after a quantized layer, as MaxPool",
+                                source_through=frozenset({"Relu", "Clip", "LeakyRelu"})),
     "Concat": OpRule("concat", (), "one scale for all inputs and the output lets TensorRT concatenate in INT8 "
                      "without requantizing (every input index: the op is variadic)"),
 }
-
-# Views of PLACEMENT kept for callers that read them.
-QDQ_OPS: dict[str, tuple[int, ...]] = {op: r.inputs for op, r in PLACEMENT.items() if r.kind == "weighted"}
-RESIDUAL_ADD: dict[str, frozenset[str]] = {op: r.fuses_into for op, r in PLACEMENT.items() if r.kind == "residual"}
-WEIGHT_CHANNEL_AXIS: dict[str, int | None] = {op: r.weight_axis for op, r in PLACEMENT.items()
-                                              if r.kind == "weighted"}
-# A Gemm/MatMul whose result is a graph output (directly or through a bias Add, Reshape, Flatten...) is the
-# model's head: kept in higher precision by default (ModelOpt and TensorRT's guide), it is one small layer
-# whose error lands on the outputs unfiltered.
-_HEAD_OPS = frozenset({"Gemm", "MatMul"})
-_TO_OUTPUT_OPS = frozenset({"Add", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose"})
-# producers a pooling input may come from, through these unary ops, for the pool rule to apply
-_THROUGH_OPS = frozenset({"Relu", "Clip", "LeakyRelu"})
 
 _INT8_MAX = 127.0
 _MIN_OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear
@@ -186,28 +235,10 @@ def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return {t.name: t for t in graph.initializer if t.name not in graph_inputs}
 
 
-def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
-    for a in node.attribute:
-        if a.name == name:
-            return int(a.i)
-    return default
-
-
-def _weight_axis(node: onnx.NodeProto, weight: onnx.TensorProto) -> int | None:
-    """The output-channel axis of ``node``'s weight, or None where one scale must serve the whole tensor."""
-    rank = len(weight.dims)
-    if node.op_type == "Gemm":
-        return 0 if _attr(node, "transB", 0) else 1
-    if rank < 2 or (node.op_type == "ConvTranspose" and _attr(node, "group", 1) != 1):
-        return None
-    axis = WEIGHT_CHANNEL_AXIS[node.op_type]
-    return None if axis is None else axis % rank
-
-
-def _weighted_inputs(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto],
+def _weighted_inputs(node: onnx.NodeProto, rule: OpRule, constants: Mapping[str, onnx.TensorProto],
                      policy: QdqPolicy) -> tuple[tuple[_QuantizedInput, ...], str]:
-    """The inputs of a QDQ_OPS node to quantize, or () and the reason it stays in higher precision."""
-    indices = [i for i in QDQ_OPS[node.op_type] if i < len(node.input) and node.input[i]]
+    """The inputs of a weighted node to quantize, or () and the reason it stays in higher precision."""
+    indices = [i for i in rule.inputs if i < len(node.input) and node.input[i]]
     data, weight = node.input[0], node.input[1] if len(node.input) > 1 else ""
     if not data or not weight:
         return (), "missing data or weight input"
@@ -216,7 +247,7 @@ def _weighted_inputs(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorPr
     if data in constants:
         return (), "constant first input: not a linear layer TensorRT fuses with Q/DQ"
     if weight not in constants:
-        if node.op_type in ("Conv", "ConvTranspose"):
+        if not rule.two_activations:
             return (), "weight is not a constant initializer"
         if not policy.quantize_attention_matmuls:
             return (), "attention score product kept in FP32 (policy)"
@@ -224,43 +255,25 @@ def _weighted_inputs(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorPr
     w = constants[weight]
     if w.data_type != TensorProto.FLOAT:
         return (), f"weight is {TensorProto.DataType.Name(w.data_type)}, not FLOAT"
-    small = _small_dimension(node, w) if policy.min_channels else ""
-    if small:
-        return (), small
+    # a weight of rank < 2 has no channels: one scale, and no size rule
+    channels = rule.weight(node, w.dims) if rule.weight is not None and len(w.dims) >= 2 else None
+    limit = rule.min_channels if policy.min_channels else 0
+    if channels is not None and min(channels.inputs, channels.outputs) < limit:
+        return (), rule.too_small.format(inputs=channels.inputs, outputs=channels.outputs, limit=limit)
     planned = [_QuantizedInput(i, node.input[i]) for i in indices if i != 1]
-    planned.append(_QuantizedInput(1, weight, is_weight=True, axis=_weight_axis(node, w)))
+    planned.append(_QuantizedInput(1, weight, is_weight=True, axis=channels.axis if channels is not None else None))
     return tuple(sorted(planned, key=lambda q: q.index)), ""
 
 
-def _small_dimension(node: onnx.NodeProto, weight: onnx.TensorProto) -> str:
-    """Why the layer is too small for INT8 to pay (a dimension under PLACEMENT's min_channels), or ""."""
-    limit = PLACEMENT[node.op_type].min_channels
-    dims = list(weight.dims)
-    if len(dims) < 2 or not limit:
-        return ""
-    if node.op_type in ("Conv", "ConvTranspose"):
-        group = _attr(node, "group", 1)
-        out_ch, in_ch = (dims[0], dims[1] * group) if node.op_type == "Conv" else (dims[1] * group, dims[0])
-        if min(in_ch, out_ch) < limit:
-            return (f"{in_ch} input / {out_ch} output channels: under {limit}, INT8 gains nothing and only "
-                    "adds error")
-        return ""
-    k, n = dims[-2], dims[-1]
-    if node.op_type == "Gemm" and _attr(node, "transB", 0):
-        k, n = n, k
-    if min(k, n) < limit:
-        return f"weight {k}x{n}: a dimension under {limit} (a GEMV in effect), INT8 gains nothing"
-    return ""
-
-
-def _head(node: onnx.NodeProto, readers: Mapping[str, list[onnx.NodeProto]], graph_outputs: set[str]) -> bool:
-    """True if ``node``'s output reaches a graph output through shape ops and bias adds only."""
+def _head(node: onnx.NodeProto, through: frozenset[str], readers: Mapping[str, list[onnx.NodeProto]],
+          graph_outputs: set[str]) -> bool:
+    """True if ``node``'s output reaches a graph output through single readers of ``through`` op types only."""
     tensor, seen = node.output[0] if node.output else "", 0
     while tensor and seen < 8:
         if tensor in graph_outputs:
             return True
         after = readers.get(tensor, [])
-        if len(after) != 1 or after[0].op_type not in _TO_OUTPUT_OPS or not after[0].output:
+        if len(after) != 1 or after[0].op_type not in through or not after[0].output:
             return False
         tensor, seen = after[0].output[0], seen + 1
     return False
@@ -281,14 +294,15 @@ def _residual_shortcut(node: onnx.NodeProto, producers: Mapping[str, onnx.NodePr
                        constants: Mapping[str, Any], graph_outputs: set[str]) -> tuple[int, str] | None:
     """(index of the shortcut input, name of the node the add fuses into), or None if not a residual add.
 
-    The fused input must come straight from a RESIDUAL_ADD producer (a Conv) that feeds nothing
-    else: TensorRT can only fold the add into the conv's epilogue when the conv output has no
-    other reader. When both inputs come from convs (a downsampling block with a 1x1 conv on the
+    The fused input must come straight from a producer of the add rule's ``fuses_into`` types (a Conv)
+    that feeds nothing else: TensorRT can only fold the add into the conv's epilogue when the conv output
+    has no other reader. When both inputs come from convs (a downsampling block with a 1x1 conv on the
     shortcut), the deeper one is the main branch, as ModelOpt's longest-path rule decides.
     """
-    fusible = RESIDUAL_ADD.get(node.op_type)
-    if fusible is None or len(node.input) != 2:
+    rule = PLACEMENT.get(node.op_type)
+    if rule is None or rule.kind != "residual" or len(node.input) != 2:
         return None
+    fusible = rule.fuses_into
     a, b = node.input
     if a == b or a in constants or b in constants or not a or not b:
         return None
@@ -325,15 +339,16 @@ def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] |
     inputs: dict[str, tuple[_QuantizedInput, ...]] = {}
     skipped: dict[str, str] = {}
     for node, name in zip(graph.node, names):
-        if node.op_type not in QDQ_OPS:
+        rule = PLACEMENT.get(node.op_type)
+        if rule is None or rule.kind != "weighted":
             continue
         reason = excluded(node, name)
         planned: tuple[_QuantizedInput, ...] = ()
-        if not reason and node.op_type in _HEAD_OPS and not policy.quantize_output_layer \
-                and _head(node, readers, graph_outputs):
+        if not reason and rule.head_through and not policy.quantize_output_layer \
+                and _head(node, rule.head_through, readers, graph_outputs):
             reason = "output layer (feeds a graph output) kept in higher precision (policy.quantize_output_layer)"
         if not reason:
-            planned, reason = _weighted_inputs(node, constants, policy)
+            planned, reason = _weighted_inputs(node, rule, constants, policy)
         if planned:
             inputs[name] = planned
         else:
@@ -366,7 +381,7 @@ def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] |
         if rule is None or rule.kind != "pool" or not node.input or node.input[0] in constants:
             continue
         source = producers.get(node.input[0])
-        while source is not None and source.op_type in _THROUGH_OPS and source.input:
+        while source is not None and source.op_type in rule.source_through and source.input:
             source = producers.get(source.input[0])
         quantized_source = source is not None and producer_names[source.output[0]] in inputs
         reason = excluded(node, name)

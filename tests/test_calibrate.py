@@ -23,8 +23,9 @@ from click.testing import CliRunner, Result
 
 import calibration.calibrate as calibrate_module
 from calibration.data import calibration_data
+from calibration.fp16 import float_tensors
+from calibration.observe import collect_max_abs
 from calibration.qdq import tensors_to_calibrate
-from calibration.statistics import collect_max_abs
 from compiler.cli import cli
 from compiler.core.files import sha256_file, sha256_files
 from compiler.core.onnx_io import load_onnx, ort_session
@@ -374,7 +375,7 @@ def test_int8_measures_the_fp16_ranges_in_the_calibration_pass(
     assert len(histogram_calls) == 1 and not second_passes
     max_abs = read(workdir / "calibration.json")["max_abs"]
     model = load_onnx(cnn.directory / "model.onnx")
-    assert set(max_abs) == set(calibrate_module._float_tensors(model))
+    assert set(max_abs) == set(float_tensors(model))
     # the same numbers as a separate pass over the same data (the in-graph reduction either way)
     data = calibration_data(cnn.calib, ModelSpec((parse_input_spec("images:Bx1x8x8"),)), batch_size=16,
                             max_samples=512)

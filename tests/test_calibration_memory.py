@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from calibration import statistics
-from calibration.statistics import collect_histograms, collect_max_abs
+from calibration import observe
+from calibration.observe import collect_histograms, collect_max_abs
 from compiler.core.errors import CalibrationError
 from compiler.core.onnx_io import ort_session
 from tests.test_statistics import _mlp, _mlp_batches
@@ -21,7 +21,7 @@ def test_max_abs_in_graph_matches_numpy_and_exposes_only_scalars(monkeypatch: py
         sessions.append(ort_session(*args, **kwargs))
         return sessions[-1]
 
-    monkeypatch.setattr(statistics, "ort_session", recording_session)
+    monkeypatch.setattr(observe, "ort_session", recording_session)
     model, batches = _mlp(), _mlp_batches(5)
     maxima = collect_max_abs(model, ["x", "h", "r", "y"], batches)
     reference = ort_session(model)
@@ -90,7 +90,7 @@ def test_histograms_and_max_abs_come_from_one_pass(monkeypatch: pytest.MonkeyPat
 
     separate = collect_histograms(model, ["h", "r"], batches, budget_bytes=600)
     expected = collect_max_abs(model, ["x", "h", "r", "y"], batches)
-    monkeypatch.setattr(statistics, "ort_session", recording_session)
+    monkeypatch.setattr(observe, "ort_session", recording_session)
     # a 600-byte budget runs 2 samples at a time: the maxima of the slices fold into the batch's
     both = collect_histograms(model, ["h", "r"], counted(), budget_bytes=600, max_abs_names=["x", "h", "r", "y"])
     assert len(sessions) == 1 and len(taken) == len(batches)

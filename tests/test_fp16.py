@@ -16,7 +16,8 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from calibration.fp16 import FP32_OPS, Fp16Policy, Fp16Report, fp16_model_from
+from calibration.fp16 import Fp16Report, fp16_model_from
+from calibration.fp16_policy import FP32_OPS, Fp16Policy
 from compiler.core.errors import InputError
 from compiler.core.onnx_io import MAX_IR_VERSION, ort_session
 from tests.onnx_helpers import make_model, tensor
@@ -97,7 +98,7 @@ def _dims(vi: onnx.ValueInfoProto) -> list[str | int]:
 
 
 def _observed_max_abs(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, float]:
-    """Max |x| of every float tensor on one batch (what calibration.statistics.collect_max_abs measures)."""
+    """Max |x| of every float tensor on one batch (what calibration.observe.collect_max_abs measures)."""
     inferred = onnx.shape_inference.infer_shapes(model)
     names = [vi.name for vi in inferred.graph.value_info if _elem_type(vi) == FLOAT]
     probe = onnx.ModelProto()
@@ -328,7 +329,7 @@ def test_subgraph_reads_stay_fp32() -> None:
 
 def test_the_emulation_keeps_a_weight_a_subgraph_reads() -> None:
     """An INT8 weight whose DequantizeLinear the emulation computes stays while a control-flow subgraph reads it."""
-    from calibration.fp16 import fp16_rounding_emulation
+    from calibration.fp16_rounding import fp16_rounding_emulation
 
     w = np.arange(-8, 8, dtype=np.int8).reshape(4, 4)
     then_branch = helper.make_graph([helper.make_node("Identity", ["w"], ["t_out"])], "then", [],

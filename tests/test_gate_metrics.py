@@ -11,7 +11,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from calibration.accuracy import Evaluator, sample_cosines
-from calibration.fp16 import Fp16Policy, fp16_model_from, fp16_rounding_emulation
+from calibration.fp16 import fp16_model_from
+from calibration.fp16_policy import Fp16Policy
+from calibration.fp16_rounding import fp16_rounding_emulation
 from compiler.core.capabilities import checking_providers
 from compiler.core.onnx_io import ort_session
 from compiler.core.settings import GateSettings

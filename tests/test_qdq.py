@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from calibration.qdq import QDQ_OPS, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
+from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from compiler.core.onnx_io import MAX_IR_VERSION, load_onnx, ort_session
 from tests.onnx_helpers import make_model, tensor
 
@@ -92,6 +92,7 @@ def _true_amax(model: onnx.ModelProto, feeds: dict[str, np.ndarray], tensors: li
 # The mechanics below are shown on tiny models, whose layers are under PLACEMENT's 16-channel minimum and
 # whose heads feed graph outputs: these tests switch those two rules off; tests further down show them.
 EVERY: dict[str, Any] = {"quantize_output_layer": True, "min_channels": False}
+WEIGHTED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul"}
 
 
 def _quantize(model: onnx.ModelProto, policy: QdqPolicy | None = None,
@@ -385,12 +386,15 @@ def test_concat_inputs_share_the_widest_scale() -> None:
 
 
 def test_placement_table_holds_every_rule() -> None:
-    from calibration.qdq import PLACEMENT
-
-    assert {op for op, rule in PLACEMENT.items() if rule.kind == "weighted"} == set(QDQ_OPS)
+    assert {op for op, rule in PLACEMENT.items() if rule.kind == "weighted"} == WEIGHTED_OPS
     assert {"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "MaxPool", "AveragePool", "GlobalAveragePool",
             "Concat"} == set(PLACEMENT)
     assert all(rule.why for rule in PLACEMENT.values())
+    for rule in PLACEMENT.values():  # each kind's rule carries what it needs
+        assert (rule.weight is not None and rule.too_small != "") is (rule.kind == "weighted")
+        assert bool(rule.fuses_into) is (rule.kind == "residual")
+        assert bool(rule.source_through) is (rule.kind == "pool")
+    assert {op for op, rule in PLACEMENT.items() if rule.head_through} == {"Gemm", "MatMul"}
 
 
 # --- validity on every example -----------------------------------------------------------------------------------
@@ -420,7 +424,7 @@ def test_exclude_nodes_removes_qdq_from_exactly_those(cnn: onnx.ModelProto) -> N
         assert _dq_inputs(qdq, _node(qdq, name)) == []
         assert "exclude_nodes" in report.skipped_nodes[name]
     for node in full.graph.node:
-        if node.op_type in {*QDQ_OPS, "Add"} and node.name not in excluded:
+        if node.op_type in {*WEIGHTED_OPS, "Add"} and node.name not in excluded:
             assert _dq_inputs(qdq, _node(qdq, node.name)) == _dq_inputs(full, node), node.name
     # the images and the pooled features lose their only consumers' Q/DQ
     assert _ops(qdq)["QuantizeLinear"] == _ops(full)["QuantizeLinear"] - 2

@@ -9,15 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from calibration import statistics
-from calibration.statistics import (
-    AMAX_FLOOR,
-    AMAX_METHODS,
-    AbsHistogram,
-    amax_from_histogram,
-    collect_histograms,
-    collect_max_abs,
-)
+from calibration import observe, statistics
+from calibration.observe import collect_histograms, collect_max_abs
+from calibration.statistics import AMAX_FLOOR, AMAX_METHODS, AbsHistogram, amax_from_histogram
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
 from compiler.core.onnx_io import ort_session, save_onnx
@@ -245,7 +239,7 @@ def test_histograms_match_a_direct_ort_run_and_only_requested_tensors_are_expose
         sessions.append(ort_session(*args, **kwargs))
         return sessions[-1]
 
-    monkeypatch.setattr(statistics, "ort_session", recording_session)
+    monkeypatch.setattr(observe, "ort_session", recording_session)
     model, batches = _mlp(), _mlp_batches(6)
     seen: list[int] = []
     stats = collect_histograms(model, ["h"], iter(batches), progress=seen.append)
@@ -465,7 +459,7 @@ def _cases() -> dict[str, tuple[onnx.ModelProto, list[str], list[dict[str, np.nd
 
 
 @pytest.mark.parametrize("case", ["mlp", "padding", "mask bias", "baked mask"])
-@pytest.mark.parametrize("budget", [1, statistics.DEFAULT_MEMORY_BUDGET])
+@pytest.mark.parametrize("budget", [1, defaults.CALIB_MEMORY_BUDGET])
 def test_the_device_path_gives_the_host_histograms(case: str, budget: int) -> None:
     pytest.importorskip("torch")
     model, names, batches, max_abs = _cases()[case]
@@ -520,12 +514,12 @@ def test_binning_goes_to_cuda_only_with_the_cuda_provider_and_torch_cuda(monkeyp
                                            (False, "CUDAExecutionProvider", None),
                                            (True, "CPUExecutionProvider", None)]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda value=torch_cuda: value)
-        assert statistics._binning_device(Session(provider), "auto") == expected
-    assert statistics._binning_device(Session("CPUExecutionProvider"), "cpu") == "cpu"
-    assert statistics._binning_device(Session("CUDAExecutionProvider"), "host") is None
+        assert observe._binning_device(Session(provider), "auto") == expected
+    assert observe._binning_device(Session("CPUExecutionProvider"), "cpu") == "cpu"
+    assert observe._binning_device(Session("CUDAExecutionProvider"), "host") is None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 140 << 30))
-    assert statistics._device_budget("cuda", 64 << 20) == int((80 << 30) * defaults.CALIB_DEVICE_MEMORY_FRACTION)
-    assert statistics._device_budget("cpu", 64 << 20) == 64 << 20
+    assert observe._device_budget("cuda", 64 << 20) == int((80 << 30) * defaults.CALIB_DEVICE_MEMORY_FRACTION)
+    assert observe._device_budget("cpu", 64 << 20) == 64 << 20
 
 
 @pytest.mark.gpu

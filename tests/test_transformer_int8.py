@@ -29,7 +29,7 @@ import torch
 from click.testing import CliRunner
 
 from calibration.data import calibration_data
-from calibration.statistics import collect_histograms
+from calibration.observe import collect_histograms
 from compiler.cli import cli
 from compiler.core.onnx_io import load_onnx, ort_session
 from compiler.core.settings import ExportSettings, ModelSource

@@ -16,7 +16,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from calibration.fp16 import Fp16Policy, int8_fp16_model_from
+from calibration.fp16 import int8_fp16_model_from
+from calibration.fp16_policy import Fp16Policy
 from calibration.qdq import QdqPolicy, qdq_model_from, tensors_to_calibrate
 from compiler.core.onnx_io import load_onnx, load_onnx_by_reference, ort_session, save_onnx, tensor_array
 
@@ -187,17 +188,17 @@ def test_weights_that_were_never_loaded_are_refused_by_name(tmp_path: Path) -> N
 
 
 def test_the_emulation_computes_int8_weights_as_onnx_runtime_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    # ONNX Runtime's constant folding of the weights' DequantizeLinear -> Cast(FP16) -> Cast(FP32) held every
-    # weight three times while the session was built; the emulation now computes them, with the same values
-    from calibration import fp16
+    # ONNX Runtime's constant folding of the weights' DequantizeLinear -> Cast(FP16) -> Cast(FP32) holds every
+    # weight three times while the session is built; the emulation computes them itself, with the same values
+    from calibration import fp16_rounding
 
     model = candidate(mlp(64, 4, seed=5))
-    emulated = fp16.fp16_rounding_emulation(model)
+    emulated = fp16_rounding.fp16_rounding_emulation(model)
     constants = {t.name for t in emulated.graph.initializer}
     assert not [n.name for n in emulated.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in constants]
     assert not any(t.data_type == TensorProto.INT8 and len(t.dims) == 2 for t in emulated.graph.initializer)
-    monkeypatch.setattr(fp16, "_dequantized_weights", lambda graph, types: {})
-    by_onnx_runtime = fp16.fp16_rounding_emulation(model)
+    monkeypatch.setattr(fp16_rounding, "_dequantized_weights", lambda graph, types: {})
+    by_onnx_runtime = fp16_rounding.fp16_rounding_emulation(model)
     weights = {t.name for t in by_onnx_runtime.graph.initializer}
     assert sum(n.op_type == "DequantizeLinear" and n.input[0] in weights for n in by_onnx_runtime.graph.node) == 3
     x = {"x": np.random.default_rng(4).standard_normal((8, 64)).astype(np.float32) * 3}
