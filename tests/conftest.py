@@ -54,8 +54,8 @@ def _ort_cuda() -> bool:
 
 # --- engine builds without TensorRT ---------------------------------------------------------------------------
 
-# The environment of a machine with TensorRT and an H200, as compiler.backends.trt_build.environment() reports
-# one; tests of the build step's test double and of staleness pass it explicitly.
+# The environment of a machine with TensorRT and an H200, as compiler.backends.tensorrt.environment.environment()
+# reports one; tests of the build step's test double and of staleness pass it explicitly.
 H200_ENV = {"tensorrt": "10.13.0.35", "cuda_runtime": "12.9", "cuda_driver": "12.9", "driver": "575.57.08",
             "gpu": "NVIDIA H200", "compute_capability": "9.0", "platform": "linux-x86_64"}
 
@@ -65,9 +65,9 @@ FAKE_ENGINE_HEADER = b"FAKE ENGINE WRITTEN BY A TEST DOUBLE - NOT A TENSORRT ENG
 def fake_engine_build_step_for_tests(loader: Any, profiles: list[Any] | None = None) -> tuple[bytes, list[str]]:
     """TEST DOUBLE OF THE BUILD STEP ONLY: no TensorRT is involved and the bytes are not an engine.
 
-    Stands in for ``compiler.backends.trt_build.tensorrt_build_step`` so that everything around a build (engine
-    files, manifest entries, staleness, rebuild, merge, atomic commits) runs for real where TensorRT
-    cannot be installed. The "engine" is derived from the ONNX file's sha256, the loader's optimization
+    Stands in for ``compiler.backends.tensorrt.build_step.tensorrt_build_step`` so that everything around a
+    build (engine files, manifest entries, staleness, rebuild, merge, atomic commits) runs for real where
+    TensorRT cannot be installed. The "engine" is derived from the ONNX file's sha256, the loader's optimization
     profiles and the GPU the worker was pinned to; the timing cache is appended to under Polygraphy's own
     file lock, as Polygraphy's ``save_timing_cache`` does after a real build (leaving ``timing.cache.lock``).
     One layer-information JSON per profile (``profiles``, else the loader's), as the real step returns.

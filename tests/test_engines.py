@@ -17,25 +17,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from compiler.backends.trt_build import (
-    NOT_INSTALLED,
-    TensorRTEnumOptions,
-    build_engine_files,
-    build_workers,
-    describe_parser_errors,
-    engine_loader,
-    engine_profile_shapes,
-    environment,
-    layer_summary,
-    multi_profile_shapes,
-    profile_shapes,
-    require_tensorrt,
-    settings_from_dict,
-    settings_to_dict,
-    shared_timing_cache_problem,
-    tensorrt_version_problem,
-    timing_cache_key,
-)
+from compiler.backends.tensorrt.build import build_engine_files, build_workers
+from compiler.backends.tensorrt.build_step import describe_parser_errors
+from compiler.backends.tensorrt.environment import environment
+from compiler.backends.tensorrt.layers import layer_summary
+from compiler.backends.tensorrt.loaders import TensorRTEnumOptions, engine_loader
+from compiler.backends.tensorrt.profiles import engine_profile_shapes, multi_profile_shapes, profile_shapes
+from compiler.backends.tensorrt.records import settings_from_dict, settings_to_dict
+from compiler.backends.tensorrt.timing_cache import shared_timing_cache_problem, timing_cache_key
+from compiler.backends.tensorrt.versions import NOT_INSTALLED, require_tensorrt, tensorrt_version_problem
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.core.files import sha256_file, staging_dir
@@ -155,7 +145,7 @@ def test_engine_profile_shapes_is_the_one_plan_for_builder_and_manifest() -> Non
 
 
 def test_a_multi_profile_build_exports_to_triton_as_a_plan(exported_dir: Path, tmp_path: Path) -> None:
-    from compiler.backends.trt_build import manifest_engine_keys
+    from compiler.backends.tensorrt.records import manifest_engine_keys
     from compiler.core.manifest import write_manifest
     from compiler.pipeline.triton import PLAN_VERSION_FILE, triton_repository
 
@@ -194,7 +184,7 @@ def test_build_workers_one_per_gpu_and_one_without_a_gpu_list() -> None:
 
 def test_jobs_without_a_gpu_list_builds_in_this_process(exported_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr("compiler.backends.trt_build._build_in_parallel", None)  # calling it would fail the test
+    monkeypatch.setattr("compiler.backends.tensorrt.build._build_in_parallel", None)  # calling it would fail the test
     entries, _ = _build(exported_dir, BuildSettings(buckets=(1, 4), jobs=4))
     assert [e["bucket"] for e in entries] == [1, 4]
 
@@ -416,7 +406,7 @@ def test_real_parser_error_names_the_rejected_node(tmp_path: Path) -> None:
 
 
 def test_gpu_facts_from_nvidia_smi_as_an_h200_prints_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    from compiler.backends import trt_build as engines
+    from compiler.backends.tensorrt import environment as engines
 
     printed = {  # captured from nvidia-smi 580.159.04 on an H200
         "--query-gpu=name,compute_cap,driver_version": ["NVIDIA H200, 9.0, 580.159.04"],
@@ -453,7 +443,7 @@ def test_build_options_for_tf32_and_hardware_compat_levels() -> None:
 
 
 def test_a_graph_is_kept_only_when_tensorrt_accepted_every_enqueue() -> None:
-    from compiler.backends.trt import _CheckedLaunch
+    from compiler.backends.tensorrt.runtime import _CheckedLaunch
 
     answers = iter([True, True, False, True])  # warm-up x3, then the capture: the third was refused
     launch = _CheckedLaunch(lambda stream: next(answers), stream_handle=7)
@@ -477,7 +467,7 @@ def test_the_build_step_inspects_each_profile_at_the_shapes_the_engine_was_built
 
 
 def test_the_declared_tensorrt_and_polygraphy_floors_are_the_checked_ones() -> None:
-    from compiler.backends.trt_build import MIN_TENSORRT
+    from compiler.backends.tensorrt.versions import MIN_TENSORRT
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 

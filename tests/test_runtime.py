@@ -22,8 +22,8 @@ import torch
 
 import compiler
 from compiler.backends.onnxrt import OrtCpuContext
-from compiler.backends.trt import EnginesNotRunnable
-from compiler.backends.trt_build import recorded_tf32
+from compiler.backends.tensorrt.records import recorded_tf32
+from compiler.backends.tensorrt.runtime import EnginesNotRunnable
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import FeedError, InputError, TensorRTNotInstalled
 from compiler.core.manifest import onnx_entry, write_manifest
@@ -447,7 +447,7 @@ def test_onnxruntime_tf32_follows_the_manifest_or_the_argument(tmp_path: Path) -
 def test_serving_and_rebuild_read_a_build_without_tf32_alike() -> None:
     """A build section of an older trtc (no ``tf32``) was built with TF32 off: ``trtc rebuild`` and the serving
     backends both read it so; no build section at all (nothing built) takes the default."""
-    from compiler.backends.trt_build import settings_from_dict
+    from compiler.backends.tensorrt.records import settings_from_dict
     from compiler.core import defaults
 
     older = {"buckets": [1, 4], "precision": "fp32", "engine": "tensorrt"}
@@ -494,10 +494,10 @@ def test_tensorrt_backend_without_tensorrt_names_the_fix(tmp_path: Path) -> None
 
 def test_stale_or_missing_engines_name_trtc_rebuild(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the installation check passed, the `trtc check` rules decide: here the files do not match."""
-    import compiler.backends.trt_build
+    import compiler.backends.tensorrt.runtime
 
     directory = _with_engines(tmp_path)
-    monkeypatch.setattr(compiler.backends.trt_build, "require_tensorrt", lambda directory=None: "10.13.0.35")
+    monkeypatch.setattr(compiler.backends.tensorrt.runtime, "require_tensorrt", lambda directory=None: "10.13.0.35")
     with pytest.raises(EnginesNotRunnable) as err:
         load(directory, backend="tensorrt")
     message = str(err.value)

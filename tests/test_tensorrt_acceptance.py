@@ -98,12 +98,12 @@ def test_multi_profile_engine_answers_every_batch_and_records_its_profiles(tmp_p
     the manifest's shapes are exactly the engine's profile shapes."""
     from polygraphy.backend.trt import TrtRunner
 
-    from compiler.backends.trt_build import _deserialize
+    from compiler.backends.tensorrt.build_step import deserialize_engine
 
     out = tmp_path / "m"
     manifest = _build(out, MLP, buckets=(1, 4, 8), multi_profile=True)
     engine_bytes = (out / manifest["engines"][0]["file"]).read_bytes()
-    engine = _deserialize(engine_bytes)
+    engine = deserialize_engine(engine_bytes)
     assert engine.num_optimization_profiles == 3
     spec = _spec(MLP)
     low = 1
@@ -124,7 +124,7 @@ def test_cuda_graphs_replay_fresh_outputs_and_fall_back_when_an_enqueue_is_refus
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Proves: the runtime's CUDA graphs give each call's own outputs, and a refused enqueue during capture leaves
     that bucket without a graph (said once) and still correct."""
-    from compiler.backends import trt as runtime_tensorrt
+    from compiler.backends.tensorrt import runtime as runtime_tensorrt
     from compiler.serve.load import load
 
     out = tmp_path / "m"
@@ -146,7 +146,8 @@ def test_cuda_graphs_replay_fresh_outputs_and_fall_back_when_an_enqueue_is_refus
             return accepted
 
     monkeypatch.setattr(runtime_tensorrt, "_CheckedLaunch", RefusesTheCapture)
-    with caplog.at_level(logging.WARNING, logger="compiler.backends.trt"), load(out, backend="tensorrt") as engines:
+    with (caplog.at_level(logging.WARNING, logger="compiler.backends.tensorrt.runtime"),
+          load(out, backend="tensorrt") as engines):
         assert all(state.graph is None for state in engines._contexts[0]._buckets.values())
         x = rng.standard_normal((5, 64)).astype(np.float32)
         np.testing.assert_allclose(engines(x), _fp32_reference(out, {"x": x}), rtol=1e-3, atol=1e-4)
@@ -209,7 +210,7 @@ def test_check_calls_engines_stale_on_another_tensorrt_or_gpu_model(tmp_path: Pa
     GPU model of the same compute capability unless built --hardware-compat same-compute-capability."""
     from click.testing import CliRunner
 
-    from compiler.backends.trt_build import environment
+    from compiler.backends.tensorrt.environment import environment
     from compiler.cli import cli
     from compiler.pipeline.check import check_directory
 
@@ -263,7 +264,8 @@ def test_rebuild_if_stale_rebuilds_only_stale_engines_from_the_stored_onnx(tmp_p
 def test_shared_timing_cache_is_keyed_checked_and_survives_an_unreadable_directory_cache(tmp_path: Path) -> None:
     """Proves: a real shared timing cache is written with its TensorRT/GPU key, grows across builds with TensorRT's
     combine checked, leaves no lock file in the build directory, and an unreadable DIR/timing.cache only warns."""
-    from compiler.backends.trt_build import environment, timing_cache_key
+    from compiler.backends.tensorrt.environment import environment
+    from compiler.backends.tensorrt.timing_cache import timing_cache_key
     from compiler.pipeline.check import rebuild_directory
 
     shared = tmp_path / "caches" / "shared.cache"
@@ -298,7 +300,7 @@ def test_export_triton_writes_a_multi_profile_plan_with_its_tensorrt_version(tmp
     import tensorrt as trt
     from click.testing import CliRunner
 
-    from compiler.backends.trt_build import _deserialize
+    from compiler.backends.tensorrt.build_step import deserialize_engine
     from compiler.cli import cli
 
     out = tmp_path / "m"
@@ -310,6 +312,6 @@ def test_export_triton_writes_a_multi_profile_plan_with_its_tensorrt_version(tmp
     config = (folder / "config.pbtxt").read_text()
     assert 'platform: "tensorrt_plan"' in config and 'profile: [ "0", "1", "2" ]' in config
     assert "max_batch_size: 8" in config
-    assert _deserialize((folder / "1" / "model.plan").read_bytes()).num_optimization_profiles == 3
+    assert deserialize_engine((folder / "1" / "model.plan").read_bytes()).num_optimization_profiles == 3
     assert (folder / "1" / "tensorrt_version.txt").read_text().splitlines()[0] == trt.__version__
     assert f"exactly {trt.__version__}" in result.output

@@ -49,17 +49,17 @@ class BackendKind:
 
 
 def _tensorrt_serving(source: ServingSource, settings: ServeSettings) -> Backend:
-    from compiler.backends.trt import _tensorrt_backend
+    from compiler.backends.tensorrt.runtime import tensorrt_backend
 
     if source.directory is None:
         raise InputError("the tensorrt backend serves a build directory's engines: build one with `trtc build`")
-    return _tensorrt_backend(source.directory, dict(source.manifest), source.spec, settings.device,
+    return tensorrt_backend(source.directory, dict(source.manifest), source.spec, settings.device,
                              settings.cuda_graphs)
 
 
 def _onnxruntime_serving(source: ServingSource, settings: ServeSettings) -> Backend:
     from compiler.backends.onnxrt import OrtBackend
-    from compiler.backends.trt_build import recorded_tf32
+    from compiler.backends.tensorrt.records import recorded_tf32
     from compiler.core.manifest import onnx_for
 
     if source.directory is None:

@@ -20,7 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from compiler.backends.trt_build import settings_to_dict
+from compiler.backends.tensorrt.build import build_engine_files
+from compiler.backends.tensorrt.environment import environment
+from compiler.backends.tensorrt.records import manifest_engine_keys, settings_to_dict
+from compiler.backends.tensorrt.versions import NOT_INSTALLED, require_tensorrt
+from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import AccuracyGateError, TensorRTNotInstalled
 from compiler.core.files import directory_transaction, settle_modes
 from compiler.core.manifest import MANIFEST, write_manifest
@@ -109,17 +113,15 @@ def _feeds_from_calibration_data(calibration: Any | None, spec: ModelSpec, max_b
 def _engines_into(stage: Path, out: Path, manifest: dict[str, Any], spec: Any, build: BuildSettings,
                   ) -> TensorRTNotInstalled | None:
     """Build the engines into ``stage``; returns (not raises) TensorRTNotInstalled so the rest is committed first."""
-    from compiler.backends import trt_build as engines
-
-    env = engines.environment(build)
-    if engines.tensorrt_version() is None:
+    env = environment(build)
+    if tensorrt_version() is None:
         manifest["engines_note"] = "not built: TensorRT is not installed here"
-        manifest.update(engines.manifest_engine_keys(build, env, []))
-        return TensorRTNotInstalled(engines.NOT_INSTALLED.format(directory=out))
-    engines.require_tensorrt(out)
+        manifest.update(manifest_engine_keys(build, env, []))
+        return TensorRTNotInstalled(NOT_INSTALLED.format(directory=out))
+    require_tensorrt(out)
     onnx_rel = manifest["onnx"][build.precision]["file"] if build.precision in manifest["onnx"] else FP32_ONNX
-    entries = engines.build_engine_files(out, stage, onnx_rel, spec, build, env=env)
-    manifest.update(engines.manifest_engine_keys(build, env, entries))
+    entries = build_engine_files(out, stage, onnx_rel, spec, build, env=env)
+    manifest.update(manifest_engine_keys(build, env, entries))
     return None
 
 

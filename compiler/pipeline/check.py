@@ -1,6 +1,6 @@
 """``trtc check`` and ``trtc rebuild``: can a directory's engines run here, and rebuilding the ones that cannot.
 
-The rules for when an engine can run are in ``compiler.backends.trt_compat``.
+The rules for when an engine can run are in ``compiler.backends.tensorrt.compat``.
 
 A rebuild uses only what the directory holds: the ONNX files (checked against their recorded
 sha256) and the recorded build settings. Nothing is re-exported or recalibrated, so quantization
@@ -15,14 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from compiler.backends.trt_build import (
-    BuildStep,
-    build_engine_files,
-    environment,
-    manifest_engine_keys,
-    settings_from_dict,
-)
-from compiler.backends.trt_compat import (
+from compiler.backends.tensorrt.build import BuildStep, build_engine_files
+from compiler.backends.tensorrt.compat import (
     NEVER_BUILT,
     Staleness,
     engine_entries,
@@ -32,6 +26,8 @@ from compiler.backends.trt_compat import (
     stale_in,
     tensorrt_can_run,
 )
+from compiler.backends.tensorrt.environment import environment
+from compiler.backends.tensorrt.records import manifest_engine_keys, settings_from_dict
 from compiler.core.errors import InputError
 from compiler.core.files import directory_transaction, sha256_file
 from compiler.core.manifest import (

@@ -12,7 +12,7 @@ context plus input and output buffers for every bucket; the contract is ``compil
 host and GPU contexts ``compiler.backends.host`` and ``compiler.backends.gpu``), one module each, made by name
 through ``compiler.backends.registry``:
 
-* ``tensorrt`` (``compiler.backends.trt``): the directory's engines. ``execute_async_v3`` on
+* ``tensorrt`` (``compiler.backends.tensorrt.runtime``): the directory's engines. ``execute_async_v3`` on
   the context's CUDA stream, tensor addresses bound once per buffer (torch tensors are the device
   buffers), pinned host buffers for the copies, and one CUDA graph per bucket, captured after
   warm-up, when no input has a dynamic non-batch dimension (a graph is only valid for the shapes

@@ -4,7 +4,7 @@
 tensors are the device buffers), pinned host buffers for the copies, and one CUDA graph per
 bucket, captured after warm-up, when no input has a dynamic non-batch dimension (a graph is only
 valid for the shapes it was captured with) and TensorRT accepted every enqueue of the warm-up and the
-capture. ``_tensorrt_backend`` makes the checks ``trtc check`` makes before it loads anything.
+capture. ``tensorrt_backend`` makes the checks ``trtc check`` makes before it loads anything.
 
 Memory: a context of a multi-profile engine created with TensorRT's default (STATIC) strategy holds
 activation memory for the engine's largest profile, and the runtime keeps one context per bucket
@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Any
 from compiler.backends.base import call_sizes, largest_sizes
 from compiler.backends.feeds import CheckedFeed
 from compiler.backends.gpu import ComputeOrder, GpuContext, capture_graph
+from compiler.backends.tensorrt.compat import stale_in
+from compiler.backends.tensorrt.environment import environment
+from compiler.backends.tensorrt.versions import require_tensorrt
 from compiler.core.errors import InputError, TrtcError
 from compiler.core.manifest import inside
 from compiler.core.specs import ModelSpec
@@ -88,7 +91,7 @@ class _TensorRTBackend:
             for entry in manifest["engines"]:
                 file = str(entry["file"])
                 if file not in engines:
-                    # confined; its sha256 was checked by ``_tensorrt_backend`` (``stale_in``) just before
+                    # confined; its sha256 was checked by ``tensorrt_backend`` (``stale_in``) just before
                     path = inside(directory, file, "engine")
                     engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
                     if engine is None:
@@ -241,19 +244,14 @@ class _TensorRTContext(GpuContext):
         self._scratch = None
 
 
-def _tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec, device: str | None,
+def tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec, device: str | None,
                       cuda_graphs: bool) -> _TensorRTBackend:
     """The TensorRT backend after the checks ``trtc check`` makes: installed, engines built, none stale."""
-    from compiler.backends.trt_build import require_tensorrt
-
     require_tensorrt(directory)  # TensorRTNotInstalled, naming `trtc rebuild DIR`
     if not manifest.get("engines"):
         note = manifest.get("engines_note") or "none were built"
         raise EnginesNotRunnable(f"{directory} has no TensorRT engines ({note}); run `trtc rebuild {directory}` "
                                  "on a machine with TensorRT and a GPU, or load it with backend='onnxruntime'")
-    from compiler.backends.trt_build import environment
-    from compiler.backends.trt_compat import stale_in
-
     stale = stale_in(directory, manifest, environment())  # hashes every engine: the backend then only reads them
     if stale:
         reasons = "; ".join(str(s) for s in stale)

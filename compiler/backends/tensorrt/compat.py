@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compiler.backends.trt_build import environment, parse_compute_capability
+from compiler.backends.tensorrt.environment import environment, parse_compute_capability
 from compiler.core.capabilities import version_tuple
 from compiler.core.errors import InputError
 from compiler.core.files import sha256_file

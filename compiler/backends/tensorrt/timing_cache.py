@@ -1,0 +1,144 @@
+"""TensorRT's tactic timing caches: the directory's own, the shared ``--timing-cache``, and their keys.
+
+A build directory keeps ``timing.cache`` (this model's tactics) and a shared cache (``--timing-cache``) may
+serve many builds; each holds for one TensorRT version and one GPU model (``timing_cache_key``), recorded
+beside a shared cache in ``<cache>.key.json``. Reading, checking and combining caches needs TensorRT;
+choosing which cache seeds a build does not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from compiler.core.files import atomic_write_bytes, atomic_write_text, read_json
+from compiler.core.manifest import inside
+from compiler.core.settings import BuildSettings
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+__all__ = ["TIMING_CACHE", "timing_cache_key", "shared_timing_cache_problem", "seed_timing_cache",
+           "drop_unreadable_timing_cache", "merge_timing_cache"]
+
+log = logging.getLogger(__name__)
+
+TIMING_CACHE = "timing.cache"
+
+
+def timing_cache_key(env: dict[str, Any]) -> dict[str, Any]:
+    """What a timing cache's timings hold for: the TensorRT version and the GPU (name and compute capability).
+
+    TensorRT times tactics per version and device; timings of another GPU model or version are wrong here,
+    and a combined cache of several would silently mix them.
+    """
+    return {"tensorrt": env.get("tensorrt"), "gpu": env.get("gpu"), "compute_capability": env.get("compute_capability")}
+
+
+def _key_path(cache: Path) -> Path:
+    return cache.with_name(cache.name + ".key.json")
+
+
+def shared_timing_cache_problem(cache: Path, env: dict[str, Any]) -> str | None:
+    """Why the shared timing cache ``cache`` (``--timing-cache``) cannot be used by a build in ``env``, or None.
+
+    A new cache (no file yet) is fine. An existing one must carry ``cache.key.json`` with the same
+    ``timing_cache_key``: one shared cache per TensorRT version and GPU.
+    """
+    if not cache.is_file():
+        return None
+    want = timing_cache_key(env)
+    example = cache.with_name(f"trt{want['tensorrt']}-{str(want['gpu']).replace(' ', '_')}.cache")
+    fix = f"use one shared cache per TensorRT version and GPU: give --timing-cache another path, e.g. {example}"
+    try:
+        have = read_json(_key_path(cache))
+    except (OSError, ValueError):
+        have = None
+    if not isinstance(have, dict):
+        return (f"--timing-cache {cache}: it does not record which TensorRT and GPU made it "
+                f"({_key_path(cache).name}); {fix}")
+    if timing_cache_key(have) != want:
+        return (f"--timing-cache {cache} holds timings of TensorRT {have.get('tensorrt')} on {have.get('gpu')}, this "
+                f"build is TensorRT {want['tensorrt']} on {want['gpu']}; {fix}")
+    return None
+
+
+def seed_timing_cache(directory: Path, stage_cache: Path, settings: BuildSettings, env: dict[str, Any]) -> None:
+    """Start STAGE/timing.cache from DIR/timing.cache, else from the shared ``settings.timing_cache``.
+
+    DIR's cache holds this model's tactics and wins; it is skipped when the directory's engines were
+    built with another TensorRT or GPU (``timing_cache_key``: TensorRT would not use it). The shared
+    cache has been checked by ``shared_timing_cache_problem``; it is only read here, and
+    ``build_engine_files`` merges the new timings into it after a successful build.
+    """
+    stage_cache.unlink(missing_ok=True)  # this policy decides, whatever a caller copied in before
+    own = inside(directory, TIMING_CACHE, "timing cache")  # a symlink out of the directory is refused
+    if own.is_file():
+        try:
+            built = (read_json(directory / "manifest.json") or {}).get("environment") or {}
+        except (OSError, ValueError):
+            built = {}
+        if timing_cache_key(built) == timing_cache_key(env):
+            shutil.copyfile(own, stage_cache)
+            return
+        log.info("not reusing %s: it was made with TensorRT %s on %s", own, built.get("tensorrt"), built.get("gpu"))
+    if settings.timing_cache is not None and settings.timing_cache.is_file():
+        shutil.copyfile(settings.timing_cache, stage_cache)
+
+
+def drop_unreadable_timing_cache(cache: Path) -> None:
+    """Remove ``cache`` with a warning when TensorRT cannot read it: the build then starts a fresh one."""
+    if not cache.is_file():
+        return
+    import tensorrt as trt
+
+    config = trt.Builder(trt.Logger(trt.Logger.ERROR)).create_builder_config()
+    if _read_timing_cache(config, cache) is None:
+        log.warning("the timing cache seeded from the directory or --timing-cache is unreadable; starting a fresh one")
+        cache.unlink()
+
+
+def _read_timing_cache(config: trt.IBuilderConfig, cache: Path) -> trt.ITimingCache | None:
+    """The timing cache in file ``cache`` as TensorRT reads it, or None when TensorRT cannot (why is logged at
+    debug level: the callers warn in their own words)."""
+    try:
+        return config.create_timing_cache(cache.read_bytes())
+    except (RuntimeError, TypeError, ValueError) as err:
+        log.debug("timing cache %s: %s", cache, err)
+        return None
+
+
+def merge_timing_cache(source: Path, target: Path, env: dict[str, Any]) -> bool:
+    """Fold the timings of ``source`` into the shared timing cache ``target`` made in ``env``, under a file lock.
+
+    ``target`` is created (with its ``.key.json``) if absent; one TensorRT cannot read is a warning and
+    replaced by ``source``; one whose key differs is left alone (``shared_timing_cache_problem`` refuses
+    it before a build). TensorRT combines without ignoring mismatches, and a failed combine leaves
+    ``target`` unchanged with a warning. Returns whether ``target`` now holds the new timings. Needs
+    TensorRT: a timing cache can only be combined by TensorRT itself.
+    """
+    import tensorrt as trt
+    from polygraphy import util
+
+    builder = trt.Builder(trt.Logger(trt.Logger.WARNING))
+    config = builder.create_builder_config()
+    cache = config.create_timing_cache(source.read_bytes())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with util.LockFile(str(target)):  # target.lock, beside the shared cache: never inside a build directory
+        problem = shared_timing_cache_problem(target, env)
+        if problem:
+            log.warning("timing cache not merged: %s", problem)
+            return False
+        if target.is_file():
+            previous = _read_timing_cache(config, target)
+            if previous is None:
+                log.warning("%s is unreadable; replacing it with this build's timings", target)
+            elif not cache.combine(previous, ignore_mismatch=False):
+                log.warning("TensorRT could not combine %s with this build's timings; left it unchanged", target)
+                return False
+        atomic_write_bytes(target, bytes(memoryview(cache.serialize())))
+        atomic_write_text(_key_path(target), json.dumps(timing_cache_key(env), indent=1) + "\n")
+    return True
