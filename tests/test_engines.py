@@ -21,7 +21,7 @@ from compiler.backends.tensorrt.build import build_engine_files, build_workers
 from compiler.backends.tensorrt.build_step import describe_parser_errors
 from compiler.backends.tensorrt.environment import environment
 from compiler.backends.tensorrt.layers import layer_summary
-from compiler.backends.tensorrt.loaders import TensorRTEnumOptions, engine_loader
+from compiler.backends.tensorrt.loaders import StronglyTypedNetworkFromOnnxPath, TensorRTEnumOptions, engine_loader
 from compiler.backends.tensorrt.profiles import engine_profile_shapes, multi_profile_shapes, profile_shapes
 from compiler.backends.tensorrt.records import settings_from_dict, settings_to_dict
 from compiler.backends.tensorrt.timing_cache import shared_timing_cache_problem, timing_cache_key
@@ -59,7 +59,7 @@ def _chain(loader: Any) -> tuple[Any, Any, TensorRTEnumOptions]:
 
 
 def test_engine_loader_carries_profiles_settings_and_timing_cache(tmp_path: Path) -> None:
-    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, PostprocessConfig
+    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, PostprocessConfig
 
     cache = tmp_path / "timing.cache"
     settings = BuildSettings(buckets=(1, 4), workspace_mib=512, opt_level=5, hardware_compat="ampere-plus",
@@ -67,9 +67,8 @@ def test_engine_loader_carries_profiles_settings_and_timing_cache(tmp_path: Path
     loader = engine_loader(tmp_path / "model.onnx", TRANSFORMER, [4], settings, cache)
     assert isinstance(loader, EngineBytesFromNetwork) and isinstance(loader._config, PostprocessConfig)
     network, config, options = _chain(loader)
-    assert isinstance(network, NetworkFromOnnxPath) and isinstance(config, CreateConfig)
+    assert isinstance(network, StronglyTypedNetworkFromOnnxPath) and isinstance(config, CreateConfig)
     assert network.path == str(tmp_path / "model.onnx")
-    assert network.strongly_typed is True  # TensorRT 10 needs the flag; 11 ignores it
     assert len(config.profiles) == 1
     ids = config.profiles[0]["input_ids"]
     assert (tuple(ids.min), tuple(ids.opt), tuple(ids.max)) == ((4, 1), (4, 16), (4, 64))
@@ -93,6 +92,41 @@ def test_engine_loader_carries_profiles_settings_and_timing_cache(tmp_path: Path
     same_cc = engine_loader(tmp_path / "model.onnx", TRANSFORMER, [1],
                             BuildSettings(hardware_compat="same-compute-capability"), cache)
     assert _chain(same_cc)[2].hardware_compat == "same-compute-capability"
+
+
+def test_the_loader_chain_asks_whether_to_type_strongly_only_when_its_network_is_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constructing the chain tries no import of TensorRT (a finder first on sys.meta_path records every attempt);
+    calling its network asks ``strongly_typed_flag()`` then and gives the answer to Polygraphy's loader."""
+    import importlib.abc
+    import sys
+
+    import polygraphy.backend.trt as polygraphy_trt
+
+    attempts: list[str] = []
+
+    class RecordsTensorRTImports(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+            if fullname.split(".")[0] in ("tensorrt", "tensorrt_bindings", "tensorrt_libs"):
+                attempts.append(fullname)
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [RecordsTensorRTImports(), *sys.meta_path])
+    for name in [m for m in sys.modules if m.split(".")[0] == "tensorrt"]:
+        monkeypatch.delitem(sys.modules, name)
+    loader = engine_loader(tmp_path / "model.onnx", TRANSFORMER, [1, 4], BuildSettings(buckets=(1, 4)),
+                           tmp_path / "timing.cache")
+    assert attempts == []
+    made: list[tuple[str, bool]] = []
+
+    def network_from_onnx_path(path: str, strongly_typed: bool) -> Any:
+        made.append((path, strongly_typed))
+        return lambda: ("builder", "network", "parser")
+
+    monkeypatch.setattr(polygraphy_trt, "NetworkFromOnnxPath", network_from_onnx_path)
+    monkeypatch.setattr("compiler.backends.tensorrt.loaders.strongly_typed_flag", lambda: False)
+    assert _chain(loader)[0]() == ("builder", "network", "parser")
+    assert made == [(str(tmp_path / "model.onnx"), False)]
 
 
 def _build(directory: Path, settings: BuildSettings, step: Any = fake_engine_build_step_for_tests,
@@ -408,16 +442,17 @@ def test_real_parser_error_names_the_rejected_node(tmp_path: Path) -> None:
 def test_gpu_facts_from_nvidia_smi_as_an_h200_prints_them(monkeypatch: pytest.MonkeyPatch) -> None:
     from compiler.backends.tensorrt import environment as engines
 
-    printed = {  # captured from nvidia-smi 580.159.04 on an H200
-        "--query-gpu=name,compute_cap,driver_version": ["NVIDIA H200, 9.0, 580.159.04"],
-        "--query-gpu=index": ["0"],
+    printed = {  # captured from nvidia-smi 580.159.04 on an H200 (`--id` takes an index or a UUID)
+        "--id=0 --query-gpu=name,compute_cap,driver_version --format=csv,noheader": ["NVIDIA H200, 9.0, 580.159.04"],
+        "--query-gpu=index --format=csv,noheader": ["0"],
         "": ["| NVIDIA-SMI 580.159.04             Driver Version: 580.159.04     CUDA Version: 13.0     |"],
     }
-    monkeypatch.setattr(engines, "_nvidia_smi", lambda args: printed[args[0] if args else ""])
+    monkeypatch.setattr(engines, "_nvidia_smi", lambda args: printed.get(" ".join(args), []))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert engines._gpu_from_nvidia_smi() == {"gpu": "NVIDIA H200", "driver": "580.159.04",
-                                              "compute_capability": "9.0", "cuda_driver": "13.0"}
+    assert engines._gpu_from_nvidia_smi(None) == {"gpu": "NVIDIA H200", "driver": "580.159.04",
+                                                  "compute_capability": "9.0", "cuda_driver": "13.0"}
     assert engines.visible_gpus() == ["0"]
+    assert engines._gpu_from_nvidia_smi(1) == {}  # "No devices were found" (exit code 6): no such GPU
 
 
 def _build_settings_from_command_line(*args: str) -> BuildSettings:

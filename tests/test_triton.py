@@ -179,7 +179,7 @@ def test_a_version_compatible_plan_names_the_triton_option(dirs: dict[str, Path]
     result = CliRunner().invoke(cli, ["export-triton", str(directory), "--repo", str(tmp_path / "repo")])
     assert result.exit_code == 0, result.output
     assert ("built version-compatible with TensorRT 10.13.0.35: Triton loads it with TensorRT 10.13.0.35 or a later "
-            "10.x when started with --backend-config=tensorrt,version-compatible=true") in result.output
+            "10.x or 11.x when started with --backend-config=tensorrt,version-compatible=true") in result.output
 
 
 def test_plans_triton_cannot_serve_are_refused_or_replaced(dirs: dict[str, Path], tmp_path: Path,

@@ -14,9 +14,10 @@ file holding a profile per bucket: ``trtc build --multi-profile``); otherwise ``
 back to the ONNX Runtime variant and says why.
 
 Triton loads a plan only with the TensorRT that built it (its container's TensorRT), or, for a
-plan built ``--version-compatible``, a later TensorRT of the same major when Triton runs with
-``--backend-config=tensorrt,version-compatible=true``. ``1/tensorrt_version.txt`` beside
-``model.plan`` says which (the version on its first line), and the command prints it.
+plan built ``--version-compatible``, a later TensorRT of the same major (a TensorRT 10 plan: 11 too)
+when Triton runs with ``--backend-config=tensorrt,version-compatible=true``; and only on the GPU model
+that built it unless built ``--hardware-compat``. ``1/tensorrt_version.txt`` beside ``model.plan``
+says which (the version on its first line), and the command prints it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from compiler.backends.tensorrt.compat import gpus_that_run, later_runtimes
 from compiler.core.errors import InputError
 from compiler.core.manifest import spec_from_manifest
 from compiler.core.specs import BATCH_DIM, ModelSpec
@@ -168,16 +170,19 @@ def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, t
 
 
 def plan_requirement(manifest: dict[str, Any]) -> tuple[str, str]:
-    """(TensorRT version, one line saying which Triton can load the plan) for a directory's engines."""
-    version = str((manifest.get("environment") or {}).get("tensorrt") or "unknown")
-    if (manifest.get("build") or {}).get("version_compatible"):
-        major = version.split(".")[0]
+    """(TensorRT version, one line saying which Triton can load the plan and on which GPUs) for a directory's
+    engines, by the rules of ``compiler.backends.tensorrt.compat``."""
+    env = manifest.get("environment") or {}
+    build = manifest.get("build") or {}
+    version = str(env.get("tensorrt") or "unknown")
+    gpus = gpus_that_run(env, build.get("hardware_compat", env.get("hardware_compat")))
+    if build.get("version_compatible"):
         return version, (f"model.plan was built version-compatible with TensorRT {version}: Triton loads it with "
-                         f"TensorRT {version} or a later {major}.x when started with "
-                         "--backend-config=tensorrt,version-compatible=true")
+                         f"{later_runtimes(version)} when started with "
+                         f"--backend-config=tensorrt,version-compatible=true; {gpus}")
     return version, (f"model.plan was built with TensorRT {version}: Triton loads it only if its TensorRT is "
                      f"exactly {version} (pick the Triton container that ships it), or rebuild with "
-                     "--version-compatible")
+                     f"--version-compatible; {gpus}")
 
 
 def triton_repository(directory: str | Path, repo: str | Path, *, name: str | None = None, backend: str = "auto",

@@ -11,8 +11,9 @@ Building (``trtc build`` / ``trtc rebuild``), in the order a build runs:
 * ``build``: ``build_engine_files``, the stage: every engine of a directory, in worker processes with ``--jobs``;
 * ``records``: the build settings and engines as the manifest stores them.
 
-Running: ``environment`` (TensorRT, CUDA, GPU, platform here), ``compat`` (whether an engine built in one
-environment runs in another: ``trtc check``) and ``runtime`` (the ``tensorrt`` serving backend).
+Running: ``environment`` (TensorRT, CUDA, the GPU that builds or runs, platform), ``compat`` (whether an engine
+built in one environment runs in another: ``trtc check``) and ``runtime`` (the ``tensorrt`` serving backend).
+Both: ``logger``, the one TensorRT logger of the process (Polygraphy's).
 
 TensorRT itself is imported only inside the functions that call it, so every module here imports, and
 everything but the build step and the runtime runs, where TensorRT is not installed.

@@ -25,12 +25,17 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from compiler.backends.tensorrt.build_step import tensorrt_build_step
-from compiler.backends.tensorrt.environment import environment, parse_compute_capability, visible_gpus
+from compiler.backends.tensorrt.environment import (
+    environment,
+    parse_compute_capability,
+    same_gpu_model,
+    visible_gpus,
+)
 from compiler.backends.tensorrt.layers import layer_summary
 from compiler.backends.tensorrt.loaders import engine_loader
 from compiler.backends.tensorrt.profiles import Shapes, engine_profile_shapes
@@ -70,6 +75,7 @@ class _EngineJob:
     buckets: tuple[int, ...]
     settings: BuildSettings
     build_step: BuildStep | None
+    gpu_model: dict[str, Any] | None = None  # in a worker pinned to one GPU: the GPU the engines must be built on
 
     @property
     def name(self) -> str:
@@ -81,6 +87,8 @@ class _EngineJob:
 def _build_engine(job: _EngineJob) -> list[dict[str, Any]]:
     """Build one engine into ``STAGE/engines``; one manifest entry per bucket (profile) it serves, recording
     the shapes the engine was built with (``engine_profile_shapes``, which the loader takes too)."""
+    if job.gpu_model is not None:
+        _check_worker_gpu(job.gpu_model)
     cache = job.stage / TIMING_CACHE
     per_profile = engine_profile_shapes(job.spec, job.buckets, job.settings.multi_profile)
     loader = engine_loader(job.onnx_path, job.spec, job.buckets, job.settings, cache)
@@ -121,6 +129,21 @@ def _build_engine(job: _EngineJob) -> list[dict[str, Any]]:
             "onnx_sha256": job.onnx_sha256,
         })
     return entries
+
+
+def _check_worker_gpu(gpu_model: dict[str, Any]) -> None:
+    """In a build worker: ``BuildError`` unless its GPU is of the model the build's environment names.
+
+    The manifest records one environment for every engine of a directory (and the engines share one timing
+    cache), so on a host with GPUs of several models the workers must be pinned to GPUs of that one model.
+    """
+    here = environment(device=0)  # the worker sees its one GPU as device 0
+    if not same_gpu_model(gpu_model, here):
+        raise BuildError(f"--jobs: the build worker on GPU {os.environ.get('CUDA_VISIBLE_DEVICES')} has a "
+                         f"{here['gpu']} (compute capability {here['compute_capability']}), but this build's "
+                         f"engines are for the {gpu_model['gpu']} (compute capability "
+                         f"{gpu_model['compute_capability']}) that the manifest records; set CUDA_VISIBLE_DEVICES "
+                         "to GPUs of that one model, or build with --jobs 1")
 
 
 def _pin_worker_to_gpu(gpu_ids: Any) -> None:
@@ -173,8 +196,9 @@ def build_engine_files(directory: Path, stage: Path, onnx_rel: str, spec: ModelS
     ``build_step`` turns a loader into (engine bytes, layer JSON); None means TensorRT
     (``tensorrt_build_step``), which must be installed (``TensorRTNotInstalled`` otherwise). With
     ``settings.jobs`` > 1 single-profile engines are built in that many processes, one GPU each
-    (``build_workers``: one process when no GPU list is known). A shared cache made with another
-    TensorRT or GPU is refused (``InputError``) before anything is built.
+    (``build_workers``: one process when no GPU list is known), each checking that its GPU is of the
+    model ``env`` names (``BuildError`` otherwise). A shared cache made with another TensorRT or GPU is
+    refused (``InputError``) before anything is built.
     ``env`` is the environment the engines are built in (``environment(settings)`` when None).
     """
     if settings.engine == "none":
@@ -212,6 +236,8 @@ def build_engine_files(directory: Path, stage: Path, onnx_rel: str, spec: ModelS
                     len(jobs), len(gpus), why)
     entries: list[dict[str, Any]] = []
     if workers > 1:
+        model = {"gpu": env.get("gpu"), "compute_capability": env.get("compute_capability")}
+        jobs = [replace(job, gpu_model=model) for job in jobs]
         for built in _build_in_parallel(jobs, workers, gpus):
             entries += built
     else:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from compiler.backends.tensorrt.layers import layer_information
+from compiler.backends.tensorrt.logger import tensorrt_logger
 from compiler.backends.tensorrt.profiles import Shapes
 from compiler.backends.tensorrt.versions import strongly_typed_flag
 from compiler.core.errors import BuildError
@@ -43,18 +44,22 @@ def _parser_errors(onnx_path: Path) -> str | None:
     """Parse ``onnx_path`` once more with a fresh TensorRT parser and describe what it rejects, or None.
 
     Polygraphy logs the parser's errors and raises "Could not parse ONNX correctly", dropping the
-    error objects; a second parse is cheap next to a build, and only happens on failure.
+    error objects; a second parse is cheap next to a build, and only happens on failure. The second
+    parse logs nothing: its errors are in the ``BuildError`` the caller raises.
     """
     import tensorrt as trt
+    from polygraphy.logger import G_LOGGER
 
-    logger = trt.Logger(trt.Logger.ERROR)
+    logger = tensorrt_logger()
     builder = trt.Builder(logger)
     flags = 0
     if strongly_typed_flag():
         flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
-    if parser.parse_from_file(str(onnx_path)) and parser.num_errors == 0:
+    with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
+        parsed = parser.parse_from_file(str(onnx_path))
+    if parsed and parser.num_errors == 0:
         return None
     return describe_parser_errors(parser)
 
@@ -64,7 +69,7 @@ def deserialize_engine(engine_bytes: bytes) -> trt.ICudaEngine:
     cannot."""
     import tensorrt as trt
 
-    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    runtime = trt.Runtime(tensorrt_logger())
     runtime.engine_host_code_allowed = True  # version-compatible engines carry the lean runtime; trtc built it
     engine = runtime.deserialize_cuda_engine(engine_bytes)
     if engine is None:

@@ -25,8 +25,8 @@ from compiler.core.files import sha256_file
 from compiler.core.manifest import MANIFEST, inside, read_manifest
 from compiler.core.settings import hardware_compat_level
 
-__all__ = ["Staleness", "NEVER_BUILT", "tensorrt_can_run", "gpu_can_run", "environment_reasons", "engine_entries",
-           "recorded_onnx", "stale_in", "stale_engines"]
+__all__ = ["Staleness", "NEVER_BUILT", "tensorrt_can_run", "later_runtimes", "gpu_can_run", "gpus_that_run",
+           "environment_reasons", "engine_entries", "recorded_onnx", "stale_in", "stale_engines"]
 
 NEVER_BUILT = "engines never built (TensorRT was not available at build time)"
 
@@ -59,6 +59,16 @@ def tensorrt_can_run(built: str, running: str, version_compatible: bool) -> bool
     return new[0] == old[0] or (old[0], new[0]) == (10, 11)
 
 
+def later_runtimes(built: str) -> str:
+    """In words, the TensorRT releases that load a version-compatible engine TensorRT ``built`` made (the rule of
+    ``tensorrt_can_run``): "TensorRT 10.13.0.35 or a later 10.x or 11.x"; "TensorRT 11.4.0.106 or a later 11.x"."""
+    numbers = version_tuple(built)
+    if not numbers:
+        return f"TensorRT {built} or a later release of its major version"
+    later = f"a later {numbers[0]}.x" + (" or 11.x" if numbers[0] == 10 else "")
+    return f"TensorRT {built} or {later}"
+
+
 def gpu_can_run(built: dict[str, Any], running: dict[str, Any], hardware_compat: str | bool) -> bool:
     """Whether the GPU of ``running`` can run an engine built on the GPU of ``built`` at a hardware-compatibility
     level (``settings.HARDWARE_COMPAT_LEVELS``; a bool from an older manifest: True was ampere-plus).
@@ -79,6 +89,20 @@ def gpu_can_run(built: dict[str, Any], running: dict[str, Any], hardware_compat:
     return not (built.get("gpu") and running.get("gpu")) or built["gpu"] == running["gpu"]
 
 
+def gpus_that_run(built: dict[str, Any], hardware_compat: object) -> str:
+    """In words, the GPUs that run an engine built on the GPU of environment ``built`` at a hardware-compatibility
+    level (the rule of ``gpu_can_run``), e.g. "it runs only on the GPU model that built it, an NVIDIA H200 ..."."""
+    level = hardware_compat_level(hardware_compat)
+    if level == "ampere-plus":
+        return "it runs on any GPU of compute capability 8.0 or later (built --hardware-compat ampere-plus)"
+    capability = built.get("compute_capability") or "unknown"
+    if level == "same-compute-capability":
+        return (f"it runs on any GPU of compute capability {capability} (built --hardware-compat "
+                "same-compute-capability)")
+    return (f"it runs only on the GPU model that built it, {built.get('gpu') or 'unrecorded'} (compute capability "
+            f"{capability}): rebuild with --hardware-compat same-compute-capability or ampere-plus for other GPUs")
+
+
 def environment_reasons(built: dict[str, Any], here: dict[str, Any], build: dict[str, Any]) -> list[str]:
     """Reasons, shared by every engine of the directory, why they cannot run in ``here``."""
     reasons = []
@@ -90,7 +114,7 @@ def environment_reasons(built: dict[str, Any], here: dict[str, Any], build: dict
     elif made is None:
         reasons.append("the manifest does not record which TensorRT built the engines")
     elif not tensorrt_can_run(made, running, version_compatible):
-        how = ("a version-compatible engine runs on the same or a later TensorRT of its major version"
+        how = (f"a version-compatible engine runs on {later_runtimes(made)}"
                if version_compatible else "an engine runs only on the TensorRT version that built it")
         reasons.append(f"built with TensorRT {made}, this is TensorRT {running} ({how})")
     made_cc, running_cc = built.get("compute_capability"), here.get("compute_capability")

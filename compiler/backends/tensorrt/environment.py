@@ -19,7 +19,7 @@ from typing import Any
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.settings import BuildSettings
 
-__all__ = ["parse_compute_capability", "environment", "visible_gpus"]
+__all__ = ["parse_compute_capability", "environment", "visible_gpus", "same_gpu_model"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _cuda_version(number: int) -> str:
     return f"{number // 1000}.{number % 1000 // 10}"
 
 
-def _gpu_from_cuda_python() -> dict[str, Any]:
+def _gpu_from_cuda_python(device: int | None) -> dict[str, Any]:
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
@@ -64,7 +64,10 @@ def _gpu_from_cuda_python() -> dict[str, Any]:
         err, version = cudart.cudaDriverGetVersion()
         if int(err) == 0 and version:
             info["cuda_driver"] = _cuda_version(version)
-        err, props = cudart.cudaGetDeviceProperties(0)
+        if device is None:
+            err, current = cudart.cudaGetDevice()
+            device = int(current) if int(err) == 0 else 0
+        err, props = cudart.cudaGetDeviceProperties(device)
         if int(err) == 0:
             name = props.name
             info["gpu"] = (name.decode() if isinstance(name, bytes) else str(name)).rstrip("\x00")
@@ -74,7 +77,7 @@ def _gpu_from_cuda_python() -> dict[str, Any]:
     return info
 
 
-def _gpu_from_torch() -> dict[str, Any]:
+def _gpu_from_torch(device: int | None) -> dict[str, Any]:
     try:
         import torch
     except ImportError:
@@ -84,18 +87,51 @@ def _gpu_from_torch() -> dict[str, Any]:
         info["cuda_runtime"] = torch.version.cuda
     try:
         if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(0)
-            info["gpu"] = torch.cuda.get_device_name(0)
-            info["compute_capability"] = f"{major}.{minor}"
+            index = torch.cuda.current_device() if device is None else device
+            if index < torch.cuda.device_count():
+                major, minor = torch.cuda.get_device_capability(index)
+                info["gpu"] = torch.cuda.get_device_name(index)
+                info["compute_capability"] = f"{major}.{minor}"
     except RuntimeError as err:  # a driver that torch sees but cannot initialize
         log.debug("torch cannot query the GPU: %s", err)
     return info
 
 
-def _gpu_from_nvidia_smi() -> dict[str, Any]:
-    lines = _nvidia_smi(["--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"])
+def _cuda_visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES's entries (GPU indices or UUIDs), or None when it is unset. As CUDA reads it: an
+    empty entry or -1 hides every GPU from there on."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    entries = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if not entry or entry == "-1":
+            break
+        entries.append(entry)
+    return entries
+
+
+def _nvidia_smi_id(device: int) -> str | None:
+    """The ``nvidia-smi --id`` of CUDA device ``device`` of this process, or None when it has no such device.
+
+    nvidia-smi ignores CUDA_VISIBLE_DEVICES, so the device is found through the variable's entry for it (an
+    index or a UUID, both of which ``--id`` takes). Without the variable the CUDA ordinal is taken as
+    nvidia-smi's index: exact with CUDA_DEVICE_ORDER=PCI_BUS_ID (nvidia-smi's order); CUDA's default order,
+    fastest first, can differ on a host with GPUs of several models.
+    """
+    visible = _cuda_visible_devices()
+    if visible is None:
+        return str(device)
+    return visible[device] if 0 <= device < len(visible) else None
+
+
+def _gpu_from_nvidia_smi(device: int | None) -> dict[str, Any]:
+    selector = _nvidia_smi_id(0 if device is None else device)
+    if selector is None:
+        return {}
+    lines = _nvidia_smi([f"--id={selector}", "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"])
     if not lines:  # drivers before 510 do not know the compute_cap field
-        lines = _nvidia_smi(["--query-gpu=name,driver_version", "--format=csv,noheader"])
+        lines = _nvidia_smi([f"--id={selector}", "--query-gpu=name,driver_version", "--format=csv,noheader"])
     if not lines:
         return {}
     parts = [p.strip() for p in lines[0].split(",")]
@@ -108,15 +144,18 @@ def _gpu_from_nvidia_smi() -> dict[str, Any]:
     return info
 
 
-def environment(settings: BuildSettings | None = None) -> dict[str, Any]:
-    """Where engines are built or run: TensorRT, CUDA, GPU, platform, and the compatibility settings.
+def environment(settings: BuildSettings | None = None, device: int | None = None) -> dict[str, Any]:
+    """Where engines are built or run: TensorRT, CUDA, the GPU ``device``, platform, and the compatibility settings.
 
+    ``device``: the CUDA device (its ordinal in this process, as in ``cuda:N``) that builds or runs the engines;
+    None: the current one (device 0 in a process that has not picked one, as TensorRT's builder does).
     Keys: ``tensorrt`` (version or None when not installed), ``cuda_runtime`` (e.g. "12.9"),
     ``cuda_driver`` (the newest CUDA the driver supports), ``driver`` (driver version),
-    ``gpu`` (name of device 0), ``compute_capability`` ("9.0"), ``platform`` ("linux-x86_64"),
+    ``gpu`` (name of the device), ``compute_capability`` ("9.0"), ``platform`` ("linux-x86_64"),
     ``hardware_compat`` (the level) and ``version_compatible`` (from ``settings``; "none"/False without). GPU facts come
-    from cuda-python when installed, then torch (a CUDA build that sees a GPU), then nvidia-smi; a
-    fact no source gives is None. Never raises for a missing TensorRT, driver or GPU.
+    from cuda-python when installed, then torch (a CUDA build that sees a GPU), then nvidia-smi (through
+    CUDA_VISIBLE_DEVICES: ``_nvidia_smi_id``); a fact no source gives is None (a device this process does not
+    have: its ``gpu`` and ``compute_capability``). Never raises for a missing TensorRT, driver or GPU.
     """
     info: dict[str, Any] = {"tensorrt": tensorrt_version(), "cuda_runtime": None, "cuda_driver": None,
                             "driver": None, "gpu": None, "compute_capability": None}
@@ -124,7 +163,7 @@ def environment(settings: BuildSettings | None = None) -> dict[str, Any]:
     for source in (_gpu_from_cuda_python, _gpu_from_torch, _gpu_from_nvidia_smi):
         if all(info[key] is not None for key in gpu_keys):
             break
-        for key, value in source().items():
+        for key, value in source(device).items():
             if info.get(key) is None:
                 info[key] = value
     info["platform"] = f"{sys.platform}-{platform.machine()}"
@@ -134,9 +173,18 @@ def environment(settings: BuildSettings | None = None) -> dict[str, Any]:
 
 
 def visible_gpus() -> list[str]:
-    """The CUDA device ids a worker may be pinned to: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    """The GPU ids a build worker may be pinned to (CUDA_VISIBLE_DEVICES=id): CUDA_VISIBLE_DEVICES's entries if it
+    is set, else the indices nvidia-smi lists."""
+    visible = _cuda_visible_devices()
     if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+        return visible
     lines = _nvidia_smi(["--query-gpu=index", "--format=csv,noheader"])
     return [line.strip() for line in lines if line.strip()]
+
+
+def same_gpu_model(built: dict[str, Any], here: dict[str, Any]) -> bool:
+    """Whether two environments' GPUs are of one model (name and compute capability); True where either is unknown."""
+    keys = ("gpu", "compute_capability")
+    if any(built.get(k) is None or here.get(k) is None for k in keys):
+        return True
+    return all(built[k] == here[k] for k in keys)

@@ -9,7 +9,8 @@ pipeline::
                            config=PostprocessConfig(CreateConfig(profiles=[...], ...), TensorRTEnumOptions(...)),
                            save_timing_cache=STAGE/timing.cache)
 
-Nothing touches TensorRT until a build step (``compiler.backends.tensorrt.build_step``) calls it.
+Nothing touches TensorRT, not even to ask its version, until a build step
+(``compiler.backends.tensorrt.build_step``) calls the chain.
 """
 
 from __future__ import annotations
@@ -27,7 +28,24 @@ from compiler.core.specs import ModelSpec
 if TYPE_CHECKING:
     import tensorrt as trt
 
-__all__ = ["TensorRTEnumOptions", "engine_loader"]
+__all__ = ["StronglyTypedNetworkFromOnnxPath", "TensorRTEnumOptions", "engine_loader"]
+
+
+@dataclass(frozen=True)
+class StronglyTypedNetworkFromOnnxPath:
+    """Polygraphy's ``NetworkFromOnnxPath(path, strongly_typed=...)``, made when the build step calls it.
+
+    Whether to ask for the STRONGLY_TYPED flag depends on the TensorRT installed (``strongly_typed_flag``),
+    and asking imports TensorRT; so the question waits for the call, and constructing a loader chain never
+    touches TensorRT. Called: the (builder, network, parser) that Polygraphy's ``EngineBytesFromNetwork`` takes.
+    """
+
+    path: str  # the ONNX file, as Polygraphy's loader keeps it (tensorrt_build_step reads it on a parse failure)
+
+    def __call__(self) -> Any:
+        from polygraphy.backend.trt import NetworkFromOnnxPath
+
+        return NetworkFromOnnxPath(self.path, strongly_typed=strongly_typed_flag())()
 
 
 @dataclass(frozen=True)
@@ -42,7 +60,7 @@ class TensorRTEnumOptions:
     workspace_bytes: int | None = None  # None: TensorRT's default (the device's memory)
     hardware_compat: str = "none"  # settings.HARDWARE_COMPAT_LEVELS: none, same-compute-capability, ampere-plus
 
-    def __call__(self, builder: Any, network: Any, config: trt.IBuilderConfig) -> None:
+    def __call__(self, builder: trt.Builder, network: trt.INetworkDefinition, config: trt.IBuilderConfig) -> None:
         import tensorrt as trt
 
         if self.workspace_bytes is not None:
@@ -67,14 +85,9 @@ def engine_loader(onnx_path: Path, spec: ModelSpec, buckets_for_this_engine: Seq
     default, as in TensorRT and trtexec; Polygraphy alone would turn it off). The ONNX parser keeps its
     default flags (NATIVE_INSTANCENORM is on by default since TensorRT 10, which hardware/version
     compatibility needs). The profiles are ``engine_profile_shapes``, which the manifest records too.
+    The network is ``StronglyTypedNetworkFromOnnxPath``: constructing the chain imports no TensorRT.
     """
-    from polygraphy.backend.trt import (
-        CreateConfig,
-        EngineBytesFromNetwork,
-        NetworkFromOnnxPath,
-        PostprocessConfig,
-        Profile,
-    )
+    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, PostprocessConfig, Profile
     from polygraphy.logger import G_LOGGER
 
     profiles = []
@@ -85,7 +98,7 @@ def engine_loader(onnx_path: Path, spec: ModelSpec, buckets_for_this_engine: Seq
         profiles.append(profile)
     load_cache = str(timing_cache_path) if timing_cache_path.is_file() else None
     with G_LOGGER.verbosity(G_LOGGER.WARNING):  # CreateConfig announces at INFO whether TF32 is on
-        network = NetworkFromOnnxPath(str(onnx_path), strongly_typed=strongly_typed_flag())
+        network = StronglyTypedNetworkFromOnnxPath(str(onnx_path))
         config = CreateConfig(profiles=profiles,
                               tf32=settings.tf32,
                               builder_optimization_level=settings.opt_level,

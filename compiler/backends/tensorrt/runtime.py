@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from compiler.backends.feeds import CheckedFeed
 from compiler.backends.gpu import ComputeOrder, GpuContext, capture_graph
 from compiler.backends.tensorrt.compat import stale_in
 from compiler.backends.tensorrt.environment import environment
+from compiler.backends.tensorrt.logger import tensorrt_logger
 from compiler.backends.tensorrt.versions import require_tensorrt
 from compiler.core.errors import InputError, TrtcError
 from compiler.core.manifest import inside
@@ -33,6 +35,8 @@ from compiler.core.specs import ModelSpec
 
 if TYPE_CHECKING:
     import tensorrt as trt
+
+__all__ = ["EnginesNotRunnable", "bfloat16_refusal", "tensorrt_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +47,15 @@ class EnginesNotRunnable(TrtcError):
     exit_code = 1
 
 
-_TRT_LOGGER: Any = None
+def bfloat16_refusal(directory: Path, names: list[str]) -> EnginesNotRunnable:
+    """The one-line refusal of engines whose inputs or outputs ``names`` are bfloat16.
 
-
-def _trt_logger() -> trt.ILogger:
-    global _TRT_LOGGER
-    import tensorrt as trt
-
-    if _TRT_LOGGER is None:  # TensorRT wants one logger per process
-        _TRT_LOGGER = trt.Logger(trt.Logger.WARNING)
-    return _TRT_LOGGER
+    The runtime stages every input and output through numpy views of pinned host buffers, and numpy has no
+    bfloat16; bfloat16 inside the model (between its inputs and outputs) is not affected.
+    """
+    return EnginesNotRunnable(f"{directory}: the engines' inputs or outputs {', '.join(names)} are bfloat16, which "
+                              "trtc's TensorRT runtime cannot stage (its host buffers are numpy arrays, and numpy has "
+                              "no bfloat16); cast them to float32 or float16 at the model's boundary and rebuild")
 
 
 def _torch_dtype_of(dtype: trt.DataType) -> Any:
@@ -83,7 +86,7 @@ class _TensorRTBackend:
         self.spec = spec
         self.device = device
         self.cuda_graphs = cuda_graphs
-        self.runtime = trt.Runtime(_trt_logger())
+        self.runtime = trt.Runtime(tensorrt_logger())
         self.runtime.engine_host_code_allowed = True  # version-compatible engines carry the lean runtime
         engines: dict[str, trt.ICudaEngine] = {}
         self.profiles: dict[int, tuple[trt.ICudaEngine, int]] = {}
@@ -110,6 +113,9 @@ class _TensorRTBackend:
         declared = list(manifest.get("output_names") or [])
         self.output_names = declared if sorted(declared) == sorted(outputs) else outputs
         self.dtypes = {n: _torch_dtype_of(first.get_tensor_dtype(n)) for n in names}
+        bfloat16 = [n for n in names if self.dtypes[n] == torch.bfloat16]
+        if bfloat16:  # outputs too: the manifest does not say their types
+            raise bfloat16_refusal(directory, bfloat16)
         # activation memory for the largest profile of any engine: what one bucket context at a time needs
         self.scratch_bytes = max(engine.get_device_memory_size_for_profile_v2(profile)
                                  for engine, profile in self.profiles.values())
@@ -126,7 +132,7 @@ class _TensorRTBackend:
 
 @dataclass
 class _TrtBucket:
-    context: Any  # trt.IExecutionContext
+    context: trt.IExecutionContext
     outputs_flat: dict[str, Any]
     shape_key: tuple[int, ...] | None = None
     outputs: dict[str, Any] = field(default_factory=dict)  # views of outputs_flat at the current shapes
@@ -137,7 +143,7 @@ class _CheckedLaunch:
     """``execute_async_v3`` on one stream for warm-up and graph capture, remembering whether TensorRT accepted
     every call: a refused enqueue inside a capture leaves an empty graph that would replay stale outputs."""
 
-    def __init__(self, execute: Any, stream_handle: int) -> None:
+    def __init__(self, execute: Callable[[int], bool], stream_handle: int) -> None:
         self._execute = execute
         self._handle = stream_handle
         self.calls = 0
@@ -200,7 +206,7 @@ class _TensorRTContext(GpuContext):
                     if backend.cuda_graphs:
                         state.graph = self._graph_for(b, context, handle)
 
-    def _graph_for(self, bucket: int, context: Any, handle: int) -> Any:
+    def _graph_for(self, bucket: int, context: trt.IExecutionContext, handle: int) -> Any:
         """Warm up and capture ``bucket`` under the compute order; the graph, or None (said once per backend)."""
         backend = self._backend
         launch = _CheckedLaunch(context.execute_async_v3, handle)
@@ -246,24 +252,33 @@ class _TensorRTContext(GpuContext):
 
 def tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec, device: str | None,
                       cuda_graphs: bool) -> _TensorRTBackend:
-    """The TensorRT backend after the checks ``trtc check`` makes: installed, engines built, none stale."""
+    """The TensorRT backend after the checks ``trtc check`` makes: installed, engines built, none stale on the
+    device they will run on (``device``: ``cuda:N``; ``cuda`` or None: the current device), no bfloat16 input.
+
+    Raises ``TensorRTNotInstalled``, ``InputError`` for a device that is not CUDA, or ``EnginesNotRunnable``.
+    """
+    import torch
+
     require_tensorrt(directory)  # TensorRTNotInstalled, naming `trtc rebuild DIR`
     if not manifest.get("engines"):
         note = manifest.get("engines_note") or "none were built"
         raise EnginesNotRunnable(f"{directory} has no TensorRT engines ({note}); run `trtc rebuild {directory}` "
                                  "on a machine with TensorRT and a GPU, or load it with backend='onnxruntime'")
-    stale = stale_in(directory, manifest, environment())  # hashes every engine: the backend then only reads them
-    if stale:
-        reasons = "; ".join(str(s) for s in stale)
-        raise EnginesNotRunnable(f"stale engines in {directory}: {reasons}; run `trtc rebuild {directory}`")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise EnginesNotRunnable("TensorRT engines run on a CUDA GPU and torch sees none here; load with "
-                                 "backend='onnxruntime' on this machine")
+    bfloat16 = [i.name for i in spec.inputs if i.dtype == "bfloat16"]
+    if bfloat16:  # refused before anything is read: the engine's own types are checked again at load
+        raise bfloat16_refusal(directory, bfloat16)
     target = torch.device(device or "cuda")
     if target.type != "cuda":
         raise InputError(f"device={device!r}: TensorRT engines run on a CUDA device")
     if target.index is None:
-        target = torch.device("cuda", torch.cuda.current_device())
+        target = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    # the GPU that will run them, which on a host with several GPU models need not be device 0's;
+    # stale_in hashes every engine: the backend then only reads them
+    stale = stale_in(directory, manifest, environment(device=target.index))
+    if stale:
+        reasons = "; ".join(str(s) for s in stale)
+        raise EnginesNotRunnable(f"stale engines in {directory}: {reasons}; run `trtc rebuild {directory}`")
+    if not torch.cuda.is_available():
+        raise EnginesNotRunnable("TensorRT engines run on a CUDA GPU and torch sees none here; load with "
+                                 "backend='onnxruntime' on this machine")
     return _TensorRTBackend(directory, manifest, spec, str(target), cuda_graphs)

@@ -11,18 +11,22 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from compiler.backends.tensorrt.logger import tensorrt_logger
 from compiler.core.files import atomic_write_bytes, atomic_write_text, read_json
 from compiler.core.manifest import inside
 from compiler.core.settings import BuildSettings
 
 if TYPE_CHECKING:
     import tensorrt as trt
+    from typing_extensions import Buffer
 
-__all__ = ["TIMING_CACHE", "timing_cache_key", "shared_timing_cache_problem", "seed_timing_cache",
-           "drop_unreadable_timing_cache", "merge_timing_cache"]
+__all__ = ["TIMING_CACHE", "TimingCache", "CacheReader", "timing_cache_key", "shared_timing_cache_problem",
+           "seed_timing_cache", "tensorrt_cache_reader", "drop_unreadable_timing_cache", "timing_cache_keys",
+           "merge_timing_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -89,21 +93,52 @@ def seed_timing_cache(directory: Path, stage_cache: Path, settings: BuildSetting
         shutil.copyfile(settings.timing_cache, stage_cache)
 
 
-def drop_unreadable_timing_cache(cache: Path) -> None:
-    """Remove ``cache`` with a warning when TensorRT cannot read it: the build then starts a fresh one."""
+class TimingCache(Protocol):
+    """What trtc does with a timing cache that TensorRT has read (``trt.ITimingCache``)."""
+
+    def combine(self, input_cache: Any, ignore_mismatch: bool) -> bool: ...
+
+    def serialize(self) -> Buffer: ...
+
+
+# reads a timing cache file: the cache, or None where TensorRT cannot read it
+CacheReader = Callable[[Path], "TimingCache | None"]
+
+
+class _TensorRTCacheReader:
+    """Reads timing cache files with TensorRT, through one builder config (kept with its builder)."""
+
+    def __init__(self) -> None:
+        import tensorrt as trt
+
+        self._builder = trt.Builder(tensorrt_logger())
+        self._config = self._builder.create_builder_config()
+
+    def __call__(self, cache: Path) -> trt.ITimingCache | None:
+        return _read_timing_cache(self._config, cache)
+
+
+def tensorrt_cache_reader() -> CacheReader:
+    """The ``CacheReader`` that reads with TensorRT. Imports TensorRT."""
+    return _TensorRTCacheReader()
+
+
+def drop_unreadable_timing_cache(cache: Path, read: CacheReader | None = None) -> None:
+    """Remove ``cache`` with a warning when TensorRT cannot read it: the build then starts a fresh one.
+
+    ``read``: how to read it (``tensorrt_cache_reader()`` when None, which needs TensorRT).
+    """
     if not cache.is_file():
         return
-    import tensorrt as trt
-
-    config = trt.Builder(trt.Logger(trt.Logger.ERROR)).create_builder_config()
-    if _read_timing_cache(config, cache) is None:
+    read = read or tensorrt_cache_reader()
+    if read(cache) is None:
         log.warning("the timing cache seeded from the directory or --timing-cache is unreadable; starting a fresh one")
         cache.unlink()
 
 
 def _read_timing_cache(config: trt.IBuilderConfig, cache: Path) -> trt.ITimingCache | None:
-    """The timing cache in file ``cache`` as TensorRT reads it, or None when TensorRT cannot (why is logged at
-    debug level: the callers warn in their own words)."""
+    """The timing cache in file ``cache`` as TensorRT reads it, or None when TensorRT cannot (it raises, or returns
+    no cache; why is logged at debug level: the callers warn in their own words)."""
     try:
         return config.create_timing_cache(cache.read_bytes())
     except (RuntimeError, TypeError, ValueError) as err:
@@ -111,21 +146,33 @@ def _read_timing_cache(config: trt.IBuilderConfig, cache: Path) -> trt.ITimingCa
         return None
 
 
-def merge_timing_cache(source: Path, target: Path, env: dict[str, Any]) -> bool:
+def timing_cache_keys(cache: Path) -> set[str] | None:
+    """The keys of the timings in file ``cache`` (one per layer configuration TensorRT timed), as TensorRT reads
+    them; None where it cannot read the file. Imports TensorRT."""
+    import tensorrt as trt
+
+    config = trt.Builder(tensorrt_logger()).create_builder_config()
+    loaded = _read_timing_cache(config, cache)
+    return None if loaded is None else {str(key) for key in loaded.queryKeys()}
+
+
+def merge_timing_cache(source: Path, target: Path, env: dict[str, Any], read: CacheReader | None = None) -> bool:
     """Fold the timings of ``source`` into the shared timing cache ``target`` made in ``env``, under a file lock.
 
     ``target`` is created (with its ``.key.json``) if absent; one TensorRT cannot read is a warning and
     replaced by ``source``; one whose key differs is left alone (``shared_timing_cache_problem`` refuses
-    it before a build). TensorRT combines without ignoring mismatches, and a failed combine leaves
-    ``target`` unchanged with a warning. Returns whether ``target`` now holds the new timings. Needs
-    TensorRT: a timing cache can only be combined by TensorRT itself.
+    it before a build). A ``source`` TensorRT cannot read is a warning and merges nothing. TensorRT
+    combines without ignoring mismatches, and a failed combine leaves ``target`` unchanged with a
+    warning. Returns whether ``target`` now holds the new timings. ``read``: how cache files are read
+    (``tensorrt_cache_reader()`` when None: a timing cache can only be read and combined by TensorRT).
     """
-    import tensorrt as trt
     from polygraphy import util
 
-    builder = trt.Builder(trt.Logger(trt.Logger.WARNING))
-    config = builder.create_builder_config()
-    cache = config.create_timing_cache(source.read_bytes())
+    read = read or tensorrt_cache_reader()
+    cache = read(source)
+    if cache is None:
+        log.warning("timing cache not merged into %s: TensorRT cannot read this build's %s", target, source)
+        return False
     target.parent.mkdir(parents=True, exist_ok=True)
     with util.LockFile(str(target)):  # target.lock, beside the shared cache: never inside a build directory
         problem = shared_timing_cache_problem(target, env)
@@ -133,7 +180,7 @@ def merge_timing_cache(source: Path, target: Path, env: dict[str, Any]) -> bool:
             log.warning("timing cache not merged: %s", problem)
             return False
         if target.is_file():
-            previous = _read_timing_cache(config, target)
+            previous = read(target)
             if previous is None:
                 log.warning("%s is unreadable; replacing it with this build's timings", target)
             elif not cache.combine(previous, ignore_mismatch=False):

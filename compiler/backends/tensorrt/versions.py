@@ -1,7 +1,7 @@
 """Which TensorRT trtc builds with: the supported versions, the check before a build, the network flag.
 
 trtc needs TensorRT 10.12 or later (strongly typed networks are complete from there) and knows 10.x and 11.x.
-Nothing here imports TensorRT except ``strongly_typed_flag`` on a TensorRT 11.
+Asking which TensorRT is installed imports it, so nothing asks while a loader chain is constructed (``loaders``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def strongly_typed_flag() -> bool:
     the flag is required. TensorRT 11 networks are always strongly typed; the flag is deprecated and
     ignored there. Polygraphy 0.53 sets it with ``getattr(NetworkDefinitionCreationFlag, "STRONGLY_TYPED")``
     and fails ("not available") if a release drops the enum member, so on 11.x the flag is asked for only
-    while the enum still has it. Without TensorRT here (a loader built to be inspected) the answer is 10.x's.
+    while the enum still has it. Asking imports TensorRT: only a build step asks
+    (``loaders.StronglyTypedNetworkFromOnnxPath`` when called, and the parser's second look at a failed parse);
+    without TensorRT the answer is 10.x's.
     """
     version = tensorrt_version()
     if version is None or version_tuple(version) < (11,):
