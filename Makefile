@@ -4,8 +4,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Dev and CI pin the CPU build of torch 2.13.0 (users get the range in pyproject.toml).
 TORCH_PIN ?= torch==2.13.0
-# Type stubs for TensorRT live outside the venv: they would make `import tensorrt` succeed without TensorRT.
-STUBS := .typing
 # where profiles/resnet_digits.toml looks for the demo's model and data
 DEMO_DIR := build/demo
 
@@ -18,11 +16,6 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps --target $(STUBS) tensorrt-stubs==10.13.0.35.1
-	# the stubs' generator wrote two signatures that are not Python: a parameter named `in`, a required
-	# parameter after defaults
-	sed -i -E '/^\s*def /s/([(,] ?)in: /\1in_: /; s/(power: Weights = None, channel_axis: int)\)/\1 = ...)/' \
-		$(STUBS)/tensorrt_bindings/tensorrt.pyi
 	touch $@
 
 test: install
@@ -38,6 +31,7 @@ test-tensorrt: install
 		ran = int(s.get('tests')) - int(s.get('skipped')); print(f'test-tensorrt: {ran} real-TensorRT tests ran'); \
 		sys.exit(0 if ran else 'test-tensorrt: no test ran: TensorRT and a GPU are needed (see the skip reasons above)')"
 
+# mypy checks the TensorRT modules against the project's own stub, typings/tensorrt.pyi (pyproject's mypy_path)
 lint: install
 	$(VENV)/bin/ruff check compiler calibration tests examples benchmarks
 	$(VENV)/bin/mypy

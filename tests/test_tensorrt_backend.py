@@ -10,6 +10,7 @@ on a machine with TensorRT and a GPU.
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import json
 import logging
 import os
@@ -388,6 +389,18 @@ def test_trtc_creates_no_tensorrt_logger_of_its_own() -> None:
                 if name in ("Logger", "ILogger"):
                     made.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert made == []
+
+
+# --- the type stub ----------------------------------------------------------------------------------------------------
+
+def test_the_tensorrt_stub_cannot_be_imported() -> None:
+    """typings/tensorrt.pyi is what mypy checks the TensorRT modules against; with typings/ on sys.path a folder
+    named tensorrt would import as a namespace package, a .pyi file never does."""
+    stub = ROOT / "typings" / "tensorrt.pyi"
+    ast.parse(stub.read_text(), str(stub))
+    assert not (ROOT / "typings" / "tensorrt").exists()
+    assert importlib.machinery.PathFinder.find_spec("tensorrt", [str(ROOT / "typings")]) is None
+    assert 'mypy_path = "$MYPY_CONFIG_FILE_DIR/typings"' in (ROOT / "pyproject.toml").read_text()
 
 
 # --- what Triton is told about a plan ---------------------------------------------------------------------------------
