@@ -67,6 +67,10 @@ def _package(module: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "compiler" and len(parts) > 1 else parts[0]
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
 def _target(module: str, name: str) -> str:
     """``from module import name``: the module imported when ``name`` is a module, else ``module``."""
     return f"{module}.{name}" if f"{module}.{name}" in MODULES else module
@@ -89,7 +93,7 @@ def test_no_private_name_is_imported_from_another_package() -> None:
             for name in names:
                 target = _target(imported, name)
                 crosses = _package(target) != _package(module)
-                if crosses and (name.startswith("_") or any(p.startswith("_") for p in target.split("."))):
+                if crosses and (_private(name) or any(_private(p) for p in target.split("."))):
                     private.append(f"{module} imports {imported}.{name}")
     assert private == []
 
