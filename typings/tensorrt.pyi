@@ -6,7 +6,7 @@
 # TensorRT 10.13 with the same parameter names (compared with tensorrt-stubs 10.13, generated from its bindings).
 # What TensorRT 11 removed (EXPLICIT_BATCH, the FP16/INT8 builder flags, precision constraints, INT8 calibrators)
 # is in neither the 11.4 bindings nor this stub.
-# tests/test_tensorrt_acceptance.py::test_the_type_stub_matches_the_installed_tensorrt checks it against a real
+# tests/compiler/backends/tensorrt/test_acceptance.py::test_the_type_stub_matches_the_installed_tensorrt checks it against a real
 # TensorRT on a machine that has one.
 #
 # This is a single .pyi file, never a folder: nothing can import it, so `import tensorrt` stays honest where TensorRT

@@ -2,7 +2,7 @@
 
 The settings dataclasses (``compiler.core.settings``), the command-line options (their defaults and ``--help``
 texts) and the profile schema derived from the dataclasses all read these names, so they cannot drift apart
-(tests/test_defaults.py checks that they agree). As Torch-TensorRT's ``dynamo/_defaults.py``.
+(tests/compiler/core/test_defaults.py checks that they agree). As Torch-TensorRT's ``dynamo/_defaults.py``.
 """
 
 from __future__ import annotations

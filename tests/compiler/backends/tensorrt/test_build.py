@@ -33,6 +33,7 @@ from compiler.core.manifest import read_manifest, spec_from_manifest
 from compiler.core.settings import BuildSettings
 from compiler.core.specs import DimRange, ModelSpec, parse_input_spec
 from tests.conftest import FAKE_ENGINE_HEADER, H200_ENV, fake_engine_build_step_for_tests
+from tests.project import ROOT
 
 ENV = H200_ENV
 
@@ -506,6 +507,6 @@ def test_the_declared_tensorrt_and_polygraphy_floors_are_the_checked_ones() -> N
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["optional-dependencies"]["tensorrt"] == [f"tensorrt>={MIN_TENSORRT[0]}.{MIN_TENSORRT[1]},<12"]
     assert "polygraphy>=0.53" in project["dependencies"]  # 0.49.0-0.49.5 set EXPLICIT_BATCH, gone in TensorRT 11

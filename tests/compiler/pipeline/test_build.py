@@ -20,9 +20,9 @@ from compiler.cli import cli
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.files import directory_lock, sha256_files
 from examples.digits import train_digits
+from tests.project import ROOT
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
 TRT_MISSING = ("TensorRT is not installed: engines not built; install trtc[tensorrt] on a machine with an NVIDIA "
                "GPU and run `trtc rebuild {}`")
 

@@ -19,7 +19,8 @@ from compiler.serve.batcher import DynamicBatcher
 from compiler.serve.engines import Engines
 from compiler.serve.load import load
 from compiler.serve.waits import BatcherClosed, OverdueWaits, RequestTimeout
-from tests.test_runtime import build_directory
+from tests.builds import build_directory
+from tests.project import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +239,7 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     out = tmp_path / "serving.json"
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "serving_gpu.py"), "--smoke", "--models", "cnn",
                            "--backends", "onnxruntime", "--requests", "120", "--out", str(out), "--work",
@@ -272,7 +273,7 @@ def test_map_runs_post_stage_copies_the_outputs_out_of_the_context_then_post_pro
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``serving_gpu.map_run``'s post stage is what ``map``'s thread does per batch: the outputs copied out of the
     context (arrays of their own, not views of its buffers), then post-processed; each of its 20 timed calls."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    monkeypatch.syspath_prepend(str(ROOT))
     from benchmarks import serving_gpu
     from compiler.serve.load import engines_from_module
     from examples import models
@@ -306,7 +307,7 @@ def test_the_serving_benchmark_measures_map_alone_for_the_segmenter(tmp_path: Pa
     np.testing.assert_array_equal(labels, [[[2, 2], [2, 2]], [[0, 0], [1, 0]]])
     assert [m.name for m in serving_gpu.models_for(True)] == ["cnn", "transformer"]  # the segmenter when named
     assert [m.name for m in serving_gpu.models_for(False)] == ["resnet50", "transformer"]
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     out = tmp_path / "serving.json"
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "serving_gpu.py"), "--smoke", "--models",
                            "segmenter", "--map-only", "--backends", "torch", "--out", str(out), "--work",
@@ -333,7 +334,7 @@ def test_the_process_batcher_trace_runs_on_the_cpu(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     out = tmp_path / "trace.json"
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "process_batcher_trace.py"), "--smoke", "--out",
                            str(out), "--work", str(tmp_path / "work"), "--requests", "200", "--runs",
@@ -612,7 +613,7 @@ def test_the_ceiling_benchmark_runs(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     out = tmp_path / "ceiling.json"
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "batcher_ceiling.py"), "--requests", "300",
                            "--repeats", "1", "--threads", "8", "--coroutines", "16", "--processes", "2",
@@ -666,7 +667,7 @@ def test_the_serving_benchmark_adds_clients_until_a_run_meets_both_targets(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``capacity_run``: a largest bucket of clients more until a run meets both targets, up to the most; the best run
     within the p99 bound counts, with every try listed."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    monkeypatch.syspath_prepend(str(ROOT))
     from benchmarks import serving_gpu
 
     figures = {128: (50.0, 3.0), 192: (70.0, 4.0), 256: (90.0, 5.0), 320: (95.0, 5.5)}  # clients: (req/s, p99 ms)
@@ -699,7 +700,7 @@ def test_the_serving_benchmark_adds_clients_until_a_run_meets_both_targets(
 def test_the_process_clients_steady_span_counts_only_while_every_process_sends(monkeypatch: pytest.MonkeyPatch) -> None:
     """``process_clients.steady``: answers from the last process's start to the first one's end, per second, and the
     latencies of those answers, each its own; no rate and no latencies without a span or an answer in it."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    monkeypatch.syspath_prepend(str(ROOT))
     from benchmarks import process_clients
     early = {"begin": 0.0, "end": 1.0, "ends": np.array([0.05, 0.5, 0.9, 1.0]), "latencies": np.array([1, 2, 3, 4.0])}
     late = {"begin": 0.2, "end": 2.0, "ends": np.array([0.3, 0.6, 1.5, 2.0]), "latencies": np.array([5, 6, 7, 8.0])}
@@ -718,7 +719,7 @@ def test_the_closed_loop_pairs_each_answer_time_with_its_own_latency(monkeypatch
     span's latencies are those of the answers it counts: each pair spans exactly one call of ``send``. (A check of
     the property: two lists appended separately mispair only when a thread is switched out between the two
     appends, which no test can bring about reliably.)"""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    monkeypatch.syspath_prepend(str(ROOT))
     from benchmarks import process_clients
 
     calls: list[tuple[float, float]] = []
@@ -743,7 +744,7 @@ def test_the_serving_benchmark_takes_the_process_modes_p99_over_the_steady_span(
         monkeypatch: pytest.MonkeyPatch, steady: bool) -> None:
     """``batcher_run`` in a process mode: p50/p99 of the answers the steady rate counts, the whole run's beside;
     without a steady span (None), the whole run's."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    monkeypatch.syspath_prepend(str(ROOT))
     import torch
 
     from benchmarks import process_clients, serving_gpu
@@ -777,7 +778,7 @@ def test_the_serving_benchmark_sweeps_every_mode_and_counts_failures_of_every_tr
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every mode, threads included, may grow to five largest buckets of clients (none without the sweep); a mode
     fails "nothing lost" when any of its tries lost, misrouted or duplicated a request, not only the one that counts."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    monkeypatch.syspath_prepend(str(ROOT))
     from benchmarks import serving_gpu
 
     counts = {"threads": (64, 4000), "asyncio": (192, 20000), "processes": (192, 20000)}

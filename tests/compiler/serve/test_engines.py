@@ -1,7 +1,7 @@
 """The serving runtime on the CPU (ONNX Runtime and eager PyTorch backends); GPU and TensorRT paths marked.
 
-Build directories are made here directly (TorchScript export + manifest) so that the file stays
-fast; ``trtc export`` itself is tested in test_export.py.
+Build directories are made directly (``tests.builds``: TorchScript export + manifest) so that the file stays
+fast; ``trtc export`` itself is tested in tests/compiler/frontend/test_export.py.
 """
 
 from __future__ import annotations
@@ -26,45 +26,15 @@ from compiler.backends.tensorrt.records import recorded_tf32
 from compiler.backends.tensorrt.runtime import EnginesNotRunnable
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import FeedError, InputError, TensorRTNotInstalled
-from compiler.core.manifest import onnx_entry, write_manifest
-from compiler.core.onnx_io import load_onnx, ort_session, save_onnx
+from compiler.core.manifest import write_manifest
+from compiler.core.onnx_io import ort_session
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
-from compiler.frontend.loading import LoadedModel, snapshot_into
 from compiler.serve import engines as runtime
 from compiler.serve.batcher import DynamicBatcher
 from compiler.serve.load import engines_from_module, load
 from examples import models
-
-BUCKETS = [1, 4, 8, 16]
-MODELS: dict[str, tuple[Callable[[], torch.nn.Module], list[str], dict[str, str]]] = {
-    "mlp": (models.mlp, ["x:Bx64"], {}),
-    "two_input": (models.two_input, ["image:Bx3x32x32", "features:Bx16"], {}),
-    "transformer_encoder": (models.transformer_encoder, ["input_ids:BxS:int64", "attention_mask:BxS:int64"],
-                            {"S": "1:16:32"}),
-}
-
-
-def build_directory(out: Path, name: str, buckets: list[int] = BUCKETS, **extra: Any) -> Path:
-    """A build directory as `trtc export` leaves it (TorchScript-exported ONNX, manifest), in a second."""
-    factory, inputs, dims = MODELS[name]
-    spec = ModelSpec(tuple(parse_input_spec(i) for i in inputs),
-                     dict(parse_dim_range(f"{k}={v}") for k, v in dims.items()))
-    feed = spec.example_feed(2, values={**spec.opt_values(2), **{k: 8 for k in spec.dims}})
-    dynamic = {i.name: {axis: d for axis, d in enumerate(i.dims) if isinstance(d, str)} for i in spec.inputs}
-    out.mkdir(parents=True, exist_ok=True)
-    raw = out / "raw.onnx"
-    model = factory()
-    torch.onnx.export(model, tuple(torch.from_numpy(feed[n]) for n in spec.input_names), str(raw), dynamo=False,
-                      input_names=spec.input_names, output_names=["out"], dynamic_axes={**dynamic, "out": {0: "B"}},
-                      opset_version=17)
-    save_onnx(load_onnx(raw), out / "model.onnx")
-    raw.unlink()
-    manifest = {"inputs": inputs, "dims": dims, "output_names": ["out"], "buckets": buckets,
-                "source": {"path": f"examples.models:{name}", "format": "factory", "factory": f"examples.models:{name}",
-                           "snapshot": snapshot_into(out, LoadedModel("factory", None, module=model))},
-                "onnx": {"fp32": onnx_entry(out, out / "model.onnx")}, "precision": "fp32", **extra}
-    write_manifest(out / "manifest.json", manifest)
-    return out
+from tests.builds import BUCKETS, MODELS, build_directory
+from tests.project import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +327,7 @@ def test_a_map_left_early_ends_its_thread_and_the_process_exits_cleanly(dirs: di
             "    break\n")
     for _ in range(3):
         done = subprocess.run([sys.executable, "-c", code, str(dirs["mlp"])], capture_output=True, text=True,
-                              timeout=120, cwd=Path(__file__).resolve().parent.parent)
+                              timeout=120, cwd=ROOT)
         assert done.returncode == 0, done.stderr[-500:]
 
 
@@ -523,7 +493,7 @@ def test_compiler_load_is_reexported_lazily() -> None:
     code = ("import sys, compiler; assert 'compiler.serve.engines' not in sys.modules; "
             "assert 'torch' not in sys.modules and 'onnxruntime' not in sys.modules; print(compiler.__all__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "load" in done.stdout
 

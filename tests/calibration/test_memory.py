@@ -11,7 +11,7 @@ from calibration import observe
 from calibration.observe import collect_histograms, collect_max_abs
 from compiler.core.errors import CalibrationError
 from compiler.core.onnx_io import ort_session
-from tests.test_statistics import _mlp, _mlp_batches
+from tests.calibration.test_statistics import _mlp, _mlp_batches
 
 
 def test_max_abs_in_graph_matches_numpy_and_exposes_only_scalars(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,7 +106,7 @@ def test_histograms_and_max_abs_come_from_one_pass(monkeypatch: pytest.MonkeyPat
 
 
 def test_one_pass_max_abs_counts_mask_biases_and_names_nan() -> None:
-    from tests.test_statistics import _causal_model
+    from tests.calibration.test_statistics import _causal_model
 
     x = np.random.default_rng(10).standard_normal((3, 4, 4)).astype(np.float32)
     stats = collect_histograms(_causal_model(), ["biased"], [{"x": x}], max_abs_names=["biased", "shifted"])

@@ -506,7 +506,7 @@ def test_accuracy_uses_the_builds_evaluation_data(build: Path, tmp_path: Path) -
 def test_a_non_classifier_gets_no_top1_and_its_sequence_length_is_shown(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from tests.test_runtime import build_directory
+    from tests.builds import build_directory
 
     directory = build_directory(tmp_path / "tr", "transformer_encoder", buckets=[1, 4])
     data = bench_directory(directory, BenchSettings(**FAST, buckets=(4,), report_dir=tmp_path / "r",  # type: ignore[arg-type]

@@ -22,8 +22,9 @@ from compiler.serve.engines import Engines
 from compiler.serve.load import load
 from compiler.serve.processes import ClientHandle, ProcessBatcher, RequestFailed
 from compiler.serve.waits import BatcherClosed, RequestTimeout
-from tests.test_batcher import Recording, join_all
-from tests.test_runtime import build_directory
+from tests.builds import build_directory
+from tests.compiler.serve.test_batcher import Recording, join_all
+from tests.project import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +192,7 @@ def test_a_client_process_imports_numpy_and_the_client_only() -> None:
     code = ("import sys, compiler.serve.processes; "
             "heavy = {'torch', 'onnxruntime', 'compiler.serve.engines'} & set(sys.modules); assert not heavy, heavy")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=ROOT)
     assert done.returncode == 0, done.stderr
 
 

@@ -23,8 +23,9 @@ from compiler.core.settings import (
     GateSettings,
     ModelSource,
 )
+from tests.project import ROOT
 
-PROFILES = (Path(__file__).resolve().parent.parent / "docs" / "profiles.md").read_text()
+PROFILES = (ROOT / "docs" / "profiles.md").read_text()
 
 CALIBRATION = CalibrationSettings(precision="int8")
 GATE = GateSettings()

@@ -26,7 +26,7 @@ from compiler.core.files import sha256_file
 from compiler.core.manifest import write_manifest
 from compiler.core.onnx_io import ort_session
 from compiler.pipeline.triton import triton_repository
-from tests.test_runtime import build_directory
+from tests.builds import build_directory
 
 F = descriptor_pb2.FieldDescriptorProto
 OPTIONAL, REPEATED = F.LABEL_OPTIONAL, F.LABEL_REPEATED

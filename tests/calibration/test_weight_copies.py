@@ -55,7 +55,7 @@ _PEAK = """
 import sys
 from pathlib import Path
 from compiler.core.onnx_io import load_onnx, load_onnx_by_reference, save_onnx
-from tests.test_weight_copies import candidate, mlp
+from tests.calibration.test_weight_copies import candidate, mlp
 
 def peak():  # VmHWM, not ru_maxrss: that one starts from the parent's peak (Linux keeps it across exec)
     status = Path("/proc/self/status").read_text()

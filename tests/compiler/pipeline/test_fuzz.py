@@ -18,7 +18,7 @@ import pytest
 
 import compiler
 from compiler.core.errors import InputError
-from tests.test_safety import built, other_job, trtc  # noqa: F401  (built is the module's fixture)
+from tests.compiler.pipeline.test_safety import built, other_job, trtc  # noqa: F401  (built is the module's fixture)
 
 ARTIFACTS = ("manifest.json", "calibration.json", "model.onnx", "model.onnx.data", "model.int8.onnx",
              "engines/b1.engine", "engines/b1.layers.json", "source/state_dict.pt", "report/accuracy.json",

@@ -234,7 +234,7 @@ import numpy as np
 from calibration.accuracy import Evaluator
 from compiler.core.settings import GateSettings
 from calibration.fp16 import fp16_model_from
-from tests.test_gate_metrics import _wide
+from tests.calibration.test_accuracy import _wide
 
 model = _wide(1 << 16)  # 256 KiB of output per sample
 candidate = fp16_model_from(model)[0]

@@ -6,8 +6,7 @@ import pytest
 
 from compiler.core.errors import InputError
 from compiler.core.profile import load_profile
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.project import ROOT
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -33,6 +33,7 @@ import pytest
 from calibration.accuracy import row_cosines
 from compiler.core.settings import BuildSettings, ExportSettings, GateSettings, ModelSource
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
+from tests.project import ROOT
 
 pytestmark = pytest.mark.tensorrt
 
@@ -424,7 +425,7 @@ def test_the_type_stub_matches_the_installed_tensorrt() -> None:
     one of its pybind signatures."""
     import tensorrt as trt
 
-    stub = ast.parse((Path(__file__).resolve().parent.parent / "typings" / "tensorrt.pyi").read_text())
+    stub = ast.parse((ROOT / "typings" / "tensorrt.pyi").read_text())
     missing, wrong = [], []
     for node in stub.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and not hasattr(trt, node.target.id):

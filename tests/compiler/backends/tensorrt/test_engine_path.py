@@ -33,9 +33,7 @@ from compiler.core.manifest import read_manifest, spec_from_manifest, write_mani
 from compiler.core.settings import BuildSettings
 from compiler.pipeline.triton import plan_requirement
 from tests.conftest import H200_ENV, fake_engine_build_step_for_tests
-
-ROOT = Path(__file__).resolve().parent.parent
-
+from tests.project import ROOT
 
 # --- the engine inspector -----------------------------------------------------------------------------------------
 
