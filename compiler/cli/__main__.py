@@ -1,0 +1,5 @@
+"""``python -m compiler.cli``: the ``trtc`` command."""
+
+from compiler.cli import main
+
+main()

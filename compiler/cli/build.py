@@ -1,0 +1,124 @@
+"""``trtc export``, ``trtc calibrate`` and ``trtc build``: the commands that make a build directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from compiler.cli.group import cli, common_options
+from compiler.cli.options import (
+    BucketsType,
+    buckets_text,
+    build_options,
+    calibration_options,
+    model_options,
+    profile_of,
+    tolerance_options,
+)
+from compiler.core import defaults
+from compiler.core.errors import InputError, TrtcError
+
+
+@cli.command("export")
+@model_options
+@click.option("--out", type=click.Path(path_type=Path), help="Output directory (model.onnx, manifest.json).")
+@click.option("--buckets", type=BucketsType(), help="Batch buckets; the largest bounds the dynamic batch and is "
+              f"verified (default {buckets_text(defaults.BUCKETS)}).")
+@click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
+@tolerance_options
+@click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
+@common_options
+def export_cmd(**kw: Any) -> None:
+    """Export a PyTorch model to folded, verified ONNX.
+
+    \b
+    Examples:
+      trtc export model.pt2 --out build/m
+      trtc export model.ts --input images:Bx3x224x224 --out build/m
+      trtc export --model-factory examples.models:transformer_encoder \\
+          --input input_ids:BxS:int64 --input attention_mask:BxS:int64 --dim S=1:128:512 --out build/tr
+      trtc export --profile profiles/resnet_digits.toml
+    """
+    from compiler.core.profile import export_settings
+    from compiler.core.report import print_export_summary
+    from compiler.pipeline.export import export_directory
+
+    settings = export_settings(kw, profile_of(kw))
+    manifest = export_directory(settings)
+    print_export_summary(manifest, settings.out)
+
+
+@cli.command("calibrate")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
+              "calibration data; --fp32-rest for an FP32 rest).")
+@click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
+@calibration_options
+@common_options
+def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
+    """Add an INT8 or FP16 ONNX model to an export directory, checked by the accuracy gate.
+
+    \b
+    Examples:
+      trtc calibrate build/m --int8 --calib-data calib.npz --eval-data eval.npz
+      trtc calibrate build/m --fp16 --calib-data calib/ --keep-fp32 Softmax
+    """
+    from calibration.calibrate import calibrate_directory
+    from compiler.core.profile import calibration_settings
+    from compiler.core.report import print_accuracy
+
+    if precision is None:
+        raise InputError("choose --int8 or --fp16")
+    settings = calibration_settings(kw, precision)
+    calibrate_directory(directory, settings)
+    print_accuracy(directory)
+
+
+@cli.command("build")
+@model_options
+@click.option("--out", type=click.Path(path_type=Path), help="Output directory (default build/<model name>).")
+@click.option("--buckets", type=BucketsType(), help="Batch buckets, one engine each (default "
+              f"{buckets_text(defaults.BUCKETS)}).")
+@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
+              "--calib-data; --fp32-rest for an FP32 rest).")
+@click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
+@click.option("--fp32", "precision", flag_value="fp32", help="FP32 (the default).")
+@click.option("--engine", type=click.Choice(["tensorrt", "none"]),
+              help="'none' stops after the ONNX and calibration artifacts, on purpose (exit 0).")
+@click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
+@tolerance_options
+@click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
+@calibration_options
+@build_options
+@common_options
+def build_cmd(precision: str | None, **kw: Any) -> None:
+    """Build TensorRT engines per batch bucket: export, calibrate, build, in one directory.
+
+    \b
+    Examples:
+      trtc build model.pt --int8 --buckets 1,4,8,16 --calib-data calib.npz --out build/m
+      trtc build model.pt --fp16 --calib-data calib/ --out build/m
+      trtc build --profile profiles/resnet_digits.toml
+    Without TensorRT, everything but the engines is written and trtc exits with 4 (see trtc --help).
+    """
+    from compiler.core.profile import build_settings, calibration_settings, export_settings
+    from compiler.core.report import print_build_summary
+    from compiler.core.settings import REDUCED_PRECISIONS
+    from compiler.pipeline.build import build_directory
+
+    if kw.get("out") is None and kw.get("model") and not kw.get("profile"):
+        kw["out"] = Path("build") / Path(kw["model"]).stem
+    profile = profile_of(kw)
+    export = export_settings(kw, profile)
+    precision = precision or profile.get("build", {}).get("precision", defaults.PRECISION)
+    calibration = calibration_settings(kw, precision, profile) if precision in REDUCED_PRECISIONS else None
+    build = build_settings(kw, export.buckets, precision, profile)
+    try:
+        manifest = build_directory(export, calibration, build)
+    except TrtcError as err:
+        if err.exit_code == 4:  # TensorRT missing: the rest was written; show it before the one-line error
+            print_build_summary(export.out)
+        raise
+    print_build_summary(export.out, manifest)
