@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 # where profiles/resnet_digits.toml looks for the demo's model and data
 DEMO_DIR := build/demo
 
-.PHONY: install test test-tensorrt lint demo engines clean
+.PHONY: install test test-all test-tensorrt lint demo engines clean
 
 install: $(VENV)/.installed
 
@@ -18,7 +18,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# The fast tier: every test not marked slow (export, calibration, serving, bench, CLI). `make test-all` adds the
+# slow tier (real architectures, fuzzing, SIGKILL, benchmark scripts, the ONNX conformance suite); CI runs both.
 test: install
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: install
 	$(PY) -m pytest -q
 
 # The real-TensorRT acceptance suite, on a machine with TensorRT (10.12+ or 11.x) and an NVIDIA GPU:
