@@ -1,4 +1,4 @@
-"""How many copies of the weights model writing and the INT8 candidate build hold (issue 12's memory target).
+"""How many copies of the weights model writing and the INT8 candidate build hold (the calibration memory target).
 
 The memory tests run in a fresh process on a synthetic MLP with 256 MiB of FP32 weights and read its peak RSS
 (``VmHWM``, Linux), so that nothing else the test session holds counts.

@@ -149,7 +149,8 @@ TOKEN_TYPES = ["--model-factory", "tests.zoo_models:token_types", "--input", "in
 
 
 def test_integer_inputs_get_values_a_two_row_embedding_accepts(tmp_path: Path) -> None:
-    """Issue 12: random token types in [0, 100) made a BERT's 2-row type embedding reject the export."""
+    """Random token types in [0, 100) would make a BERT's 2-row type embedding reject the export: the declared
+    range [0, 2) is what example inputs take."""
     code, output = export([*TOKEN_TYPES, "--input", "token_type_ids:BxS:int64", "--out", str(tmp_path / "zeros")])
     assert code == 0, output
     code, output = export([*TOKEN_TYPES, "--input", "token_type_ids:BxS:int64[0,2)", "--out", str(tmp_path / "r")])

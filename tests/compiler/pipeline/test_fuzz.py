@@ -1,4 +1,4 @@
-"""Fuzzed build directories (issue 13, item 6): truncated or garbage artifacts give one line and a user-error exit
+"""Fuzzed build directories: truncated or garbage artifacts give one line and a user-error exit
 from every command and an InputError/ValueError from ``compiler.load``, never a traceback or a hang.
 
 Each artifact of a real build directory (test_safety's, built once) is cut in half, has a few bytes flipped

@@ -1,4 +1,4 @@
-"""Build directories that are safe to share (issue 13): confined paths, readable files, no leftovers, one snapshot
+"""Build directories that are safe to share: confined paths, readable files, no leftovers, one snapshot
 of the weights, one-line errors for a bad ``--out``, and messages and records that match the directory.
 
 One real directory is built once for the module (a tiny MLP from a factory that initialises randomly, INT8 on
