@@ -28,8 +28,8 @@ pytest.importorskip("transformers")
 
 
 def _params() -> list[object]:
-    return [pytest.param(name, precision, marks=[pytest.mark.slow] if ZOO[name].slow else [],
-                         id=f"{name}-{precision}") for name in ZOO for precision in ("int8", "fp16")]
+    return [pytest.param(name, precision, marks=[pytest.mark.slow], id=f"{name}-{precision}")
+            for name in ZOO for precision in ("int8", "fp16")]
 
 
 @pytest.fixture(scope="module")

@@ -223,11 +223,10 @@ class ZooModel:
     factory: str
     flags: tuple[str, ...]
     data: Callable[[int, np.random.Generator], dict[str, np.ndarray]]
-    slow: bool = False
 
 
 ZOO = {
-    "yolo": ZooModel("tests.zoo_models:yolo", ("--input", "images:Bx3x320x320:float32"), _images(320), slow=True),
+    "yolo": ZooModel("tests.zoo_models:yolo", ("--input", "images:Bx3x320x320:float32"), _images(320)),
     "vit": ZooModel("tests.zoo_models:vit", ("--input", "images:Bx3x64x64:float32"), _images(64)),
     "bert": ZooModel("tests.zoo_models:bert", ("--input", "input_ids:BxS:int64", "--input", "attention_mask:BxS:int64",
                                                "--input", "token_type_ids:BxS:int64", "--dim", "S=4:16:32"),
@@ -235,5 +234,5 @@ ZOO = {
     "gpt": ZooModel("tests.zoo_models:gpt", ("--input", "input_ids:BxS:int64", "--dim", "S=4:16:32"),
                     _tokens(16, with_types=False)),
     "segmentation": ZooModel("tests.zoo_models:segmentation", ("--input", "images:Bx3x512x512:float32"),
-                             _images(512), slow=True),
+                             _images(512)),
 }

@@ -180,6 +180,7 @@ def test_the_report_prints_an_all_zero_gate_as_n_a(capsys: pytest.CaptureFixture
     assert "n/a" in printed.out + printed.err and "all zero" in printed.out + printed.err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["int8", "fp16"])
 def test_the_provider_is_recorded_and_the_work_runs_in_a_worker(tmp_path: Any, precision: str) -> None:
     from calibration.calibrate import calibrated_into
@@ -259,6 +260,7 @@ def _gate_peak_rss(samples: int, budget: int) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_the_gates_peak_rss_does_not_grow_with_the_batch() -> None:
     # a 1 MiB budget: slices of 4 samples. The whole batch's outputs are 32 and 128 MiB; held from both
     # models (the reference paged in from its file) they would add 192 MiB to the larger batch's peak

@@ -219,6 +219,7 @@ def test_int8_rest_runs_in_fp16_with_fp32_interface(cnn: Exported, calibrated: C
     assert "max_abs" in read(calibrated.directory / "calibration.json")  # the FP16 range check's data, reused
 
 
+@pytest.mark.slow
 def test_fp32_rest_keeps_the_old_fp32_remainder(cnn: Exported, workdir: Path) -> None:
     result = calibrate(workdir, "--int8", "--fp32-rest", "--calib-data", cnn.calib, "--eval-data", cnn.eval)
     assert result.exit_code == 0, result.output
@@ -241,6 +242,7 @@ def test_fp32_rest_with_fp16_is_a_user_error(cnn: Exported, workdir: Path) -> No
     assert fingerprints(workdir) == before
 
 
+@pytest.mark.slow
 def test_entropy_without_fallback_within_a_point(cnn: Exported, workdir: Path) -> None:
     """TensorRT's KL method on the digits input (17 distinct values) and the activations, no layer kept out."""
     result = calibrate(workdir, "--int8", "--calib-method", "entropy", "--max-fallback", "0",
@@ -306,6 +308,7 @@ def test_manifest_records_the_int8_onnx_and_its_calibration(calibrated: Calibrat
         {k: v for k, v in fingerprints(directory).items() if k.startswith("model.onnx")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["max", "entropy", "mse"])
 def test_each_calibration_method_passes(cnn: Exported, workdir: Path, method: str) -> None:
     result = calibrate(workdir, "--int8", "--calib-method", method, "--calib-data", cnn.calib, "--eval-data", cnn.eval)
@@ -315,6 +318,7 @@ def test_each_calibration_method_passes(cnn: Exported, workdir: Path, method: st
     assert 100 * (cnn.fp32_top1 - top1(cnn, workdir / "model.int8.onnx")) <= MAX_DROP_POINTS
 
 
+@pytest.mark.slow
 def test_calib_samples_caps_calibration_not_the_gates_evaluation(cnn: Exported, workdir: Path) -> None:
     result = calibrate(workdir, "--int8", "--calib-samples", "100", "--calib-data", cnn.calib, "--eval-data", cnn.eval)
     assert result.exit_code == 0, result.output
@@ -408,6 +412,7 @@ def test_calib_cache_from_another_directory_needs_no_data(
     (["--max-accuracy-drop", "-1"], "top1", True),  # INT8 would have to beat FP32 by a point
     (["--min-cosine", "0.999999"], "cosine", False),  # without labels the gate is on cosine
 ])
+@pytest.mark.slow
 def test_gate_failure_exits_3_keeps_fp32_and_reports_the_fallback(
         cnn: Exported, workdir: Path, gate: list[str], metric: str, labelled: bool) -> None:
     before = fingerprints(workdir)
@@ -436,6 +441,7 @@ def test_gate_failure_exits_3_keeps_fp32_and_reports_the_fallback(
     assert not list(workdir.glob(".staging-*"))
 
 
+@pytest.mark.slow
 def test_fallback_search_logs_one_ranking_line_and_one_summary(cnn: Exported, workdir: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """No line per trial (they read as if the final model were unquantized): the ranking, then a summary."""
@@ -493,6 +499,7 @@ def test_gate_fallback_keeps_exactly_the_layer_with_the_outlier_channel(outlier_
 
 # --- random data ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_random_calibration_data_is_flagged_everywhere(cnn: Exported, workdir: Path) -> None:
     result = calibrate(workdir, "--int8", "--calib-data", "random", "--calib-samples", "64", "--eval-data", cnn.eval)
     assert result.exit_code == 0, result.output

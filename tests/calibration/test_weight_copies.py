@@ -105,6 +105,7 @@ def big_mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 WEIGHTS = 16 * 2048 * 2048 * 4  # bytes of FP32 weights in the memory tests' model
 
 
+@pytest.mark.slow
 @linux_only
 def test_saving_a_model_three_times_holds_no_second_copy_of_its_weights(tmp_path: Path) -> None:
     # onnx.save_model(save_as_external_data=True) moves the weights out of the proto and reloading them grew

@@ -167,6 +167,7 @@ def test_values_the_model_rejects_are_named_with_their_range(tmp_path: Path) -> 
     assert not (tmp_path / "o" / "model.onnx").exists()
 
 
+@pytest.mark.slow
 def test_build_exports_and_verifies_on_the_calibration_data(tmp_path: Path) -> None:
     """Ids that start at 1: the default zeros are rejected, the user's calibration data is used instead."""
     ids = np.random.default_rng(0).integers(1, 1000, (40, 8)).astype(np.int64)

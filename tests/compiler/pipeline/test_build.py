@@ -187,6 +187,7 @@ SLOW_LOADER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pause_at", ["calibration", "manifest"])
 def test_sigkill_mid_build_leaves_the_previous_build_intact(digits: Path, tmp_path: Path, pause_at: str) -> None:
     out = tmp_path / "atomic"

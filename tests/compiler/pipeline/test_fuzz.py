@@ -20,6 +20,8 @@ import compiler
 from compiler.core.errors import InputError
 from tests.compiler.pipeline.test_safety import built, other_job, trtc  # noqa: F401  (built is the module's fixture)
 
+pytestmark = pytest.mark.slow  # every command on every damaged artifact: minutes on two cores
+
 ARTIFACTS = ("manifest.json", "calibration.json", "model.onnx", "model.onnx.data", "model.int8.onnx",
              "engines/b1.engine", "engines/b1.layers.json", "source/state_dict.pt", "report/accuracy.json",
              "timing.cache")
@@ -106,7 +108,7 @@ def test_damaged_data_and_profiles_are_one_line_errors(built: Path, tmp_path: Pa
     directory = tmp_path / "m"
     shutil.copytree(built, directory)
     profile = tmp_path / "p.toml"
-    profile.write_text(f'[model]\nfactory = "tests.test_safety:random_mlp"\ninputs = ["x:Bx16"]\n'
+    profile.write_text(f'[model]\nfactory = "tests.compiler.pipeline.test_safety:random_mlp"\ninputs = ["x:Bx16"]\n'
                        f'[build]\nout = "{tmp_path / "p"}"\nbuckets = [1]\nengine = "none"\n')
     mutate(profile, how, zlib.crc32(how.encode()))
     for args in (["bench", str(directory), "--data", str(data), *BENCH],

@@ -30,7 +30,7 @@ from compiler.core.settings import BuildSettings
 from compiler.pipeline.check import rebuild_directory
 from tests.conftest import H200_ENV, fake_engine_build_step_for_tests
 
-FACTORY = "tests.test_safety:random_mlp"
+FACTORY = "tests.compiler.pipeline.test_safety:random_mlp"
 
 
 def random_mlp() -> torch.nn.Module:

@@ -607,6 +607,7 @@ def test_on_a_gpu_with_two_buffer_sets_a_worker_queues_the_next_batch_before_it_
         np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_ceiling_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/batcher_ceiling.py: every client mode answers every request; one JSON with the medians."""
     import json

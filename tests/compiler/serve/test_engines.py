@@ -302,6 +302,7 @@ def test_map_stops_cleanly_and_reports_errors_in_order(mlp_engines: runtime.Engi
     assert not any(t.is_alive() for t in threads), "a context leaked: callers block"
 
 
+@pytest.mark.slow
 def test_a_map_left_early_ends_its_thread_and_the_process_exits_cleanly(dirs: dict[str, Path]) -> None:
     """Left early, ``map`` waits for its submitting thread's last run: a process that exited while that thread ran
     inside torch aborted ("terminate called without an active exception", exit code 134). The thread's end is the

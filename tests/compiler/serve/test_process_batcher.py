@@ -77,6 +77,7 @@ def from_client_processes(batcher: ProcessBatcher, requests: list[list[Any]], ti
     return answers
 
 
+@pytest.mark.slow
 def test_requests_from_two_processes_each_get_their_own_rows(engines: Engines) -> None:
     recording = Recording(engines)
     rng = np.random.default_rng(0)
@@ -347,6 +348,7 @@ def _send_once(handle: ClientHandle, results: Any) -> None:
     results.put(handle.connect().submit(rows(2), timeout=30))
 
 
+@pytest.mark.slow
 def test_a_restarted_client_process_reuses_its_handle_after_the_dead_ones_answer(engines: Engines) -> None:
     """A supervisor restarts a worker that died with a request in flight and gives the new one the same handle: the
     slot waits for the dead request's answer (a second wake of it must not kill the new client), then serves."""

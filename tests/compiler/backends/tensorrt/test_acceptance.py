@@ -6,14 +6,13 @@ them against ONNX Runtime. Each test's docstring says what its assertions prove,
 skipped with the reason elsewhere (tests/conftest.py). Buckets and models are small: the suite is about
 behaviour, not speed.
 
-Unproven until this suite has run on a TensorRT machine (the code was checked against the TensorRT 11.4
-bindings, TensorRT's documentation and Polygraphy's source, and the parts without TensorRT are tested in
-tests/test_tensorrt_backend.py): that the inspector reports per-layer types with a context attached; that
-USER_MANAGED contexts sharing one buffer run correctly; that a refused enqueue is seen during capture; that a
-version-compatible engine needs ``engine_host_code_allowed``; that TensorRT's timing-cache combine and an
-unreadable cache behave as handled; that INT8/FP16 engines pass the accuracy gate that ONNX Runtime passed;
-that typings/tensorrt.pyi names only what the installed TensorRT has.
-"""
+Unproven until this suite has run on a TensorRT machine (the code was checked against the TensorRT 11.4 bindings,
+TensorRT's documentation and Polygraphy's source, and the parts without TensorRT are tested in
+tests/compiler/backends/tensorrt/test_engine_path.py): that the inspector reports per-layer types with a context
+attached; that USER_MANAGED contexts sharing one buffer run correctly; that a refused enqueue is seen during
+capture; that a version-compatible engine needs ``engine_host_code_allowed``; that TensorRT's timing-cache combine
+and an unreadable cache behave as handled; that INT8/FP16 engines pass the accuracy gate that ONNX Runtime passed;
+that typings/tensorrt.pyi names only what the installed TensorRT has."""
 
 from __future__ import annotations
 

@@ -3,9 +3,8 @@ without it, each against the rule it keeps.
 
 TensorRT's own objects are replaced only where a test says so, by small doubles passed in explicitly (an engine
 whose inspector holds its context's address and no reference, a timing cache that combines sets, an nvidia-smi
-script on PATH): the code under test is trtc's, unchanged. ``tests/test_tensorrt_acceptance.py`` proves the rest
-on a machine with TensorRT and a GPU.
-"""
+script on PATH): the code under test is trtc's, unchanged. ``tests/compiler/backends/tensorrt/test_acceptance.py``
+proves the rest on a machine with TensorRT and a GPU."""
 
 from __future__ import annotations
 
