@@ -1,10 +1,10 @@
 """Acceptance suite for a machine with TensorRT (10.12+ or 11.x) and an NVIDIA GPU: ``make test-tensorrt``.
 
 TensorRT cannot be installed where trtc is developed, so the engine path is proven here, on first contact
-with a real TensorRT: every test builds real engines through ``trtc build`` / ``trtc rebuild`` and checks
-them against ONNX Runtime. Each test's docstring says what its assertions prove, no more. Everything is
-skipped with the reason elsewhere (tests/conftest.py). Buckets and models are small: the suite is about
-behaviour, not speed.
+with a real TensorRT: every test but the type stub's builds real engines through ``trtc build`` /
+``trtc rebuild`` and checks them against ONNX Runtime. Each test's docstring says what its assertions prove,
+no more. Everything is skipped with the reason elsewhere (tests/conftest.py). Buckets and models are small: the
+suite is about behaviour, not speed.
 
 Unproven until this suite has run on a TensorRT machine (the code was checked against the TensorRT 11.4 bindings,
 TensorRT's documentation and Polygraphy's source, and the parts without TensorRT are tested in
