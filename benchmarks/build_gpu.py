@@ -50,7 +50,8 @@ sys.path.insert(0, str(ROOT))
 BUILD_TIMEOUT_S = 150
 CHECK_TIMEOUT_S = 120
 TESTS_TIMEOUT_S = 90
-GPU_TESTS = ["tests/calibration/test_statistics.py", "tests/compiler/frontend/test_verify.py"]  # their @pytest.mark.gpu tests
+# their @pytest.mark.gpu tests
+GPU_TESTS = ["tests/calibration/test_statistics.py", "tests/compiler/frontend/test_verify.py"]
 # stage lines of compiler.core.progress.stage_timer in a log that is not a terminal: "INFO     export: 3.2 s"
 _STAGE = re.compile(r"^(?:INFO\s+)?(?P<name>[A-Za-z0-9][A-Za-z0-9 ]*?): (?P<seconds>\d+(?:\.\d+)?) s\s*$")
 _BINNED = re.compile(r"binned on (?P<where>\S+)")
