@@ -1,4 +1,5 @@
-"""``trtc export-triton``: a Triton Inference Server model repository entry for a build directory."""
+"""``trtc export-triton`` (a Triton Inference Server model repository entry for a build directory) and ``trtc serve``
+(a build directory on Triton, in the foreground)."""
 
 from __future__ import annotations
 
@@ -7,31 +8,37 @@ from pathlib import Path
 import click
 
 from compiler.cli.group import cli, common_options
+from compiler.core import defaults
+
+PLATFORMS = ["auto", "tensorrt_plan", "onnxruntime_onnx", "trtc"]
 
 
 @cli.command("export-triton")
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--repo", required=True, type=click.Path(path_type=Path), help="Triton model repository to write into.")
 @click.option("--name", help="Model name in the repository (default: the directory's name).")
-@click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True,
-              help="tensorrt: the engine as model.plan; onnxruntime: the ONNX; auto: the plan when Triton can use it.")
+@click.option("--platform", type=click.Choice(PLATFORMS), default="auto", show_default=True,
+              help="tensorrt_plan: the engine as model.plan; onnxruntime_onnx: the ONNX; trtc: Triton's Python backend "
+              "running trtc's runtime on the build (pads batches to the buckets); auto: the plan where Triton can use "
+              "it, else trtc for engines it cannot, else onnxruntime_onnx.")
 @click.option("--instances", type=int, default=1, show_default=True, help="Model instances (per GPU).")
-@click.option("--max-wait-ms", type=float, default=10.0, show_default=True,
+@click.option("--max-wait-ms", type=float, default=defaults.MAX_WAIT_MS, show_default=True,
               help="How long Triton's dynamic batcher holds a request for company.")
 @click.option("--force", is_flag=True, help="Replace the model's folder when it exists.")
 @common_options
-def export_triton_cmd(directory: Path, repo: Path, name: str | None, backend: str, instances: int,
+def export_triton_cmd(directory: Path, repo: Path, name: str | None, platform: str, instances: int,
                       max_wait_ms: float, force: bool) -> None:
     """Write a Triton Inference Server model repository entry for a build directory.
 
     \b
     Examples:
       trtc export-triton build/m --repo models/
-      trtc export-triton build/m --repo models/ --name resnet --backend onnxruntime --instances 2
+      trtc export-triton build/m --repo models/ --name resnet --platform onnxruntime_onnx --instances 2
+      trtc export-triton build/m --repo models/ --platform trtc
     """
     from compiler.pipeline.triton import PLAN_VERSION_FILE, triton_repository
 
-    target = triton_repository(directory, repo, name=name, backend=backend, instances=instances,
+    target = triton_repository(directory, repo, name=name, platform=platform, instances=instances,
                                max_wait_ms=max_wait_ms, force=force)
     click.echo(f"wrote {target}/config.pbtxt and {', '.join(sorted(p.name for p in (target / '1').iterdir()))}")
     version_file = target / "1" / PLAN_VERSION_FILE
