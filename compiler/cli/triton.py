@@ -44,3 +44,39 @@ def export_triton_cmd(directory: Path, repo: Path, name: str | None, platform: s
     version_file = target / "1" / PLAN_VERSION_FILE
     if version_file.is_file():
         click.echo(version_file.read_text().splitlines()[1])
+
+
+@cli.command("serve")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--port", type=int, default=8000, show_default=True, help="HTTP port.")
+@click.option("--grpc-port", type=int, default=8001, show_default=True, help="gRPC port.")
+@click.option("--metrics-port", type=int, default=8002, show_default=True, help="Prometheus metrics port.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address every endpoint binds to (0.0.0.0: "
+              "all interfaces).")
+@click.option("--instances", type=int, default=1, show_default=True, help="Model instances (per GPU).")
+@click.option("--max-wait-ms", type=float, default=defaults.MAX_WAIT_MS, show_default=True,
+              help="How long Triton's dynamic batcher holds a request for company.")
+@click.option("--name", help="Model name (default: the directory's name).")
+@common_options
+def serve_cmd(directory: Path, port: int, grpc_port: int, metrics_port: int, host: str, instances: int,
+              max_wait_ms: float, name: str | None) -> None:
+    """Serve a build directory on Triton Inference Server (HTTP and gRPC) until Ctrl-C.
+
+    DIR is exported as a trtc entry (Triton's dynamic batcher in front of trtc's runtime) into a
+    temporary model repository; tritonserver comes from PATH or the extra trtc[serve].
+
+    \b
+    Examples:
+      trtc serve build/demo/engines
+      trtc serve build/m --port 9000 --grpc-port 9001 --instances 2
+    """
+    from compiler.pipeline.serve import ServeEndpoints, serve_directory
+
+    def ready(endpoints: ServeEndpoints) -> None:
+        click.echo(f"\nserving {endpoints.model} (tritonserver pid {endpoints.pid}): HTTP {endpoints.http}, gRPC "
+                   f"{endpoints.grpc}, metrics {endpoints.metrics}\ntry:\n  {endpoints.curl}\nCtrl-C stops it.",
+                   err=True)
+
+    serve_directory(directory, on_ready=ready, host=host, http_port=port, grpc_port=grpc_port,
+                    metrics_port=metrics_port, instances=instances, max_wait_ms=max_wait_ms, name=name)
+    click.echo("stopped", err=True)
