@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from compiler.cli.group import cli, common_options
+from compiler.cli.options import BucketsType
 from compiler.core import defaults
 
 PLATFORMS = ["auto", "tensorrt_plan", "onnxruntime_onnx", "trtc"]
@@ -24,10 +25,12 @@ PLATFORMS = ["auto", "tensorrt_plan", "onnxruntime_onnx", "trtc"]
 @click.option("--instances", type=int, default=1, show_default=True, help="Model instances (per GPU).")
 @click.option("--max-wait-ms", type=float, default=defaults.MAX_WAIT_MS, show_default=True,
               help="How long Triton's dynamic batcher holds a request for company.")
+@click.option("--preferred-batch-sizes", type=BucketsType(), help="Batch sizes Triton's dynamic batcher runs at "
+              "once when it can form them (default: the buckets; without 1, a lone request waits --max-wait-ms).")
 @click.option("--force", is_flag=True, help="Replace the model's folder when it exists.")
 @common_options
 def export_triton_cmd(directory: Path, repo: Path, name: str | None, platform: str, instances: int,
-                      max_wait_ms: float, force: bool) -> None:
+                      max_wait_ms: float, preferred_batch_sizes: tuple[int, ...] | None, force: bool) -> None:
     """Write a Triton Inference Server model repository entry for a build directory.
 
     \b
@@ -39,7 +42,7 @@ def export_triton_cmd(directory: Path, repo: Path, name: str | None, platform: s
     from compiler.pipeline.triton import PLAN_VERSION_FILE, triton_repository
 
     target = triton_repository(directory, repo, name=name, platform=platform, instances=instances,
-                               max_wait_ms=max_wait_ms, force=force)
+                               max_wait_ms=max_wait_ms, force=force, preferred_batch_sizes=preferred_batch_sizes)
     click.echo(f"wrote {target}/config.pbtxt and {', '.join(sorted(p.name for p in (target / '1').iterdir()))}")
     version_file = target / "1" / PLAN_VERSION_FILE
     if version_file.is_file():
@@ -56,10 +59,12 @@ def export_triton_cmd(directory: Path, repo: Path, name: str | None, platform: s
 @click.option("--instances", type=int, default=1, show_default=True, help="Model instances (per GPU).")
 @click.option("--max-wait-ms", type=float, default=defaults.MAX_WAIT_MS, show_default=True,
               help="How long Triton's dynamic batcher holds a request for company.")
+@click.option("--preferred-batch-sizes", type=BucketsType(), help="Batch sizes Triton's dynamic batcher runs at "
+              "once when it can form them (default: the buckets; without 1, a lone request waits --max-wait-ms).")
 @click.option("--name", help="Model name (default: the directory's name).")
 @common_options
 def serve_cmd(directory: Path, port: int, grpc_port: int, metrics_port: int, host: str, instances: int,
-              max_wait_ms: float, name: str | None) -> None:
+              max_wait_ms: float, preferred_batch_sizes: tuple[int, ...] | None, name: str | None) -> None:
     """Serve a build directory on Triton Inference Server (HTTP and gRPC) until Ctrl-C.
 
     DIR is exported as a trtc entry (Triton's dynamic batcher in front of trtc's runtime) into a
@@ -78,5 +83,6 @@ def serve_cmd(directory: Path, port: int, grpc_port: int, metrics_port: int, hos
                    err=True)
 
     serve_directory(directory, on_ready=ready, host=host, http_port=port, grpc_port=grpc_port,
-                    metrics_port=metrics_port, instances=instances, max_wait_ms=max_wait_ms, name=name)
+                    metrics_port=metrics_port, instances=instances, max_wait_ms=max_wait_ms, name=name,
+                    preferred_batch_sizes=preferred_batch_sizes)
     click.echo("stopped", err=True)

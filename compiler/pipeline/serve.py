@@ -75,9 +75,10 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def serve_directory(directory: str | Path, *, on_ready: Callable[[ServeEndpoints], None],
                     host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                     instances: int = 1, max_wait_ms: float = defaults.MAX_WAIT_MS, name: str | None = None,
-                    ready_timeout: float = 300.0) -> int:
+                    preferred_batch_sizes: tuple[int, ...] | None = None, ready_timeout: float = 300.0) -> int:
     """Serve ``directory`` on Triton until Ctrl-C or SIGTERM (then 0), or until the server exits by itself
-    (``TritonFailed``). ``on_ready`` gets the endpoints once ``/v2/health/ready`` answers. A missing
+    (``TritonFailed``). ``on_ready`` gets the endpoints once ``/v2/health/ready`` answers. The other
+    arguments as for ``triton_repository`` and ``TritonServer``. A missing
     ``tritonserver`` is ``TritonNotFound`` before anything is written."""
     from compiler.pipeline.triton import triton_repository
     from compiler.pipeline.tritonserver import TritonFailed, TritonServer, find_tritonserver
@@ -86,7 +87,7 @@ def serve_directory(directory: str | Path, *, on_ready: Callable[[ServeEndpoints
     install = find_tritonserver()
     with tempfile.TemporaryDirectory(prefix="trtc-serve-") as repo:
         folder = triton_repository(directory, Path(repo), name=name, platform="trtc", instances=instances,
-                                   max_wait_ms=max_wait_ms)
+                                   max_wait_ms=max_wait_ms, preferred_batch_sizes=preferred_batch_sizes)
         server = TritonServer(repo, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                               install=install, stream_output=True)
         with _sigterm_as_interrupt():

@@ -258,7 +258,8 @@ def _choose_platform(directory: Path, manifest: dict[str, Any],
 
 def triton_repository(directory: str | Path, repo: str | Path, *, name: str | None = None, platform: str = "auto",
                       instances: int = 1, max_wait_ms: float = defaults.MAX_WAIT_MS, force: bool = False,
-                      serving_backend: str = "auto", python_path: tuple[str, ...] | None = None) -> Path:
+                      serving_backend: str = "auto", python_path: tuple[str, ...] | None = None,
+                      preferred_batch_sizes: tuple[int, ...] | None = None) -> Path:
     """Write ``repo/NAME`` (config.pbtxt and version 1) for Triton; returns that folder.
 
     ``platform``: ``tensorrt_plan`` (the plan; InputError when Triton's TensorRT backend could not serve it),
@@ -268,6 +269,9 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     profile), for ``trtc`` ``TRTC_MAX_BATCH_FACTOR`` times it. ``instances``: per GPU (or on the CPU). ``max_wait_ms``:
     Triton's ``max_queue_delay``. For ``trtc``: ``serving_backend`` is ``compiler.load``'s backend in the
     model, ``python_path`` the folders its code is imported from (default ``default_python_path()``).
+    ``preferred_batch_sizes``: batches Triton runs as soon as it can form them (default: the buckets up to
+    ``max_batch_size``; with 1 among them a request never waits for company, and a queue of n requests
+    is run as the largest preferred size up to n).
     ``name`` defaults to the directory's name. An existing ``repo/NAME`` is replaced only with ``force``;
     the new folder appears whole (staged beside ``repo``, then renamed).
     """
@@ -297,13 +301,17 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     inputs, outputs = _io_tensors(onnx_path, spec)
     buckets = tuple(sorted(int(b) for b in manifest.get("buckets") or ()))
     max_batch = plan[2] if plan else max(buckets) * (TRTC_MAX_BATCH_FACTOR if chosen == TRTC else 1)
+    if preferred_batch_sizes and max(preferred_batch_sizes) > max_batch:
+        raise InputError(f"--preferred-batch-sizes {','.join(map(str, preferred_batch_sizes))}: Triton forms batches "
+                         f"of at most max_batch_size {max_batch} here; use sizes up to {max_batch}")
     parameters: tuple[tuple[str, str], ...] = ()
     if chosen == TRTC:
         verify_files(directory, manifest)  # the copy is checked again when Triton loads it
         folders = python_path if python_path is not None else default_python_path()
         parameters = ((PYTHON_PATH, os.pathsep.join(folders)), (SERVING_BACKEND, serving_backend))
     model = TritonModel(name=name, platform=chosen, max_batch_size=max_batch, inputs=inputs, outputs=outputs,
-                        preferred_batch_sizes=tuple(b for b in buckets if b <= max_batch),
+                        preferred_batch_sizes=preferred_batch_sizes if preferred_batch_sizes is not None
+                        else tuple(b for b in buckets if b <= max_batch),
                         max_queue_delay_us=round(max_wait_ms * 1000), instances=instances,
                         kind="KIND_GPU" if chosen == TRT_PLAN else "KIND_AUTO",
                         profiles=plan[1] if plan else (), parameters=parameters)
