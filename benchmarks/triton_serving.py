@@ -3,13 +3,18 @@
 Triton: ``trtc serve MODEL`` runs as a subprocess (the command users run: a trtc entry in a temporary
 repository, Triton's dynamic batcher in front of trtc's runtime, one model instance), and ``perf_analyzer``
 (Triton's load generator, closed loop: ``C`` requests of batch 1 outstanding at all times, over gRPC)
-measures throughput and latency at each concurrency ``C``. Triton's statistics endpoint gives the mean
+measures throughput and latency at each concurrency ``C``: ``--repeats`` runs of ``--requests`` requests each
+(``--request-count``: a shared host seldom passes perf_analyzer's stability loop) after 200 unmeasured ones;
+the table shows the run of median throughput. Throughput is ``C`` over the mean latency (Little's law for a
+closed loop: the rate while all ``C`` are outstanding), because perf_analyzer's own Inferences/Second in
+request-count mode counts its clients' start-up (292/s for 304 requests at ``C`` 16 whose p50 was 8.7 ms);
+its figure is kept in the JSON beside. Triton's statistics endpoint gives the mean
 batch it formed at each level. ``--preferred`` runs one ``trtc serve`` per list of preferred batch sizes
 (``buckets``: the default, the model's buckets).
 
 In-process: ``compiler.load(MODEL, device=...)`` with one context, a ``ProcessBatcher`` with the same
 ``max_wait_ms`` as Triton's ``max_queue_delay``, and ``C`` closed-loop clients of batch-1 requests in other
-processes (``benchmarks/process_clients.py``): the same load shape as perf_analyzer's.
+processes (``benchmarks/process_clients.py``): the same load shape as perf_analyzer's, the same counts.
 
 Both use the same input (zeros, batch 1; dynamic dimensions at their optimum) and run one after the other on
 the same host, which on a 2-core machine also runs the load generators: the figures compare the two paths
@@ -64,7 +69,11 @@ PERF_ANALYZER_WHEEL = "tritonclient==2.51.0"
 PERF_ANALYZER_HINT = (f"perf_analyzer was not found: `pip install --no-deps --target build/perf-analyzer "
                       f"{PERF_ANALYZER_WHEEL}` puts it in build/perf-analyzer/bin (or pass --perf-analyzer PATH)")
 READY_SECONDS = 300.0
-LEVEL_SECONDS = 300  # perf_analyzer's bound per concurrency level (its windows x trials stop it far sooner)
+LEVEL_SECONDS = 300  # the bound of one perf_analyzer run (its request count ends it far sooner)
+WARMUP_REQUESTS = 200  # sent and not counted before each level's runs
+# perf_analyzer's CSV splits the mean latency into these parts (microseconds); they add up to it
+LATENCY_PARTS = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
+                 "Server Compute Infer", "Server Compute Output", "Client Recv")
 
 
 def find_perf_analyzer(given: str | None) -> Path:
@@ -147,13 +156,16 @@ class Serve:
                 self.process.wait(timeout=30)
 
 
-def perf_analyzer_level(binary: Path, libraries: str, serve: Serve, feed: dict[str, np.ndarray], concurrency: int,
-                        window_ms: int, trials: int, stability: int, work: Path) -> dict[str, Any]:
+def perf_analyzer_run(binary: Path, libraries: str, serve: Serve, feed: dict[str, np.ndarray], concurrency: int,
+                      requests: int, work: Path) -> dict[str, Any]:
+    """One perf_analyzer measurement of exactly ``requests`` requests (``--request-count``: no stability loop, which
+    a loaded shared host seldom passes) at ``concurrency``; throughput, p50/p99 and Triton's mean batch."""
+    requests = -(-requests // concurrency) * concurrency  # 2.51 hung on a count its clients could not share evenly
     report = work / f"perf-{concurrency}.csv"
     report.unlink(missing_ok=True)
     command = [str(binary), "-m", "model", "-u", f"127.0.0.1:{serve.ports[1]}", "-i", "grpc", "-b", "1",
-               "--concurrency-range", f"{concurrency}:{concurrency}", "-p", str(window_ms), "-r", str(trials),
-               "-s", str(stability), "--input-data", "zero", "-f", str(report)]
+               "--concurrency-range", f"{concurrency}:{concurrency}", "--request-count", str(requests),
+               "--input-data", "zero", "-f", str(report)]
     for name, array in feed.items():
         command += ["--shape", f"{name}:{','.join(str(d) for d in array.shape[1:])}"]
     env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [libraries, os.environ.get(
@@ -167,30 +179,46 @@ def perf_analyzer_level(binary: Path, libraries: str, serve: Serve, feed: dict[s
         row = next(csv.DictReader(file))
     executions = int(after["execution_count"]) - int(before["execution_count"])
     inferences = int(after["inference_count"]) - int(before["inference_count"])
-    return {"concurrency": concurrency, "requests_per_s": float(row["Inferences/Second"]),
+    mean_us = sum(float(row[part]) for part in LATENCY_PARTS)
+    return {"concurrency": concurrency, "requests_per_s": concurrency / (mean_us / 1e6),
+            "perf_analyzer_inferences_per_s": float(row["Inferences/Second"]),
             "p50_ms": float(row["p50 latency"]) / 1000, "p99_ms": float(row["p99 latency"]) / 1000,
-            "mean_batch": inferences / executions if executions else None}
+            "mean_ms": mean_us / 1000,
+            "mean_batch": inferences / executions if executions else None, "requests": requests}
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median throughput (its own latencies with it), and every run's throughput."""
+    good = sorted((r for r in runs if "error" not in r), key=lambda r: r["requests_per_s"])
+    if not good:
+        return runs[-1]
+    return {**good[(len(good) - 1) // 2], "runs_requests_per_s": [r["requests_per_s"] for r in good],
+            "failed_runs": len(runs) - len(good)}
 
 
 def in_process_level(model: Path, device: str, feed: dict[str, np.ndarray], concurrency: int, requests: int,
-                     max_wait_ms: float) -> dict[str, Any]:
+                     repeats: int, max_wait_ms: float) -> dict[str, Any]:
     from compiler.serve.load import load
     from compiler.serve.processes import ProcessBatcher
 
+    runs = []
     with load(model, device=device, contexts=1) as engines, \
             ProcessBatcher(engines, max_wait_ms=max_wait_ms, capacity=max(64, concurrency)) as batcher:
         processes = process_clients.default_processes(concurrency)
-        process_clients.run(batcher, [feed] * concurrency, min(requests, 50 * concurrency), processes)  # warm up
-        ran = process_clients.run(batcher, [feed] * concurrency, requests, processes)
-    latencies = ran["steady_latencies"] if len(ran["steady_latencies"]) else ran["latencies"]
-    rate = ran["steady_requests_per_s"] or requests / ran["seconds"]
-    return {"concurrency": concurrency, "requests_per_s": float(rate),
-            "p50_ms": float(np.percentile(latencies, 50) * 1000), "p99_ms": float(np.percentile(latencies, 99) * 1000),
-            "lost": int(ran["lost"]), "client_processes": int(ran["processes"])}
+        process_clients.run(batcher, [feed] * concurrency, WARMUP_REQUESTS, processes)
+        for _ in range(repeats):
+            ran = process_clients.run(batcher, [feed] * concurrency, requests, processes)
+            latencies = ran["steady_latencies"] if len(ran["steady_latencies"]) else ran["latencies"]
+            runs.append({"concurrency": concurrency,
+                         "requests_per_s": float(ran["steady_requests_per_s"] or requests / ran["seconds"]),
+                         "p50_ms": float(np.percentile(latencies, 50) * 1000),
+                         "p99_ms": float(np.percentile(latencies, 99) * 1000), "lost": int(ran["lost"]),
+                         "client_processes": int(ran["processes"]), "requests": requests})
+    return median_run(runs)
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| path | concurrency | requests/s | p50 ms | p99 ms | mean batch |",
+    lines = ["| path | concurrency | requests/s (runs' range) | p50 ms | p99 ms | mean batch |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for path, rows in results["paths"].items():
         for row in rows:
@@ -198,8 +226,10 @@ def table(results: dict[str, Any]) -> str:
                 lines.append(f"| {path} | {row['concurrency']} | failed: {row['error']} | | | |")
                 continue
             batch = f"{row['mean_batch']:.2f}" if row.get("mean_batch") else ""
-            lines.append(f"| {path} | {row['concurrency']} | {row['requests_per_s']:,.0f} | {row['p50_ms']:.2f} | "
-                         f"{row['p99_ms']:.2f} | {batch} |")
+            runs = row.get("runs_requests_per_s") or [row["requests_per_s"]]
+            spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
+            lines.append(f"| {path} | {row['concurrency']} | {row['requests_per_s']:,.0f}{spread} | "
+                         f"{row['p50_ms']:.2f} | {row['p99_ms']:.2f} | {batch} |")
     return "\n".join(lines)
 
 
@@ -212,11 +242,9 @@ def main() -> None:
                         "default: buckets)")
     parser.add_argument("--max-wait-ms", type=float, default=None, help="both batchers' wait for company "
                         "(default: trtc's default)")
-    parser.add_argument("--requests", type=int, default=3000, help="requests per in-process level")
-    parser.add_argument("--window-ms", type=int, default=3000, help="perf_analyzer's measurement window")
-    parser.add_argument("--trials", type=int, default=8, help="perf_analyzer's windows at most per level")
-    parser.add_argument("--stability", type=int, default=25, help="perf_analyzer's stability threshold, percent "
-                        "(a shared 2-core host rarely holds its default 10)")
+    parser.add_argument("--requests", type=int, default=1500, help="requests per run, both paths")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per level; the table shows the run of median "
+                        "throughput")
     parser.add_argument("--perf-analyzer", help="the perf_analyzer binary")
     parser.add_argument("--skip-in-process", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/triton_serving.json")
@@ -232,10 +260,11 @@ def main() -> None:
     feed = sample(args.model)
     results: dict[str, Any] = {
         "model": str(args.model), "device": args.device, "max_wait_ms": max_wait_ms,
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                 "load_average_at_start": os.getloadavg()},
         "triton": str(install.binary), "perf_analyzer": str(binary),
-        "perf_analyzer_settings": {"window_ms": args.window_ms, "trials": args.trials, "stability": args.stability,
-                                   "protocol": "grpc", "input_data": "zero", "batch": 1},
+        "settings": {"requests_per_run": args.requests, "repeats": args.repeats, "warmup_requests": WARMUP_REQUESTS,
+                     "protocol": "grpc", "input_data": "zero", "batch": 1},
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "paths": {}}
     with tempfile.TemporaryDirectory(prefix="trtc-triton-bench-") as scratch:
         work = Path(scratch)
@@ -243,21 +272,28 @@ def main() -> None:
         for preferred in args.preferred or ["buckets"]:
             serve = Serve(args.model, preferred, max_wait_ms)
             try:
-                rows = [perf_analyzer_level(binary, libraries, serve, feed, c, args.window_ms, args.trials,
-                                            args.stability, work) for c in levels]
+                rows = []
+                for c in levels:
+                    perf_analyzer_run(binary, libraries, serve, feed, c, WARMUP_REQUESTS, work)
+                    rows.append(median_run([perf_analyzer_run(binary, libraries, serve, feed, c, args.requests, work)
+                                            for _ in range(args.repeats)]))
             finally:
                 serve.stop()
             results["paths"][f"trtc serve (preferred {preferred})"] = rows
             print(table({"paths": {f"trtc serve (preferred {preferred})": rows}}), flush=True)
     if not args.skip_in_process:
-        rows = [in_process_level(args.model, args.device, feed, c, args.requests, max_wait_ms) for c in levels]
+        rows = [in_process_level(args.model, args.device, feed, c, args.requests, args.repeats, max_wait_ms)
+                for c in levels]
         results["paths"]["compiler.load + ProcessBatcher"] = rows
+    results["host"]["load_average_at_end"] = os.getloadavg()
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
+    load = results["host"]["load_average_at_start"][0], results["host"]["load_average_at_end"][0]
     args.out.with_suffix(".md").write_text(f"`{results['command']}` on {results['host']['platform']}, "
-                                           f"{results['host']['cpus']} CPUs\n\n{text}\n")
+                                           f"{results['host']['cpus']} CPUs, load average {load[0]:.1f} at the "
+                                           f"start and {load[1]:.1f} at the end\n\n{text}\n")
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
 

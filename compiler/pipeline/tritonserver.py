@@ -148,7 +148,7 @@ class TritonServer:
                 f"--http-address={self.host}", f"--http-port={self.http_port}",
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
-                "--allow-gpu-metrics=false", f"--exit-timeout-secs={EXIT_SECONDS}"]
+                f"--exit-timeout-secs={EXIT_SECONDS}"]
         if self.install.backend_files:
             args.append(f"--backend-directory={self._backends()}")
         if self.explicit:
