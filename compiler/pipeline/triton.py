@@ -208,9 +208,7 @@ def default_python_path() -> tuple[str, ...]:
     """The folders a ``trtc`` entry's model imports from: the one holding the ``compiler`` package that runs now,
     then this interpreter's site-packages (``.pth`` files in them are not processed, so an editable install of
     another checkout cannot take the place of the first folder)."""
-    import compiler
-
-    folders = [str(Path(compiler.__file__).resolve().parent.parent)]
+    folders = [str(Path(__file__).resolve().parents[2])]  # compiler/pipeline/triton.py -> the folder of compiler/
     paths = sysconfig.get_paths()
     for folder in [paths["purelib"], paths["platlib"], *site.getsitepackages()]:
         if folder not in folders and Path(folder).is_dir():

@@ -4,7 +4,8 @@ One ``tritonserver`` (from the dev extra's nvidia-pytriton wheel, or PATH) runs 
 ports, in explicit model-control mode so that each test loads the entries it wrote and reads their own load
 errors; it is started without PYTHONPATH, so a trtc entry imports trtc only through the folders its config
 records. The fixture stops it at the end, also when a test fails (``TritonServer.stop``: SIGTERM, then SIGKILL
-to its process group). Where no tritonserver can be had the module is skipped with the reason.
+to its process group). The INT8/FP16 builds and `trtc serve`'s own server are the slow tier. Where no
+tritonserver can be had the module is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -36,12 +37,10 @@ from compiler.pipeline.triton import triton_repository
 from compiler.pipeline.tritonserver import TritonNotFound, TritonServer, find_tritonserver, free_port
 from compiler.serve.load import load
 from compiler.serve.triton_model import verify_build
-from tests.test_runtime import build_directory
-from tests.test_triton import with_engines
+from tests.builds import build_directory
+from tests.compiler.pipeline.test_triton import with_engines
 
-pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 LARGEST = 16  # the largest bucket of the directories below (1, 4, 8, 16)
 TRITON_MISSING_BACKEND = "unable to find backend library for backend '{}'"
 
@@ -63,11 +62,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """fp32: the MLP as `trtc export` leaves it; int8 and fp16: `trtc build` of the MLP (no engines: ONNX Runtime
-    serves the ONNX of the build's precision here)."""
+    """fp32: the MLP as `trtc export` leaves it; transformer: a two-input int64 model with a dynamic length."""
     root = tmp_path_factory.mktemp("builds")
-    dirs = {"fp32": build_directory(root / "fp32", "mlp"),
+    return {"fp32": build_directory(root / "fp32", "mlp"),
             "transformer": build_directory(root / "transformer", "transformer_encoder")}
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """int8 and fp16: `trtc build` of the MLP (no engines: ONNX Runtime serves the ONNX of the build's precision)."""
+    root = tmp_path_factory.mktemp("reduced")
+    dirs = {}
     for precision in ("int8", "fp16"):
         out = root / precision
         result = CliRunner().invoke(cli, ["build", "--model-factory", "examples.models:mlp", "--input", "x:Bx64",
@@ -76,6 +81,12 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert result.exit_code == 0, result.output
         dirs[precision] = out
     return dirs
+
+
+@pytest.fixture(scope="module")
+def mlp(builds: dict[str, Path], server: TritonServer) -> str:
+    """The FP32 MLP as a loaded trtc entry, shared by the tests that only send requests to it."""
+    return _entry(builds["fp32"], server, "mlp")
 
 
 def _client(server: TritonServer) -> Any:
@@ -126,8 +137,9 @@ def infer(server: TritonServer, model: str, feed: dict[str, np.ndarray], kind: s
         client.close()
 
 
-def _entry(builds: dict[str, Path], server: TritonServer, build: str, name: str, **options: Any) -> str:
-    triton_repository(builds[build], server.repository, name=name, platform="trtc", force=True, **options)
+def _entry(directory: Path, server: TritonServer, name: str, **options: Any) -> str:
+    """``directory`` written as the trtc entry ``name`` and loaded; fails the test with Triton's error otherwise."""
+    triton_repository(directory, server.repository, name=name, platform="trtc", force=True, **options)
     error = _load(server, name)
     assert error is None, error
     return name
@@ -135,11 +147,11 @@ def _entry(builds: dict[str, Path], server: TritonServer, build: str, name: str,
 
 @pytest.mark.parametrize("kind", ["http", "grpc"])
 def test_trtc_entry_answers_every_batch_size_as_engines_does_in_fp32(builds: dict[str, Path], server: TritonServer,
-                                                                     kind: str) -> None:
+                                                                     mlp: str, kind: str) -> None:
     """Proves: a `--platform trtc` entry of an FP32 build, loaded by a real Triton (without PYTHONPATH), answers
     requests of every batch size from 1 to the largest bucket + 1 (which trtc's runtime runs in two parts) over
     `kind` with exactly the arrays `compiler.load(DIR)(x)` returns in this process."""
-    name = _entry(builds, server, "fp32", f"mlp_{kind}")
+    name = mlp
     rng = np.random.default_rng(1)
     with load(builds["fp32"]) as engines:
         for batch in range(1, LARGEST + 2):
@@ -149,15 +161,16 @@ def test_trtc_entry_answers_every_batch_size_as_engines_does_in_fp32(builds: dic
             np.testing.assert_array_equal(got, engines(x), err_msg=f"batch {batch} over {kind}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["int8", "fp16"])
-def test_trtc_entry_of_int8_and_fp16_builds_is_within_the_gate(builds: dict[str, Path], server: TritonServer,
+def test_trtc_entry_of_int8_and_fp16_builds_is_within_the_gate(reduced: dict[str, Path], server: TritonServer,
                                                                precision: str) -> None:
     """Proves: an INT8 or FP16 build served by Triton through a trtc entry answers batches 1 to the largest bucket
     + 1, over HTTP and gRPC, with outputs whose every sample's cosine to `compiler.load(DIR)(x)` here reaches
     the accuracy gate's floor (defaults.GATE_MIN_COSINE) and whose values are within 1e-3 of it."""
-    name = _entry(builds, server, precision, f"mlp_{precision}")
+    name = _entry(reduced[precision], server, f"mlp_{precision}")
     rng = np.random.default_rng(2)
-    with load(builds[precision]) as engines:
+    with load(reduced[precision]) as engines:
         for batch in range(1, LARGEST + 2):
             x = rng.standard_normal((batch, 64)).astype(np.float32)
             want = engines(x)
@@ -172,7 +185,7 @@ def test_trtc_entry_of_int8_and_fp16_builds_is_within_the_gate(builds: dict[str,
 def test_two_int64_inputs_with_a_dynamic_length(builds: dict[str, Path], server: TritonServer) -> None:
     """Proves: a model with two int64 inputs whose second dimension is dynamic (config dims -1) is served by a
     trtc entry at several batch sizes and lengths with exactly `compiler.load(DIR)`'s answers."""
-    name = _entry(builds, server, "transformer", "transformer")
+    name = _entry(builds["transformer"], server, "transformer")
     rng = np.random.default_rng(3)
     with load(builds["transformer"]) as engines:
         for batch, length in ((1, 1), (5, 8), (LARGEST + 1, 32)):
@@ -187,7 +200,7 @@ def test_concurrent_clients_are_batched_by_triton(builds: dict[str, Path], serve
     1e-5 of `compiler.load(DIR)(x)`: a row may be computed in a batch of another size), and Triton's statistics
     endpoint for the entry (which served nothing else) shows batches of more than one request: its dynamic
     batcher put them together, and fewer executions than requests ran."""
-    name = _entry(builds, server, "fp32", "mlp_batched", max_wait_ms=20.0)
+    name = _entry(builds["fp32"], server, "mlp_batched", max_wait_ms=20.0)
     clients, each = 16, 8
     rows = np.random.default_rng(4).standard_normal((clients * each, 1, 64)).astype(np.float32)
 
@@ -208,26 +221,24 @@ def test_concurrent_clients_are_batched_by_triton(builds: dict[str, Path], serve
 
 @pytest.mark.parametrize(("input_name", "shape", "dtype", "message"), [
     ("x", (2, 63), np.float32, "unexpected shape for input 'x'"),
-    ("x", (2, 64), np.float64, "inference input 'x' data-type is 'FP64', but model 'mlp_errors' expects 'FP32'"),
+    ("x", (2, 64), np.float64, "inference input 'x' data-type is 'FP64', but model 'mlp' expects 'FP32'"),
     ("y", (2, 64), np.float32, "unexpected inference input 'y'"),
     ("x", (LARGEST * 4 + 1, 64), np.float32, "batch-size must be <= 64"),
 ])
 def test_bad_requests_get_tritons_error_and_the_server_keeps_serving(
-        builds: dict[str, Path], server: TritonServer, input_name: str, shape: tuple[int, ...], dtype: Any,
+        builds: dict[str, Path], server: TritonServer, mlp: str, input_name: str, shape: tuple[int, ...], dtype: Any,
         message: str) -> None:
     """Proves: a request with a wrong shape, dtype, input name or too large a batch is refused with Triton's own
     error (from the config trtc wrote), over HTTP and gRPC, and the next good request on the same entry is
     answered correctly."""
     from tritonclient.utils import InferenceServerException
 
-    if not (server.repository / "mlp_errors").is_dir():  # one entry for every case
-        _entry(builds, server, "fp32", "mlp_errors")
     x = np.zeros((2, 64), np.float32)
     for kind in ("http", "grpc"):
         with pytest.raises(InferenceServerException, match=message.replace("(", r"\(").replace("[", r"\[")):
-            infer(server, "mlp_errors", {input_name: np.zeros(shape, dtype)}, kind)
+            infer(server, mlp, {input_name: np.zeros(shape, dtype)}, kind)
         with load(builds["fp32"]) as engines:
-            np.testing.assert_array_equal(infer(server, "mlp_errors", {"x": x}, kind)["out"], engines(x))
+            np.testing.assert_array_equal(infer(server, mlp, {"x": x}, kind)["out"], engines(x))
 
 
 def test_onnxruntime_and_plan_entries_fail_only_for_the_missing_backend(builds: dict[str, Path],
@@ -299,6 +310,7 @@ def _read_lines(stream: Any, lines: list[str]) -> None:
         lines.append(line)
 
 
+@pytest.mark.slow
 def test_trtc_serve_answers_its_curl_example_and_stops_on_ctrl_c(builds: dict[str, Path]) -> None:
     """Proves: `trtc serve DIR` starts Triton on the ports given, prints the endpoints and a curl command that,
     run as printed, gets the model's answer for zeros (batch 1, 10 values); SIGINT (Ctrl-C) makes it stop the
