@@ -1,17 +1,25 @@
 """A Triton Inference Server model repository from a build directory (``trtc export-triton``).
 
-Writes ``REPO/NAME/config.pbtxt`` and ``REPO/NAME/1/`` with either
+Writes ``REPO/NAME/config.pbtxt`` and ``REPO/NAME/1/`` for one of three platforms:
 
-* the TensorRT engine as ``model.plan`` (platform ``tensorrt_plan``), one optimization profile per
-  bucket, all listed in the instance group so that Triton picks the profile that fits a batch; or
-* the build's ONNX for its precision as ``model.onnx`` plus its external data (platform
-  ``onnxruntime_onnx``), for machines without TensorRT or directories without engines.
+* ``tensorrt_plan``: the TensorRT engine as ``model.plan``, one optimization profile per bucket, all
+  listed in the instance group so that Triton picks the profile that fits a batch;
+* ``onnxruntime_onnx``: the build's ONNX for its precision as ``model.onnx`` plus its external data;
+* ``trtc``: Triton's Python backend running trtc's own runtime (``compiler.serve.triton_model``): a
+  ``model.py``, and the build directory itself as ``1/build`` (its manifest and every file the
+  manifest names), served through ``compiler.load`` (bucket routing, padding, CUDA graphs; TensorRT
+  engines where TensorRT imports, ONNX Runtime otherwise). The folders its code is imported from
+  (trtc's and this environment's packages) are recorded in ``config.pbtxt`` as the parameter
+  ``trtc_python_path``, because the Python backend's stub does not run this environment's Python.
+  One instance per GPU (``--instances`` per GPU), or ``--instances`` on the CPU (``KIND_AUTO``).
 
 The config enables dynamic batching with the buckets as preferred batch sizes. Triton's dynamic
 batcher forms batches of any size up to ``max_batch_size`` and does not pad them, so a plan is
 only exported when its profiles take every batch size from 1 to the largest bucket (one plan
-file holding a profile per bucket: ``trtc build --multi-profile``); otherwise ``auto`` falls
-back to the ONNX Runtime variant and says why.
+file holding a profile per bucket: ``trtc build --multi-profile``). ``auto`` writes that plan
+where it fits; where the directory has engines that Triton's TensorRT backend cannot serve (one
+per bucket, or profiles that leave batch sizes out) it writes the ``trtc`` entry, which pads, and
+says why; a directory without engines gets the ONNX Runtime variant.
 
 Triton loads a plan only with the TensorRT that built it (its container's TensorRT), or, for a
 plan built ``--version-compatible``, a later TensorRT of the same major (a TensorRT 10 plan: 11 too)
@@ -25,24 +33,31 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import site
+import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from compiler.backends.tensorrt.compat import gpus_that_run, later_runtimes
+from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.manifest import spec_from_manifest
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
-__all__ = ["TritonModel", "triton_repository", "model_config_text", "plan_requirement", "TRITON_BACKENDS",
-           "PLAN_VERSION_FILE"]
+__all__ = ["TritonModel", "TritonTensor", "triton_repository", "model_config_text", "plan_requirement",
+           "PLATFORM_CHOICES", "PLAN_VERSION_FILE", "default_python_path", "build_files"]
 
 log = logging.getLogger(__name__)
 
-TRITON_BACKENDS = ("auto", "tensorrt", "onnxruntime")
-PLATFORMS = {"tensorrt": "tensorrt_plan", "onnxruntime": "onnxruntime_onnx"}
-MODEL_FILES = {"tensorrt": "model.plan", "onnxruntime": "model.onnx"}
+TRT_PLAN, ORT_ONNX, TRTC = "tensorrt_plan", "onnxruntime_onnx", "trtc"
+PLATFORM_CHOICES = ("auto", TRT_PLAN, ORT_ONNX, TRTC)
+MODEL_FILES = {TRT_PLAN: "model.plan", ORT_ONNX: "model.onnx", TRTC: "model.py"}
+SERVING_BACKENDS = ("auto", "tensorrt", "onnxruntime")  # what compiler.load runs in a trtc entry
+# A trtc entry takes requests of up to this many times the largest bucket: trtc's runtime runs a larger batch as
+# bucket-sized parts (Triton's batcher still forms batches of the preferred sizes, the buckets, where it can)
+TRTC_MAX_BATCH_FACTOR = 4
 PLAN_VERSION_FILE = "tensorrt_version.txt"  # beside model.plan
 # ONNX TensorProto element types -> Triton's DataType (model_config.proto)
 TRITON_TYPES = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 4: "TYPE_UINT16", 5: "TYPE_INT16", 6: "TYPE_INT32",
@@ -62,7 +77,7 @@ class TritonModel:
     """What ``config.pbtxt`` says about one model."""
 
     name: str
-    backend: str  # "tensorrt" | "onnxruntime"
+    platform: str  # tensorrt_plan | onnxruntime_onnx | trtc (Triton's Python backend)
     max_batch_size: int
     inputs: tuple[TritonTensor, ...]
     outputs: tuple[TritonTensor, ...]
@@ -71,6 +86,7 @@ class TritonModel:
     instances: int
     kind: str  # KIND_GPU | KIND_AUTO | KIND_CPU
     profiles: tuple[int, ...] = ()  # TensorRT optimization profiles the instances may use
+    parameters: tuple[tuple[str, str], ...] = ()  # (key, string value), read by the model (trtc)
 
 
 def _quote(text: str) -> str:
@@ -93,7 +109,7 @@ def model_config_text(model: TritonModel) -> str:
         group.append(f"    profile: [ {', '.join(_quote(str(p)) for p in model.profiles)} ]")
     parts = [
         f"name: {_quote(model.name)}",
-        f"platform: {_quote(PLATFORMS[model.backend])}",
+        'backend: "python"' if model.platform == TRTC else f"platform: {_quote(model.platform)}",
         f"max_batch_size: {model.max_batch_size}",
         "input [\n" + ",\n".join(_tensor_text(t) for t in model.inputs) + "\n]",
         "output [\n" + ",\n".join(_tensor_text(t) for t in model.outputs) + "\n]",
@@ -102,8 +118,10 @@ def model_config_text(model: TritonModel) -> str:
         f"  max_queue_delay_microseconds: {model.max_queue_delay_us}\n"
         "}",
         "instance_group [\n  {\n" + "\n".join(group) + "\n  }\n]",
-        f"default_model_filename: {_quote(MODEL_FILES[model.backend])}",
+        f"default_model_filename: {_quote(MODEL_FILES[model.platform])}",
     ]
+    parts += [f"parameters {{\n  key: {_quote(key)}\n  value: {{ string_value: {_quote(value)} }}\n}}"
+              for key, value in model.parameters]
     return "\n".join(parts) + "\n"
 
 
@@ -142,12 +160,12 @@ def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, t
     entries = manifest.get("engines") or []
     if not entries:
         raise InputError(f"{directory} has no TensorRT engines ({manifest.get('engines_note') or 'none built'}); run "
-                         f"`trtc rebuild {directory}` with TensorRT, or export with --backend onnxruntime")
+                         f"`trtc rebuild {directory}` with TensorRT, or export with --platform onnxruntime_onnx")
     files = sorted({str(e["file"]) for e in entries})
     if len(files) != 1:
         raise InputError(f"Triton serves one plan per model and {directory} has one engine per bucket ({len(files)} "
                          "files); build with --multi-profile for one engine with a profile per bucket, or export "
-                         "with --backend onnxruntime")
+                         "with --platform trtc (which pads each batch to its bucket)")
     batched = [i.name for i in spec_from_manifest(manifest).inputs if i.dims and i.dims[0] == BATCH_DIM]
     ranges = []
     for entry in entries:
@@ -162,7 +180,8 @@ def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, t
         taken = ", ".join(f"{low}" if low == high else f"{low}-{high}" for low, high in sorted(ranges))
         raise InputError(f"Triton's dynamic batcher sends any batch from 1 to {largest} without padding, but the "
                          f"profiles of {files[0]} take batches {taken} only (e.g. not {missing[0]}); build profiles "
-                         "whose batch ranges cover 1 to the largest bucket, or export with --backend onnxruntime")
+                         "whose batch ranges cover 1 to the largest bucket, or export with --platform trtc "
+                         "(which pads)")
     profiles = tuple(sorted({int(e.get("profile", 0)) for e in entries}))
     from compiler.core.manifest import verified_file
 
@@ -185,25 +204,90 @@ def plan_requirement(manifest: dict[str, Any]) -> tuple[str, str]:
                      f"--version-compatible; {gpus}")
 
 
-def triton_repository(directory: str | Path, repo: str | Path, *, name: str | None = None, backend: str = "auto",
-                      instances: int = 1, max_wait_ms: float = 10.0, force: bool = False) -> Path:
-    """Write ``repo/NAME`` (config.pbtxt, 1/model.plan or 1/model.onnx + data); returns that folder.
+def default_python_path() -> tuple[str, ...]:
+    """The folders a ``trtc`` entry's model imports from: the one holding the ``compiler`` package that runs now,
+    then this interpreter's site-packages (``.pth`` files in them are not processed, so an editable install of
+    another checkout cannot take the place of the first folder)."""
+    folders = [str(Path(__file__).resolve().parents[2])]  # compiler/pipeline/triton.py -> the folder of compiler/
+    paths = sysconfig.get_paths()
+    for folder in [paths["purelib"], paths["platlib"], *site.getsitepackages()]:
+        if folder not in folders and Path(folder).is_dir():
+            folders.append(folder)
+    return tuple(folders)
 
-    ``backend``: ``tensorrt`` (the plan; InputError when Triton could not serve it), ``onnxruntime``
-    or ``auto`` (the plan when it can be served, else the ONNX Runtime variant, logged with the
-    reason). ``name`` defaults to the directory's name. An existing ``repo/NAME`` is replaced only
-    with ``force``; the new folder appears whole (staged beside ``repo``, then renamed).
+
+def build_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
+    """The relative paths a ``trtc`` entry's copy of ``directory`` holds: the manifest and every file it names
+    (ONNX files of each precision with their data, engines, layer files, the source model snapshot)."""
+    from compiler.core.manifest import MANIFEST, inside
+
+    names = [MANIFEST]
+    for entry in (manifest.get("onnx") or {}).values():
+        names += entry.get("files") or [entry["file"]]
+    for entry in manifest.get("engines") or []:
+        names.append(entry["file"])
+        if entry.get("layers"):
+            names.append(entry["layers"]["file"])
+    snapshot = (manifest.get("source") or {}).get("snapshot")
+    if snapshot:
+        names.append(snapshot["file"])
+    unique = list(dict.fromkeys(names))
+    for name in unique:
+        inside(directory, name)  # read_manifest checked these; a copy must never reach outside the directory
+    return unique
+
+
+def _choose_platform(directory: Path, manifest: dict[str, Any],
+                     platform: str) -> tuple[str, tuple[Path, tuple[int, ...], int] | None]:
+    """(platform, the plan for tensorrt_plan) for ``platform`` as asked; ``auto`` logs why it picks trtc."""
+    if platform in (ORT_ONNX, TRTC):
+        return platform, None
+    try:
+        return TRT_PLAN, _plan_for_triton(directory, manifest)
+    except InputError as err:
+        if platform == TRT_PLAN:
+            raise
+        if not manifest.get("engines"):
+            return ORT_ONNX, None
+        log.warning("writing the trtc platform (Triton's Python backend running trtc's runtime, which pads each "
+                    "batch to its bucket): Triton's TensorRT backend cannot serve these engines: %s", err)
+        return TRTC, None
+
+
+def triton_repository(directory: str | Path, repo: str | Path, *, name: str | None = None, platform: str = "auto",
+                      instances: int = 1, max_wait_ms: float = defaults.MAX_WAIT_MS, force: bool = False,
+                      serving_backend: str = "auto", python_path: tuple[str, ...] | None = None,
+                      preferred_batch_sizes: tuple[int, ...] | None = None) -> Path:
+    """Write ``repo/NAME`` (config.pbtxt and version 1) for Triton; returns that folder.
+
+    ``platform``: ``tensorrt_plan`` (the plan; InputError when Triton's TensorRT backend could not serve it),
+    ``onnxruntime_onnx``, ``trtc`` (Triton's Python backend running ``compiler.load`` on a copy of the
+    directory), or ``auto`` (the plan where it fits, else ``trtc`` for a directory with engines, logged
+    with the reason, else ``onnxruntime_onnx``). ``max_batch_size`` is the largest bucket (the plan's largest
+    profile), for ``trtc`` ``TRTC_MAX_BATCH_FACTOR`` times it. ``instances``: per GPU (or on the CPU). ``max_wait_ms``:
+    Triton's ``max_queue_delay``. For ``trtc``: ``serving_backend`` is ``compiler.load``'s backend in the
+    model, ``python_path`` the folders its code is imported from (default ``default_python_path()``).
+    ``preferred_batch_sizes``: batches Triton runs as soon as it can form them (default: the buckets up to
+    ``max_batch_size``; with 1 among them a request never waits for company, and a queue of n requests
+    is run as the largest preferred size up to n).
+    ``name`` defaults to the directory's name. An existing ``repo/NAME`` is replaced only with ``force``;
+    the new folder appears whole (staged beside ``repo``, then renamed).
     """
     from compiler.core.files import require_directory
     from compiler.core.manifest import onnx_for, read_manifest
     from compiler.core.onnx_io import onnx_files
+    from compiler.serve.triton_model import BUILD_FOLDER, MODEL_PY, PYTHON_PATH, SERVING_BACKEND, verify_files
 
     directory = Path(directory)
     repo = Path(repo)
-    if backend not in TRITON_BACKENDS:
-        raise InputError(f"--backend {backend!r}: use one of {', '.join(TRITON_BACKENDS)}")
+    if platform not in PLATFORM_CHOICES:
+        raise InputError(f"--platform {platform!r}: use one of {', '.join(PLATFORM_CHOICES)}")
+    if serving_backend not in SERVING_BACKENDS:
+        raise InputError(f"serving backend {serving_backend!r}: use one of {', '.join(SERVING_BACKENDS)}")
     if instances < 1:
         raise InputError(f"--instances {instances}: Triton needs at least one instance")
+    if max_wait_ms < 0:
+        raise InputError(f"--max-wait-ms {max_wait_ms:g}: a wait cannot be negative")
     manifest = read_manifest(directory)
     spec = spec_from_manifest(manifest)
     name = name or directory.resolve().name
@@ -211,26 +295,24 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
         raise InputError(f"model name {name!r}: Triton takes the folder name as the model name; pass --name NAME "
                          "without slashes or a leading dot")
     onnx_path = onnx_for(directory, manifest)
-    chosen = backend
-    plan: tuple[Path, tuple[int, ...], int] | None = None
-    if backend in ("auto", "tensorrt"):
-        try:
-            plan = _plan_for_triton(directory, manifest)
-            chosen = "tensorrt"
-        except InputError as err:
-            if backend == "tensorrt":
-                raise
-            if manifest.get("engines"):
-                log.warning("writing the ONNX Runtime variant: %s", err)
-            chosen = "onnxruntime"
+    chosen, plan = _choose_platform(directory, manifest, platform)
     inputs, outputs = _io_tensors(onnx_path, spec)
     buckets = tuple(sorted(int(b) for b in manifest.get("buckets") or ()))
-    max_batch = plan[2] if plan else max(buckets)
-    model = TritonModel(name=name, backend=chosen, max_batch_size=max_batch, inputs=inputs, outputs=outputs,
-                        preferred_batch_sizes=tuple(b for b in buckets if b <= max_batch),
+    max_batch = plan[2] if plan else max(buckets) * (TRTC_MAX_BATCH_FACTOR if chosen == TRTC else 1)
+    if preferred_batch_sizes and max(preferred_batch_sizes) > max_batch:
+        raise InputError(f"--preferred-batch-sizes {','.join(map(str, preferred_batch_sizes))}: Triton forms batches "
+                         f"of at most max_batch_size {max_batch} here; use sizes up to {max_batch}")
+    parameters: tuple[tuple[str, str], ...] = ()
+    if chosen == TRTC:
+        verify_files(directory, manifest)  # the copy is checked again when Triton loads it
+        folders = python_path if python_path is not None else default_python_path()
+        parameters = ((PYTHON_PATH, os.pathsep.join(folders)), (SERVING_BACKEND, serving_backend))
+    model = TritonModel(name=name, platform=chosen, max_batch_size=max_batch, inputs=inputs, outputs=outputs,
+                        preferred_batch_sizes=preferred_batch_sizes if preferred_batch_sizes is not None
+                        else tuple(b for b in buckets if b <= max_batch),
                         max_queue_delay_us=round(max_wait_ms * 1000), instances=instances,
-                        kind="KIND_GPU" if chosen == "tensorrt" else "KIND_AUTO",
-                        profiles=plan[1] if plan else ())
+                        kind="KIND_GPU" if chosen == TRT_PLAN else "KIND_AUTO",
+                        profiles=plan[1] if plan else (), parameters=parameters)
     target = repo / name
     if target.exists() and not force:
         raise InputError(f"{target} exists; pass --force to replace it")
@@ -241,20 +323,25 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
         version = stage / name / "1"
         version.mkdir(parents=True)
         if plan is not None:
-            shutil.copyfile(plan[0], version / MODEL_FILES["tensorrt"])
+            shutil.copyfile(plan[0], version / MODEL_FILES[TRT_PLAN])
             trt_version, requirement = plan_requirement(manifest)
             (version / PLAN_VERSION_FILE).write_text(f"{trt_version}\n{requirement}\n")
             log.info("%s", requirement)
-        else:
+        elif chosen == ORT_ONNX:
             graph, *data = onnx_files(onnx_path)
-            shutil.copyfile(graph, version / MODEL_FILES["onnxruntime"])
+            shutil.copyfile(graph, version / MODEL_FILES[ORT_ONNX])
             for path in data:  # external data keeps the name the graph refers to
                 shutil.copyfile(path, version / path.relative_to(onnx_path.parent))
+        else:
+            for relative in build_files(directory, manifest):
+                (version / BUILD_FOLDER / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(directory / relative, version / BUILD_FOLDER / relative)
+            (version / MODEL_FILES[TRTC]).write_text(MODEL_PY)
         (stage / name / "config.pbtxt").write_text(model_config_text(model))
         _replace(stage / name, target)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    log.info("wrote %s for Triton (%s, max batch %d)", target, PLATFORMS[chosen], max_batch)
+    log.info("wrote %s for Triton (%s, max batch %d)", target, chosen, max_batch)
     return target
 
 

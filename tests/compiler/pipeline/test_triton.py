@@ -11,6 +11,7 @@ thereby checked exactly as Triton's own parser would (for this subset of its fie
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -56,13 +57,15 @@ MESSAGES: dict[str, list[tuple[str, int, int, int, str]]] = {
                            ("kind", 4, F.TYPE_ENUM, OPTIONAL, ".inference.ModelInstanceGroup.Kind"),
                            ("profile", 5, F.TYPE_STRING, REPEATED, ""), ("passive", 7, F.TYPE_BOOL, OPTIONAL, ""),
                            ("host_policy", 9, F.TYPE_STRING, OPTIONAL, "")],
+    "ModelParameter": [("string_value", 1, F.TYPE_STRING, OPTIONAL, "")],
     "ModelConfig": [("name", 1, F.TYPE_STRING, OPTIONAL, ""), ("platform", 2, F.TYPE_STRING, OPTIONAL, ""),
                     ("backend", 17, F.TYPE_STRING, OPTIONAL, ""), ("max_batch_size", 4, F.TYPE_INT32, OPTIONAL, ""),
                     ("input", 5, F.TYPE_MESSAGE, REPEATED, ".inference.ModelInput"),
                     ("output", 6, F.TYPE_MESSAGE, REPEATED, ".inference.ModelOutput"),
                     ("instance_group", 7, F.TYPE_MESSAGE, REPEATED, ".inference.ModelInstanceGroup"),
                     ("default_model_filename", 8, F.TYPE_STRING, OPTIONAL, ""),
-                    ("dynamic_batching", 11, F.TYPE_MESSAGE, OPTIONAL, ".inference.ModelDynamicBatching")],
+                    ("dynamic_batching", 11, F.TYPE_MESSAGE, OPTIONAL, ".inference.ModelDynamicBatching"),
+                    ("parameters", 14, F.TYPE_MESSAGE, REPEATED, ".inference.ModelConfig.ParametersEntry")],
 }
 NESTED_ENUMS = {"ModelInput": ("Format", ["FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW"]),
                 "ModelInstanceGroup": ("Kind", ["KIND_AUTO", "KIND_GPU", "KIND_CPU", "KIND_MODEL"])}
@@ -82,6 +85,11 @@ def _model_config_class() -> Any:
                 nested.value.add(name=value, number=number)
         if message_name == "ModelConfig":
             message.oneof_decl.add(name="scheduling_choice")
+            entry = message.nested_type.add(name="ParametersEntry")  # map<string, ModelParameter> parameters = 14
+            entry.options.map_entry = True
+            entry.field.add(name="key", number=1, type=F.TYPE_STRING, label=OPTIONAL)
+            entry.field.add(name="value", number=2, type=F.TYPE_MESSAGE, label=OPTIONAL,
+                            type_name=".inference.ModelParameter")
         for name, number, kind, label, type_name in fields:
             field = message.field.add(name=name, number=number, type=kind, label=label)
             if type_name:
@@ -186,21 +194,26 @@ def test_plans_triton_cannot_serve_are_refused_or_replaced(dirs: dict[str, Path]
                                                            caplog: pytest.LogCaptureFixture) -> None:
     fixed = with_engines(dirs["mlp"], tmp_path / "fixed", ranged=False)
     with pytest.raises(InputError, match=r"take batches 1, 4, 8, 16 only \(e\.g\. not 2\)"):
-        triton_repository(fixed, tmp_path / "repo", backend="tensorrt")
+        triton_repository(fixed, tmp_path / "repo", platform="tensorrt_plan")
     split = with_engines(dirs["mlp"], tmp_path / "split", ranged=True, one_file=False)
     with pytest.raises(InputError, match=r"one engine per bucket .* --multi-profile"):
-        triton_repository(split, tmp_path / "repo", backend="tensorrt")
+        triton_repository(split, tmp_path / "repo", platform="tensorrt_plan")
     with pytest.raises(InputError, match=r"no TensorRT engines .*`trtc rebuild"):
-        triton_repository(dirs["mlp"], tmp_path / "repo", backend="tensorrt")
-    folder = triton_repository(fixed, tmp_path / "repo")  # auto: the ONNX Runtime variant, and why
+        triton_repository(dirs["mlp"], tmp_path / "repo", platform="tensorrt_plan")
+    for engines in (fixed, split):  # auto: trtc's runtime in Triton's Python backend (it pads), and why
+        folder = triton_repository(engines, tmp_path / "repo", force=True)
+        config = parse_config(folder / "config.pbtxt")
+        assert config.backend == "python" and not config.platform
+    reasons = [r.getMessage() for r in caplog.records if "writing the trtc platform" in r.getMessage()]
+    assert len(reasons) == 2 and "(e.g. not 2)" in reasons[0] and "one engine per bucket" in reasons[1]
+    folder = triton_repository(dirs["mlp"], tmp_path / "repo", force=True)  # no engines: ONNX Runtime's variant
     assert parse_config(folder / "config.pbtxt").platform == "onnxruntime_onnx"
-    assert any("writing the ONNX Runtime variant" in r.getMessage() for r in caplog.records)
 
 
 def test_a_tensor_of_shape_b_gets_dims_1_reshaped(tmp_path: Path) -> None:
     from compiler.pipeline.triton import TritonModel, TritonTensor, model_config_text
 
-    model = TritonModel("m", "onnxruntime", 8, (TritonTensor("ids", "TYPE_INT64", ()),),
+    model = TritonModel("m", "onnxruntime_onnx", 8, (TritonTensor("ids", "TYPE_INT64", ()),),
                         (TritonTensor("score", "TYPE_FP32", ()),), (8,), 100, 1, "KIND_CPU")
     (tmp_path / "config.pbtxt").write_text(model_config_text(model))
     config = parse_config(tmp_path / "config.pbtxt")
@@ -215,6 +228,33 @@ def test_the_schema_rejects_what_triton_would() -> None:
         text_format.Parse('instance_group [ { kind: KIND_TPU } ]', ModelConfig())
     with pytest.raises(text_format.ParseError):
         text_format.Parse('max_batch_size: "16"', ModelConfig())
+
+
+def test_a_trtc_entry_holds_the_build_and_the_path_its_model_imports_from(dirs: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    """Proves: `--platform trtc` writes a Python-backend config (dynamic batching with the buckets preferred,
+    max_batch_size 4x the largest bucket, KIND_AUTO instances, the python path and serving backend as
+    parameters), 1/model.py, and 1/build/ holding exactly the manifest and the files it names, byte for byte."""
+    from compiler.pipeline.triton import TRTC_MAX_BATCH_FACTOR, build_files, default_python_path
+    from compiler.serve.triton_model import MODEL_PY
+
+    source = with_engines(dirs["mlp"], tmp_path / "m", ranged=False, one_file=False)
+    folder = triton_repository(source, tmp_path / "repo", name="m", platform="trtc", instances=3, max_wait_ms=4)
+    config = parse_config(folder / "config.pbtxt")
+    assert config.backend == "python" and config.default_model_filename == "model.py"
+    assert config.max_batch_size == 16 * TRTC_MAX_BATCH_FACTOR
+    assert list(config.dynamic_batching.preferred_batch_size) == [1, 4, 8, 16]
+    assert config.dynamic_batching.max_queue_delay_microseconds == 4000
+    assert config.instance_group[0].count == 3 and config.instance_group[0].kind == 0  # KIND_AUTO
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    assert parameters == {"trtc_python_path": os.pathsep.join(default_python_path()), "trtc_backend": "auto"}
+    assert (folder / "1" / "model.py").read_text() == MODEL_PY
+    manifest = json.loads((source / "manifest.json").read_text())
+    copied = sorted(p.relative_to(folder / "1" / "build").as_posix() for p in (folder / "1" / "build").rglob("*")
+                    if p.is_file())
+    assert copied == sorted(build_files(source, manifest)) and "engines/b16.engine" in copied
+    for name in copied:
+        assert (folder / "1" / "build" / name).read_bytes() == (source / name).read_bytes()
 
 
 def test_cli_writes_the_repository_and_refuses_to_overwrite(dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -388,8 +388,8 @@ def test_export_triton_writes_a_multi_profile_plan_with_its_tensorrt_version(tmp
 
     out = tmp_path / "m"
     _build(out, MLP, buckets=(1, 4, 8), multi_profile=True)
-    result = CliRunner().invoke(cli, ["export-triton", str(out), "--repo", str(tmp_path / "repo"), "--backend",
-                                      "tensorrt", "--name", "mlp"])
+    result = CliRunner().invoke(cli, ["export-triton", str(out), "--repo", str(tmp_path / "repo"), "--platform",
+                                      "tensorrt_plan", "--name", "mlp"])
     assert result.exit_code == 0, result.output
     folder = tmp_path / "repo" / "mlp"
     config = (folder / "config.pbtxt").read_text()

@@ -193,7 +193,7 @@ def test_a_multi_profile_build_exports_to_triton_as_a_plan(exported_dir: Path, t
         (exported_dir / entries[0]["file"]).write_bytes((stage / entries[0]["file"]).read_bytes())
     write_manifest(exported_dir / "manifest.json",
                    {**read_manifest(exported_dir), **manifest_engine_keys(settings, ENV, entries)})
-    folder = triton_repository(exported_dir, tmp_path / "repo", backend="tensorrt")  # the profiles cover 1..4
+    folder = triton_repository(exported_dir, tmp_path / "repo", platform="tensorrt_plan")  # the profiles cover 1..4
     assert (folder / "1" / "model.plan").read_bytes() == (exported_dir / entries[0]["file"]).read_bytes()
     version, requirement = (folder / "1" / PLAN_VERSION_FILE).read_text().splitlines()
     assert version == ENV["tensorrt"] and f"exactly {ENV['tensorrt']}" in requirement
