@@ -382,23 +382,24 @@ class DynamicBatcher:
         """Wait for requests and take one batch of them; None when closed and empty."""
         high, normal = self._lanes
         with self._cond:
-            while not (high or normal):
-                if self._closed:
+            while True:
+                while not (high or normal):
+                    if self._closed:
+                        return None
+                    self._cond.wait()
+                if self._closed and not self._drain:
+                    for lane in self._lanes:
+                        while lane:
+                            answers.fail(lane.popleft(), BatcherClosed("the batcher was closed before this request ran"))
+                    self._queued = 0
                     return None
-                self._cond.wait()
-            if self._closed and not self._drain:
-                for lane in self._lanes:
-                    while lane:
-                        answers.fail(lane.popleft(), BatcherClosed("the batcher was closed before this request ran"))
-                self._queued = 0
-                return None
-            first = (high[0] if high else normal[0]).submitted
-            while not self._closed:
+                # the queue's first request is looked up again after every wait: another worker may have taken the
+                # one this worker waited for (a window then seemed over for a queue that had emptied)
+                first = (high[0] if high else normal[0]).submitted
                 now = time.monotonic()
-                if self._policy.ready(self._queued, first, now):
-                    break
+                if self._closed or self._policy.ready(self._queued, first, now):
+                    return self._take(answers)
                 self._cond.wait(self._policy.window_end(first) - now)
-            return self._take(answers)
 
     def _take(self, answers: _Answers) -> list[_Request]:
         """Pop the requests of one batch (``BatchPolicy.take``; the high lane first), failing the expired ones; with

@@ -170,6 +170,30 @@ def test_high_priority_requests_go_first(engines: Engines) -> None:
     assert order == [[0], [100, 1, 2, 3], [4, 5, 6]]
 
 
+def test_a_worker_whose_window_was_taken_by_another_keeps_serving(engines: Engines) -> None:
+    """Two workers: one waits out the window of request 0, the other takes 0 and 1 as a full batch meanwhile. The
+    first must look at the queue again when its window ends, not take a batch from the emptied queue: that raised
+    an IndexError in the worker's thread, which then died (every 2-context run of the serving benchmark has two
+    workers). Both workers are alive afterwards and later requests are answered."""
+    gate = threading.Event()
+    recording = Recording(engines, gate)
+    batcher = DynamicBatcher(recording, max_wait_ms=150, max_batch=2, workers=2)  # type: ignore[arg-type]
+    try:
+        first = [batcher.submit_async(rows(0))]
+        time.sleep(0.02)  # a worker waits for request 0's window
+        first.append(batcher.submit_async(rows(1)))  # full: the other worker takes both
+        assert recording.entered.wait(timeout=10)
+        time.sleep(0.3)  # the first worker's window is over
+        assert all(thread.is_alive() for thread in batcher._threads), "a worker died"
+        gate.set()
+        later = [batcher.submit_async(rows(i)) for i in range(2, 6)]
+        for i, future in enumerate(first + later):
+            np.testing.assert_allclose(future.result(timeout=10), engines(rows(i)), rtol=1e-6)
+    finally:
+        gate.set()
+        batcher.close()
+
+
 def test_requests_of_other_shapes_are_not_packed_together(tmp_path: Path) -> None:
     directory = build_directory(tmp_path / "tr", "transformer_encoder")
     with load(directory, backend="onnxruntime") as engines:
