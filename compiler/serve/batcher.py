@@ -48,7 +48,7 @@ from compiler.backends.feeds import CheckedFeed, as_kind
 from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
-from compiler.serve.batching import BatchPolicy, is_ready
+from compiler.serve.batching import BatchPolicy
 from compiler.serve.waits import BatcherClosed, OverdueWaits, RequestTimeout
 
 __all__ = ["DynamicBatcher"]
@@ -170,7 +170,19 @@ def _resolve(future: Any, value: Any, error: BaseException | None) -> None:
         future.set_exception(error)
 
 
-_POLL = 0.0001  # seconds a batcher sleeps between looks for a ready batch while its last one runs on the GPU
+_SET_RETRY = 0.05  # seconds a worker whose answering thread holds a buffer set waits for it before it looks again
+
+
+class _InFlight:
+    """One worker's started batches, oldest first, shared by its two threads under the batcher's lock: ``started``
+    wakes the answering thread, ``freed`` the forming thread once a batch's place in flight is given back."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.running: collections.deque[tuple[list[_Request], Callable[..., Any]]] = collections.deque()
+        self.started = threading.Condition(lock)
+        self.freed = threading.Condition(lock)
+        self.forming = True  # False once the forming thread has stopped: the answering thread ends when all are out
+        self.after_start: list[_Answers] = []  # asyncio answers the forming thread sends once it started the next batch
 
 
 class _NoSet:
@@ -186,8 +198,9 @@ class DynamicBatcher:
     ``max_batch``: rows per batch (default: the largest bucket). ``max_wait_ms``: how long the
     oldest request waits for company. ``timeout``: seconds a request may wait before it fails
     (default 10; per request with ``submit(..., timeout=)``; None waits forever). ``workers``:
-    threads forming and running batches (give the engines at least as many buffer sets; on a GPU each
-    worker keeps two batches in flight when the engines have two sets per worker).
+    how many batches form and run side by side (give the engines at least as many buffer sets; on a GPU each
+    worker keeps two batches in flight when the engines have two sets per worker). A worker is two threads: one
+    forms and starts batches, one waits for each started batch (without the GIL) and answers it.
     """
 
     def __init__(self, engines: _Engines, *, max_batch: int | None = None, max_wait_ms: float = defaults.MAX_WAIT_MS,
@@ -200,14 +213,20 @@ class DynamicBatcher:
         self.timeout = timeout
         self._lanes: tuple[collections.deque[_Request], collections.deque[_Request]] = (
             collections.deque(), collections.deque())  # high priority, normal
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # requests queued (or closed): a forming thread with room takes
         self._queued = 0  # rows waiting in the lanes
         self._closed = False
         self._drain = True
         self._workers = workers
         self._overdue = OverdueWaits(_OVERLOADED)
-        self._threads = [threading.Thread(target=self._work, name=f"trtc-batcher-{i}", daemon=True)
-                         for i in range(workers)]
+        self._most_in_flight = self._depth()
+        self._inline = not engines.queues_on_gpu  # start_parts computes the batch: the forming thread answers it
+        flights = [_InFlight(self._lock) for _ in range(workers)]
+        # per worker, one thread forms and starts batches and one answers them (``_form``, ``_answer``)
+        self._threads = [thread for i, flight in enumerate(flights) for thread in (
+            threading.Thread(target=self._form, args=(flight,), name=f"trtc-batcher-{i}", daemon=True),
+            threading.Thread(target=self._answer, args=(flight,), name=f"trtc-batcher-{i}-answers", daemon=True))]
         for thread in self._threads:
             thread.start()
 
@@ -311,99 +330,151 @@ class DynamicBatcher:
 
     # -- the workers' side --
 
-    def _work(self) -> None:
-        """Form batches and run them.
-
-        On a GPU with a buffer set to spare for every worker (two per context) and a ``start_parts`` that does
-        not launch every kernel from Python on the worker's thread (``starts_at_once``), a worker queues the
-        next batch as soon as it is ready, looking for one while the last batch runs instead of waiting for
-        the GPU: the host copies one batch in while the GPU runs the other (an H200, one context, a CNN:
-        64-75 % of its bound without). And when a batch's callers are all asyncio requests, the worker queues the
-        next batch before it answers them: the event loop's work on those answers then overlaps the
-        GPU instead of holding up the next batch's copy for the GIL (on an H200, a CNN with one
-        context: 9.6 k req/s at p99 15 ms against 7.0 k at 20.5 ms). Thread callers are answered
-        first: 64 woken threads starved the worker of the GIL while it waited for the GPU (ONNX
-        Runtime: 1.0 k req/s against 2.7 k). The figures are ``benchmarks/serving_gpu.py``'s on an H200 host."""
-        running: collections.deque[tuple[list[_Request], Callable[[], dict[str, Any]]]] = collections.deque()
+    def _depth(self) -> int:
+        """Batches each worker keeps in flight: two on a GPU with a buffer set to spare for every worker (two per
+        context) and a ``start_parts`` that does not launch every kernel from Python on the worker's thread
+        (``starts_at_once``): the host copies one batch in while the GPU runs the other (an H200, one context, a
+        CNN: 64-75 % of its bound with one). One elsewhere: eager torch launches a batch's kernels from the worker's
+        thread holding the GIL (queueing a batch while thread callers waited took a CNN's rows from 7-26 % of the
+        bound to 3-8 % on an H200), and on the CPU ``start_parts`` computes the batch itself."""
         overlap = self.engines.queues_on_gpu
-        # not where ``start_parts`` launches the kernels itself (eager torch): with ONNX Runtime launching a batch's
-        # kernels from the worker's thread, queueing a batch while thread callers waited took its CNN rows from
-        # 7-26 % of the bound to 3-8 % on an H200 (the GIL); launching from a thread of the context, two in flight
-        # take its transformer through asyncio from 36-44 % to 46-55 % (threads: 13-16 % either way)
-        depth = 2 if (overlap and getattr(self.engines, "buffer_sets", 1) >= 2 * self._workers
-                      and getattr(self.engines, "starts_at_once", True)) else 1
+        sets = getattr(self.engines, "buffer_sets", 1)
+        return 2 if overlap and sets >= 2 * self._workers and getattr(self.engines, "starts_at_once", True) else 1
+
+    def _form(self, flight: _InFlight) -> None:
+        """A worker's first thread: take each batch once it is ready and the worker has a place for it in flight,
+        start it, and hand it to the worker's answering thread (``_answer``).
+
+        It never looks at a running batch: the answering thread waits for each one without the GIL and frees its
+        place, so nothing polls. (A worker that looked for the next batch every 0.1 ms while its last one ran took
+        the GIL thousands of times a second from the threads that launch, pack and answer.) Engines on the CPU
+        compute a batch in ``start_parts``: it is answered here, with no hand-off.
+        """
         waiting: list[_Request] | None = None  # a batch taken when no buffer set was free: started first
-        while True:
-            if not running:
+        try:
+            while True:
                 if waiting is None:
                     answers = _Answers()
-                    batch = self._next_batch(answers)
+                    batch = self._next_batch(answers, flight)
                     answers.send()  # requests that timed out in the queue
                     if batch is None:
                         return
                 else:
                     batch, waiting = waiting, None
-                self._start_into(running, batch)  # holds no buffer set: may wait for one
-                continue
-            if len(running) < depth:
-                if waiting is None:
-                    answers = _Answers()
-                    waiting = self._ready_batch(answers) or None
-                    answers.send()
-                if waiting is not None:
-                    waiting = self._start_into(running, waiting)
-                    if waiting is None:
-                        continue
-                if not is_ready(running[0][1]):  # look again for a batch to queue before the GPU is done
-                    time.sleep(_POLL)
-                    continue
-            batch, finish = running.popleft()
-            answers = self._finish(batch, finish)
-            if overlap and len(running) < depth and waiting is None and all(r.loop is not None for r in batch):
-                follow = self._ready_batch(answers)
-                if follow:
-                    waiting = self._start_into(running, follow)
-            answers.send()
+                if batch:
+                    waiting = self._start_batch(batch, flight)
+                self._send_after_start(flight)
+        finally:
+            with self._lock:
+                flight.forming = False
+                flight.started.notify()
+            self._send_after_start(flight)
 
-    def _start_into(self, running: collections.deque[tuple[list[_Request], Callable[[], dict[str, Any]]]],
-                    batch: list[_Request]) -> list[_Request] | None:
-        """Start ``batch`` behind ``running``; the batch back when ``running`` holds a buffer set and no other is
-        free (waiting for one then could deadlock with another batcher on the same engines, each holding one)."""
-        if not batch:
-            return None
-        started = self._start(batch, wait=not running)
+    def _start_batch(self, batch: list[_Request], flight: _InFlight) -> list[_Request] | None:
+        """Start ``batch`` and hand it to the answering thread (or answer it here, on the CPU); the batch back when
+        the answering thread holds a buffer set and no other is free (waiting for one then could deadlock with
+        another batcher on the same engines, each holding one)."""
+        started = self._start(batch, wait=not flight.running)  # holds no buffer set: may wait for one
         if started is _NO_SET:
+            with self._lock:
+                if flight.running:
+                    flight.freed.wait(_SET_RETRY)
             return batch
-        if isinstance(started, tuple):
-            running.append(started)
+        if not isinstance(started, tuple):
+            return None  # it failed: its callers have been told why
+        if self._inline and not flight.running:
+            self._finish(*started).send()
+            return None
+        with self._lock:
+            flight.running.append(started)
+            flight.started.notify()
         return None
 
-    def _next_batch(self, answers: _Answers) -> list[_Request] | None:
-        """Wait for requests and take one batch of them; None when closed and empty."""
+    def _send_after_start(self, flight: _InFlight) -> None:
+        with self._lock:
+            later, flight.after_start = flight.after_start, []
+        for answers in later:
+            answers.send()
+
+    def _answer(self, flight: _InFlight) -> None:
+        """A worker's second thread: wait for each started batch, oldest first (without the GIL: ``wait`` on the
+        device), and answer its callers.
+
+        When every caller is an asyncio request and the forming thread waits for this batch's place, the answers go
+        out after the next batch has started (the forming thread sends them): the event loop's work on them then
+        overlaps the GPU instead of holding up the next batch's copy for the GIL (on an H200, a CNN with one
+        context: 9.6 k req/s at p99 15 ms against 7.0 k at 20.5 ms). Thread callers are answered before the place
+        is given back: their 64 wake-ups would otherwise fight the next batch's start for the GIL (ONNX Runtime:
+        1.0 k req/s against 2.7 k)."""
+        while True:
+            with self._lock:
+                while not flight.running and flight.forming:
+                    flight.started.wait()
+                if not flight.running:
+                    return
+                batch, finish = flight.running[0]
+            try:
+                answers = self._finish(batch, finish)
+            except BaseException:  # answered with the error already; the place is given back all the same
+                self._free(flight)
+                raise
+            if all(r.loop is not None for r in batch):
+                with self._lock:
+                    later = flight.forming and len(flight.running) >= self._most_in_flight
+                    if later:
+                        flight.after_start.append(answers)
+                    flight.running.popleft()
+                    flight.freed.notify()
+                if not later:
+                    answers.send()
+                continue
+            try:
+                answers.send()
+            finally:
+                self._free(flight)
+
+    def _free(self, flight: _InFlight) -> None:
+        """Give the oldest started batch's place back (its answers are out, or go out after the next start)."""
+        with self._lock:
+            flight.running.popleft()
+            flight.freed.notify()
+
+    def _next_batch(self, answers: _Answers, flight: _InFlight) -> list[_Request] | None:
+        """Wait until the queue makes a batch (``BatchPolicy.ready``) and ``flight`` has a place for it, and take it;
+        None when closed and empty (or closed without draining)."""
         high, normal = self._lanes
-        with self._cond:
+        with self._lock:
             while True:
-                while not (high or normal):
-                    if self._closed:
-                        return None
-                    self._cond.wait()
                 if self._closed and not self._drain:
-                    for lane in self._lanes:
-                        while lane:
-                            answers.fail(lane.popleft(), BatcherClosed("the batcher was closed before this request ran"))
+                    closed = "the batcher was closed before this request ran"
+                    for queue in self._lanes:
+                        while queue:
+                            answers.fail(queue.popleft(), BatcherClosed(closed))
                     self._queued = 0
                     return None
+                if len(flight.running) >= self._most_in_flight:
+                    flight.freed.wait()  # a full worker leaves the queue's wake-ups to the others
+                    continue
+                if not (high or normal):
+                    if self._closed:
+                        return None
+                    if flight.after_start:
+                        return []  # no batch to start now: the forming thread sends those answers first
+                    self._cond.wait()
+                    continue
                 # the queue's first request is looked up again after every wait: another worker may have taken the
                 # one this worker waited for (a window then seemed over for a queue that had emptied)
                 first = (high[0] if high else normal[0]).submitted
                 now = time.monotonic()
                 if self._closed or self._policy.ready(self._queued, first, now):
                     return self._take(answers)
+                if flight.after_start:
+                    return []
                 self._cond.wait(self._policy.window_end(first) - now)
 
     def _take(self, answers: _Answers) -> list[_Request]:
         """Pop the requests of one batch (``BatchPolicy.take``; the high lane first), failing the expired ones; with
-        ``_cond`` held. What is left is another worker's next batch: one is woken for it.
+        ``_lock`` held. What is left is another worker's next batch: one is woken for it.
 
         The policy looks at the queue's first ``max_batch`` requests, and at the whole queue only when the batch
         it takes from those is not full: first fit stops once the batch is full, so a full batch of the first
@@ -481,18 +552,6 @@ class DynamicBatcher:
                 part = as_kind(part, request.call)
             answers.set(request, part[names[0]] if request.single and len(names) == 1 else part)
         return answers
-
-    def _ready_batch(self, answers: _Answers) -> list[_Request]:
-        """A batch that need not wait (a full one, or the oldest request's window is over), taken at once; else
-        none. Requests that timed out in the queue go into ``answers``."""
-        with self._cond:
-            high, normal = self._lanes
-            if self._closed or not (high or normal):
-                return []
-            first = high[0] if high else normal[0]
-            if not self._policy.ready(self._queued, first.submitted, time.monotonic()):
-                return []
-            return self._take(answers)
 
 
 def _signature_codes(signatures: list[tuple[Any, ...]]) -> np.ndarray:

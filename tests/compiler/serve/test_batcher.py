@@ -631,6 +631,50 @@ def test_on_a_gpu_with_two_buffer_sets_a_worker_queues_the_next_batch_before_it_
         np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
 
 
+def test_a_worker_waits_for_a_running_batch_instead_of_polling_it(engines: Engines) -> None:
+    """While a batch runs on a (modelled) GPU for 0.3 s with two buffer sets per worker, the batcher waits for it
+    once, without the GIL, instead of asking ``ready()`` every 0.1 ms between looks for the next batch (about 3,000
+    looks in 0.3 s, each a GIL acquisition that the threads launching, packing and answering waited behind); the
+    answer arrives, and a second batch submitted meanwhile still starts while the first runs."""
+    from compiler.serve.engines import Started
+
+    looks: list[float] = []
+    starts: list[float] = []
+
+    class Slow(Recording):
+        queues_on_gpu = True  # type: ignore[assignment]  # CPU engines, driven as a GPU's would be
+        buffer_sets = 2
+        starts_at_once = True
+
+        def start_parts(self, calls: Any, wait: bool = True) -> Any:
+            started = super().start_parts(calls, wait=wait)
+            if started is None:
+                return None
+            starts.append(time.monotonic())
+            done_at = time.monotonic() + 0.3
+
+            def finish(read: Any = None) -> Any:
+                time.sleep(max(0.0, done_at - time.monotonic()))  # the device's synchronize, without the GIL
+                return started.finish() if read is None else started.finish(read)
+
+            def ready() -> bool:
+                looks.append(time.monotonic())
+                return time.monotonic() >= done_at
+
+            return Started(finish, ready)
+
+    slow = Slow(engines)
+    with DynamicBatcher(slow, max_batch=4, max_wait_ms=1, workers=1) as batcher:  # type: ignore[arg-type]
+        first = [batcher.submit_async(rows(i)) for i in range(4)]
+        time.sleep(0.05)
+        second = [batcher.submit_async(rows(i)) for i in range(4, 8)]
+        results = [f.result(timeout=10) for f in first + second]
+    assert len(looks) <= 4, f"{len(looks)} looks at running batches"
+    assert len(starts) == 2 and starts[1] - starts[0] < 0.2  # the second started while the first ran
+    for i, out in enumerate(results):
+        np.testing.assert_allclose(out, engines(rows(i)), rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_the_ceiling_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/batcher_ceiling.py: every client mode answers every request; one JSON with the medians."""
