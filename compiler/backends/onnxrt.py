@@ -22,7 +22,10 @@ without host callbacks, which a graph would replay; its own capture stays off (`
 are captured, and all of a context's buckets or none: ONNX Runtime's kernels keep device state
 between runs that the next shape's run may free or rewrite (its fused convolution without a bias
 reallocates a zero bias per input shape), so after load nothing but the graphs may run on the
-session, and a model with such a convolution is captured only with one bucket. Every graph is
+session. A model with such a convolution (and no other dynamic dimension) is served on CUDA at its
+largest bucket only, every batch padded to it: one shape per session, so its runs are captured and
+never reallocate (a session that ran a small batch between full ones paid the reallocation, which
+waits for the whole device, at every change of shape). Every graph is
 checked at the end of the load by replaying it alone against the outputs of ONNX Runtime's own
 run; a model ONNX Runtime refuses, or a capture that fails or does not reproduce its run, runs
 without graphs (in a session made without ``enable_cuda_graph``).
@@ -177,6 +180,14 @@ class OrtBackend:
         self.outputs_resolvable = all(
             isinstance(d, int) or d in known for dims in self._output_dims.values() for d in dims) and all(
             dims and dims[0] == BATCH_DIM for dims in self._output_dims.values())
+        if self.device != "cpu" and not spec.dims and len(self.buckets) > 1 and _conv_without_bias(model):
+            # its fused convolution reallocates a zero bias whenever the session's input shape changes (cudaFree,
+            # which waits for the whole device), and no two buckets' CUDA graphs can share the session: every batch
+            # runs at the largest bucket, one shape per session, so its runs are captured (and never reallocate)
+            log.info("%s: a convolution without a bias keeps per-shape state in ONNX Runtime's CUDA kernels; "
+                     "serving every batch at bucket %d (buckets %s)", path.name, max(self.buckets),
+                     ",".join(map(str, self.buckets)))
+            self.buckets = (max(self.buckets),)
         # what CUDA graphs need (the module docstring): fixed shapes per bucket, outputs in our buffers, and no
         # kernel whose device state one bucket's run frees under another's graph
         self.capturable = (cuda_graphs and self.outputs_resolvable and not spec.dims

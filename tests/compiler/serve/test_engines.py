@@ -801,6 +801,28 @@ def test_onnxruntime_graphs_only_where_no_run_frees_what_another_buckets_graph_r
     assert not OrtBackend(path, sequences, (1, 4), "cpu", 0).capturable  # a shape per call: no graphs
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_onnxruntime_on_cuda_serves_a_model_with_a_bias_less_convolution_at_one_bucket(
+        bias: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (its provider faked: the backend makes no session before a context), a fixed-shape model with a
+    convolution without a bias serves every batch at its largest bucket, so that its CUDA graph is captured and no
+    session ever changes shape (ONNX Runtime reallocates that convolution's zero bias at every change, a cudaFree
+    that waits for the whole device, and two buckets' graphs cannot share the session); other models keep every
+    bucket. Without this rule such a model ran on CUDA without graphs at three buckets."""
+    import compiler.core.capabilities
+    from compiler.backends.onnxrt import OrtBackend
+
+    monkeypatch.setattr(compiler.core.capabilities, "ort_providers",
+                        lambda prefer=None: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setitem(MODELS, "conv", (conv_relu(bias), ["x:Bx3x8x8"], {}))
+    directory = build_directory(tmp_path / "conv", "conv")
+    spec = ModelSpec((parse_input_spec("x:Bx3x8x8"),), {})
+    backend = OrtBackend(directory / "model.onnx", spec, (1, 4, 16), "cuda", 0)
+    assert backend.buckets == ((1, 4, 16) if bias else (16,))
+    assert backend.capturable
+    assert OrtBackend(directory / "model.onnx", spec, (1, 4, 16), "cpu", 0).buckets == (1, 4, 16)  # the CPU: all
+
+
 def test_a_convolution_without_a_bias_is_found_in_subgraphs_and_functions() -> None:
     import onnx
     from onnx import TensorProto, helper
