@@ -30,8 +30,9 @@ checked at the end of the load by replaying it alone against the outputs of ONNX
 run; a model ONNX Runtime refuses, or a capture that fails or does not reproduce its run, runs
 without graphs (in a session made without ``enable_cuda_graph``).
 
-Without graphs, ``start`` (what the batchers call) packs the batch on the caller's thread and hands the
-rest (the copies, ONNX Runtime's run and the copy back, queued on the stream) to a thread of the
+Without graphs, every bucket runs once at load on the context's launcher thread (ONNX Runtime's first run of a
+shape, and its first run on a thread, set up what later runs reuse), and ``start`` (what the batchers call) packs
+the batch on the caller's thread and hands the rest (the copies, ONNX Runtime's run and the copy back, queued on the stream) to a thread of the
 context's own, so that the caller (a batcher's one thread) reads and answers requests while ONNX
 Runtime launches the kernels. On an H200 that launch took the process batcher's thread about 7 us per
 request of a small transformer's batches, as much as all of its own work.
@@ -430,6 +431,21 @@ class OrtCudaContext(GpuContext):
         # the buffer sets (``lane`` copies the attribute), so their runs reach the stream in the order started
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="trtc-ort-launch") if not self._graphs else None
         self._handoff = _Handoff(self._launcher) if self._launcher is not None else None  # this set's
+        if self._launcher is not None:  # graphs were warmed up by their capture
+            self._launcher.submit(self._warm_up).result()
+
+    def _warm_up(self) -> None:
+        """Run every bucket once at load, on the launcher thread, at the largest dynamic sizes: ONNX Runtime's first
+        run of a shape picks its kernels' algorithms and grows its memory arena, and its first run on a thread makes
+        that thread's CUDA library handles; none of that may land on a request (the first batch of each size
+        stalled every caller behind it)."""
+        torch = self._torch
+        sizes = {name: r.max for name, r in self._spec.dims.items()}
+        key = tuple(sizes[name] for name in self._spec.dims)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            for bucket in self._backend.buckets:
+                self.execute(bucket, CheckedFeed("numpy", {}, bucket, sizes, key))
+        self.stream.synchronize()
 
     def lane(self) -> GpuContext:
         other = super().lane()
