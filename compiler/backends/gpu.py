@@ -107,6 +107,7 @@ class GpuContext:
         self.stream = torch.cuda.Stream(self.device)
         self._done = torch.cuda.Event()
         self._batched = {i.name: bool(i.dims) and i.dims[0] == BATCH_DIM for i in spec.inputs}
+        self._largest = max(buckets)
         self._queueing = threading.RLock()  # shared by the lanes: one run at a time is queued on the stream
         self._device_flat: dict[tuple[int, str], torch.Tensor] = {}
         for b in buckets:
@@ -302,7 +303,10 @@ class GpuContext:
                     if pinned.dtype != out.dtype:
                         pinned = None
                 if pinned is None:
-                    pinned = self._pinned_output(name, out.numel(), out.dtype)[:out.numel()]
+                    # room for the largest bucket at once: a set that grew its buffer with each larger batch paid a
+                    # pinned allocation (cudaHostAlloc, milliseconds) on the requests of each
+                    room = out.numel() // max(1, self._rows) * self._largest
+                    pinned = self._pinned_output(name, max(out.numel(), room), out.dtype)[:out.numel()]
                 pinned = pinned.view(out.shape)
                 pinned.copy_(out, non_blocking=True)
                 staged[name] = pinned.numpy()
