@@ -90,6 +90,7 @@ class GpuContext:
     on_gpu = True
     overlaps = True  # the work is queued on the stream; the host waits only in ``wait``
     launches_on_host = False  # whether a run launches every kernel from the host, about as long as the GPU computes
+    start_hands_off = False  # whether ``start`` hands the run to a thread of the context's own (ONNX Runtime's)
 
     def __init__(self, spec: ModelSpec, buckets: Sequence[int], device: str, dtypes: dict[str, Any] | None,
                  order: ComputeOrder | None) -> None:

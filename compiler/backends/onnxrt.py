@@ -31,11 +31,11 @@ run; a model ONNX Runtime refuses, or a capture that fails or does not reproduce
 without graphs (in a session made without ``enable_cuda_graph``).
 
 Without graphs, every bucket runs once at load on the context's launcher thread (ONNX Runtime's first run of a
-shape, and its first run on a thread, set up what later runs reuse), and ``start`` (what the batchers call) packs
-the batch on the caller's thread and hands the rest (the copies, ONNX Runtime's run and the copy back, queued on the stream) to a thread of the
-context's own, so that the caller (a batcher's one thread) reads and answers requests while ONNX
-Runtime launches the kernels. On an H200 that launch took the process batcher's thread about 7 us per
-request of a small transformer's batches, as much as all of its own work.
+shape, and its first run on a thread, set up what later runs reuse), and ``start`` (what the batchers call, and
+``map`` with two contexts or more) packs the batch on the caller's thread and hands the rest (the copies, ONNX
+Runtime's run and the copy back, queued on the stream) to that thread, so that the caller (a batcher's one thread)
+reads and answers requests while ONNX Runtime launches the kernels. On an H200 that launch took the process
+batcher's thread about 7 us per request of a small transformer's batches, as much as all of its own work.
 """
 
 from __future__ import annotations
@@ -431,6 +431,7 @@ class OrtCudaContext(GpuContext):
         # the buffer sets (``lane`` copies the attribute), so their runs reach the stream in the order started
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="trtc-ort-launch") if not self._graphs else None
         self._handoff = _Handoff(self._launcher) if self._launcher is not None else None  # this set's
+        self.start_hands_off = self._launcher is not None
         if self._launcher is not None:  # graphs were warmed up by their capture
             self._launcher.submit(self._warm_up).result()
 

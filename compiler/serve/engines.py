@@ -365,13 +365,16 @@ class Engines:
         as its outputs are copied out, before ``postprocess`` runs, so post-processing never holds
         up the copies and compute of the next batches. Everything is synchronized before the last
         result is yielded; leaving the loop early stops the work (it waits up to a second for the thread that
-        queues the batches, which may be inside the batch iterator). Where the host cannot be free while
-        a batch computes (eager torch without CUDA graphs launches every kernel under the GIL; a
-        one-core CPU), it runs the plain loop instead, which is then at least as fast.
+        queues the batches, which may be inside the batch iterator). Where nothing would overlap (eager torch
+        without CUDA graphs launches every kernel under the GIL; a one-core CPU; one GPU context whose runs
+        launch every kernel from the host, as ONNX Runtime's without CUDA graphs) it is the plain loop, with
+        no thread of its own; with two such contexts or more it hands the batches to their launcher threads
+        in turn, so that their launches overlap (``_map_mode``).
         """
         if depth < 1:
             raise InputError(f"depth={depth}: map needs at least one buffer set")
-        if not self._can_overlap():
+        how = self._map_mode()
+        if how == "loop":
             log.debug("map: %s cannot overlap batches here; running them one after the other", self.name)
             for batch in batches:
                 value = self(batch)
@@ -407,8 +410,11 @@ class Engines:
                     continue
                 context = self._acquire()
                 try:
-                    context.run(self._route[call.rows], call, 0, call.rows,
-                                not (call.on_device and context.on_gpu))
+                    if how == "start" and not call.on_device:  # the run goes to the context's launcher thread
+                        context.start(self._route[call.rows], [call])
+                    else:
+                        context.run(self._route[call.rows], call, 0, call.rows,
+                                    not (call.on_device and context.on_gpu))
                 except BaseException:
                     self._release(context)
                     raise
@@ -474,20 +480,32 @@ class Engines:
         stream = torch.cuda.current_stream(self._backend.device)
         return lambda: torch.cuda.stream(stream)
 
-    def _can_overlap(self) -> bool:
-        """Whether pipelining can win: the host is free while a context computes, and on the CPU there is a second
-        core for post-processing. Otherwise the threads of the pipeline only add hand-offs to the plain loop."""
+    def _map_mode(self) -> str:
+        """How ``map`` runs here: "loop" (the plain loop: nothing would overlap, and the pipeline's threads only add
+        hand-offs), "run" (a thread queues each batch, ``Context.run``, while the caller post-processes the last) or
+        "start" (that thread hands each batch to its context's launcher thread, ``Context.start``, so that the
+        contexts launch their kernels at once).
+
+        The loop where the host cannot be free while a batch computes: a context that does not overlap (eager torch
+        without CUDA graphs launches every kernel holding the GIL), one CPU core, one buffer set on a GPU (a batch's
+        copy would wait for the last one's compute, so only post-processing could overlap: on an H200 that won
+        nothing on average, map 0.75-1.31x the loop, ``serving_gpu.py``), and GPU contexts whose runs launch every
+        kernel from the host with one launching thread for all batches (ONNX Runtime without CUDA graphs: the run
+        holds the thread for about as long as the GPU computes, so a second batch could only wait behind the first's
+        launch; the CPU model of it, ``benchmarks/serving_cpu_model.py``, ran map at 0.96-0.98x the loop, issue 29's
+        H200 at 0.85-0.88x). With two contexts or more whose ``start`` hands the run to a launcher thread of the
+        context's own (``start_hands_off``), their launches overlap: "start"."""
         context = self._contexts[0]
         if not context.overlaps:
-            return False
-        if context.on_gpu:
-            # with one buffer set a batch's copy would wait for the last one's compute, so only post-processing
-            # could overlap, and on an H200 that won nothing on average (map 0.75-1.31x the loop, ``serving_gpu.py``).
-            # An ONNX Runtime run without CUDA graphs holds its thread while it queues the kernels, but not the GIL
-            # nor the GPU: on one context, map pipelined ran 0.99-1.27x as fast as the loop beside it (the transformer,
-            # four pairs of runs in turns)
-            return self._sets > 1
-        return (os.cpu_count() or 1) > 1
+            return "loop"
+        if not context.on_gpu:
+            return "run" if (os.cpu_count() or 1) > 1 else "loop"
+        if self._sets <= 1:
+            return "loop"
+        if self.launches_on_host:
+            hands_off = all(getattr(c, "start_hands_off", False) for c in self._contexts)
+            return "start" if hands_off and len(self._contexts) > 1 else "loop"
+        return "run"
 
 
 class BatchTooLarge(FeedError):
