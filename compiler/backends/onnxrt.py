@@ -68,12 +68,13 @@ log = logging.getLogger(__name__)
 
 # CUDA provider options every context gets (``cuda_options`` adds to or overrides them)
 CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_workspace": "1"}
-# Whether the runs of a backend's CUDA contexts that only queue their kernels go to the GPU one after the other
-# (``ComputeOrder``), as TensorRT's and torch's do. Off: on an H200 (``serving_gpu.py``) ordering won 15-20 % for a
-# CNN with two concurrent callers but lost 30 % for a transformer, and behind a batcher with 64 client threads it
-# collapsed (489 req/s against 3,302): the thread that runs it holds the order across ONNX Runtime's run, which
-# releases the GIL, and then waits for the GIL with the order held. ``benchmarks/serving_gpu.py --ort-ordered``
-# compares.
+# Whether the runs of a backend's CUDA contexts that launch every kernel from the host (no CUDA graphs) go to the GPU
+# one after the other (``ComputeOrder``). Off: on an H200 ordering won 15-20 % for a CNN with two concurrent callers
+# but lost 30 % for a transformer, and behind a batcher with 64 client threads it collapsed (489 req/s against
+# 3,302): the thread that runs it holds the order across ONNX Runtime's run, which releases the GIL, and then waits
+# for the GIL with the order held. Contexts whose runs are CUDA graph replays are ordered, as TensorRT's and torch's
+# are: a replay holds the order for microseconds, and two contexts' batches side by side on the GPU both finished
+# late (issue 29: ``ProcessBatcher`` with two contexts at p99 48 ms against 15.7 ms with one).
 ORDER_RUNS = False
 
 
@@ -172,6 +173,7 @@ class OrtBackend:
         self.session: Any = (ort_session(path, ["CPUExecutionProvider"], threads=threads) if self.device == "cpu"
                              else None)
         self.order = ComputeOrder() if self.device != "cpu" and ORDER_RUNS else None
+        self._replay_order: ComputeOrder | None = None  # the graph-replaying contexts' order (``replay_order``)
         self.output_names = [o.name for o in graph.output]
         self.output_dtypes = {o.name: tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type) for o in graph.output}
         self._output_dims: dict[str, list[int | str | None]] = {
@@ -260,6 +262,12 @@ class OrtBackend:
         if self.device == "cpu":
             return OrtCpuContext(self)
         return OrtCudaContext(self)
+
+    def replay_order(self) -> ComputeOrder:
+        """The order the runs of this backend's graph-replaying contexts take on the GPU (see ``ORDER_RUNS``)."""
+        if self._replay_order is None:
+            self._replay_order = ComputeOrder()
+        return self._replay_order
 
     def close(self) -> None:
         self.session = None
@@ -399,8 +407,9 @@ class OrtCudaContext(GpuContext):
     """ONNX Runtime's CUDA provider on device buffers bound by pointer, in a session of the context's own that
     computes on the context's stream. Its run only queues the kernels (no synchronization at the end of the
     run) when the session computes on our stream into our buffers; otherwise it returns when the stream is
-    done. With CUDA graphs (the module docstring) a run is a replay of the bucket's graph. The contexts' runs
-    are not ordered (see ``ORDER_RUNS``); the GPU interleaves them."""
+    done. With CUDA graphs (the module docstring) a run is a replay of the bucket's graph, and the replays of the
+    backend's contexts reach the GPU one after the other; runs that launch every kernel are not ordered (see
+    ``ORDER_RUNS``): the GPU interleaves them."""
 
     launches_on_host = True  # without CUDA graphs its run launches every kernel; set per context below
 
@@ -427,6 +436,8 @@ class OrtCudaContext(GpuContext):
                 self._bindings.clear()
                 self._queue_only = self._run_options(False)
         self.launches_on_host = not self._graphs
+        if self._graphs and self._order is None:
+            self._order = backend.replay_order()
         # without graphs, ``start``'s run is queued on the stream by this thread (the module docstring); shared by
         # the buffer sets (``lane`` copies the attribute), so their runs reach the stream in the order started
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="trtc-ort-launch") if not self._graphs else None
