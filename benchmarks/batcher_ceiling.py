@@ -1,7 +1,7 @@
 """The dynamic batcher's own ceiling on this host: requests per second with answers that cost nothing.
 
 ``DynamicBatcher`` over an ``engines`` that answers every batch at once from stored outputs
-(``serving_gpu.InstantEngines``), so what is timed is the batcher's Python work per request and its
+(``serving_measure.InstantEngines``), so what is timed is the batcher's Python work per request and its
 hand-offs: closed-loop clients of single-row requests, each sending its next when answered, in
 three modes: ``--threads`` client threads blocking in ``submit``, ``--coroutines`` coroutines of
 one asyncio event loop awaiting ``infer``, and as many client threads spread over ``--processes``
@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import process_clients  # noqa: E402
-from benchmarks.serving_gpu import InstantEngines, in_threads  # noqa: E402
+from benchmarks.serving_measure import InstantEngines, in_threads  # noqa: E402
 
 BATCH = 64
 

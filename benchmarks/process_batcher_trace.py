@@ -1,6 +1,6 @@
 """Where a request's time goes in ``ProcessBatcher``: a timeline of every batch, on a GPU.
 
-Runs ``serving_gpu.batcher_run`` in a process mode (client processes sending single-row requests)
+Runs ``serving_measure.batcher_run`` in a process mode (client processes sending single-row requests)
 with the batcher's methods wrapped to note when each batch was taken, started, finished and its
 callers woken, and when each client sent its next request after being woken. Per run it prints
 and writes percentiles (ms) of:
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import serving_gpu  # noqa: E402
+from benchmarks import serving_gpu, serving_measure  # noqa: E402
 
 _batches: list[dict[str, Any]] = []
 _wakes: list[tuple[float, list[int]]] = []
@@ -154,7 +154,7 @@ def main() -> None:
     from compiler.serve.load import load
 
     _wrap()
-    model = next(m for m in serving_gpu.models_for(args.smoke) if m.name == "transformer")
+    model = serving_gpu.models_for(args.smoke, ["transformer"])[0][0]
     largest = max(model.buckets)
     requests = args.requests or (400 if args.smoke else 20000)
     builds: dict[str, Path] = {}
@@ -165,12 +165,12 @@ def main() -> None:
             builds[precision] = serving_gpu.build(model, precision, args.work, tensorrt=False)
         with load(builds[precision], backend=backend, contexts=int(contexts),
                   device="cpu" if args.smoke else None) as engines:
-            feed = serving_gpu.feed_of(engines, model, largest, seed=1)
-            bound = serving_gpu.throughput(engines, feed, largest, 0.2 if args.smoke else 1.0)
+            feed = serving_measure.feed_of(engines, model, largest, seed=1)
+            bound = serving_measure.throughput(engines, feed, largest, 0.2 if args.smoke else 1.0)
             _batches.clear()
             _wakes.clear()
             _launches.clear()
-            run = serving_gpu.batcher_run(engines, model, int(contexts), int(clients), requests, 5.0, mode=mode)
+            run = serving_measure.batcher_run(engines, model, int(contexts), int(clients), requests, 5.0, mode=mode)
         trace = timeline(list(_batches), list(_wakes), list(_launches))
         runs.append({"run": item, "bound_rows_per_s": bound["rows_per_s"],
                      "requests_per_s": run["requests_per_s"], "p99_ms": run["p99_ms"],

@@ -36,8 +36,9 @@ def default_processes(clients: int) -> int:
 
 
 def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout: float = 30.0,
-        kind: str = "threads") -> dict[str, Any]:
-    """Run ``len(inputs)`` clients in ``processes`` processes against ``batcher`` until ``requests`` are answered.
+        kind: str = "threads", seconds: float | None = None) -> dict[str, Any]:
+    """Run ``len(inputs)`` clients in ``processes`` processes against ``batcher`` until ``requests`` are answered
+    (or, with ``seconds``, until that long after the start, whichever comes first: no client sends after it).
 
     Returns seconds, latencies (s) of every answer and of those while every process sent (``steady``),
     answers as (client index, first values), lost requests and the CPU time the client processes used while they
@@ -50,7 +51,7 @@ def run(batcher: Any, inputs: list[Any], requests: int, processes: int, timeout:
     shares = [requests // processes + (1 if p < requests % processes else 0) for p in range(processes)]
     workers = [spawn.Process(target=_client_process, daemon=True,
                              args=(batcher.client_handle(len(group)), group, [inputs[i] for i in group], share,
-                                   timeout, start, results, kind))
+                                   timeout, start, results, kind, seconds))
                for group, share in zip(groups, shares, strict=True) if group]
     for worker in workers:
         worker.start()
@@ -94,7 +95,7 @@ def _in_span(ends: Any, span: tuple[float, float]) -> np.ndarray:
 
 
 def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: int, timeout: float,
-                    start: Any, results: Any, kind: str) -> None:
+                    start: Any, results: Any, kind: str, seconds: float | None = None) -> None:
     """One client process: ``len(indices)`` threads (or coroutines), ``share`` requests in all."""
     try:
         client = handle.connect()
@@ -106,6 +107,8 @@ def _client_process(handle: Any, indices: list[int], inputs: list[Any], share: i
     results.put("ready")
     start.wait()
     begin = time.monotonic()
+    if seconds is not None:
+        loop.until = begin + seconds
     cpu = time.process_time()
     if kind == "asyncio":
         loop.in_asyncio(lambda x: client.infer(x, timeout=timeout), inputs, indices)
@@ -130,8 +133,9 @@ class ClosedLoop:
     GIL, and each answer's time and latency go into one list in one append (two lists could pair one thread's end
     with another's latency)."""
 
-    def __init__(self, requests: int) -> None:
+    def __init__(self, requests: int, until: float = float("inf")) -> None:
         self.requests = requests
+        self.until = until  # time.monotonic() after which no client sends
         self.done: list[tuple[float, float]] = []  # per answer: when it came, its latency
         self.answers: list[tuple[int, np.ndarray]] = []  # (client index, first values of its answer)
         self.lost = 0
@@ -153,7 +157,7 @@ class ClosedLoop:
 
         def client(position: int) -> None:
             x, index = inputs[position], indices[position]
-            while next(issued) < requests:
+            while next(issued) < requests and clock() < self.until:
                 begin = clock()
                 try:
                     out = send(x)
@@ -174,7 +178,7 @@ class ClosedLoop:
     def in_asyncio(self, send: Callable[[Any], Awaitable[Any]], inputs: list[Any], indices: list[int]) -> None:
         async def client(position: int) -> None:
             x, index = inputs[position], indices[position]
-            while self._issued < self.requests:
+            while self._issued < self.requests and time.monotonic() < self.until:
                 self._issued += 1
                 begin = time.monotonic()
                 try:

@@ -9,7 +9,7 @@ Runtime's fused convolution without a bias reallocates its zero bias per input s
 
 * the bound: ``engines(x)`` at the largest bucket;
 * ``DynamicBatcher`` with ``--clients`` threads blocking in ``submit`` and ``--coroutines`` coroutines awaiting
-  ``infer``, single-row requests (``serving_gpu.batcher_run``): throughput, p50/p99, rows per batch, and the
+  ``infer``, single-row requests (``serving_measure.batcher_run``): throughput, p50/p99, rows per batch, and the
   batcher's looks at running batches per batch (``ready()`` calls: a worker that polls looks many times);
 * ``map`` against the plain loop over ``--map-batches`` batches of 16 (five runs of each, in turns);
 * once, the batcher's ceiling with instant answers in each client mode.
@@ -39,12 +39,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import serving_gpu  # noqa: E402
+from benchmarks import serving_measure  # noqa: E402
 from benchmarks.gpu_model import Timing, model_engines  # noqa: E402
 
 KINDS = ("ort", "graphs", "ort-shape")
 ROW = (3, 32, 32)
-MODEL = serving_gpu.Model("model", "", ("images:Bx3x32x32",), (), (1, 16, 64), {})
+MODEL = serving_measure.Model("model", "", ("images:Bx3x32x32",), (), (1, 16, 64), {})
 
 
 def timing_of(kind: str, shape_change_ms: float) -> Timing:
@@ -69,7 +69,7 @@ def batcher_figures(engines: Any, contexts: int, mode: str, clients: int, reques
     for _ in range(repeats):
         backend.looks = 0
         backend.late.clear()
-        run = serving_gpu.batcher_run(engines, MODEL, contexts, clients, requests, max_wait_ms, mode=mode)
+        run = serving_measure.batcher_run(engines, MODEL, contexts, clients, requests, max_wait_ms, mode=mode)
         run["looks_per_batch"] = backend.looks / max(1, run["batches"])
         run["waited_after_done_ms_p50"] = 1e3 * statistics.median(backend.late) if backend.late else 0.0
         runs.append({k: run[k] for k in ("requests_per_s", "p50_ms", "p99_ms", "mean_batch_rows", "batches", "lost",
@@ -79,13 +79,13 @@ def batcher_figures(engines: Any, contexts: int, mode: str, clients: int, reques
 
 
 def ceilings(mode_counts: dict[str, tuple[int, int]], max_wait_ms: float, repeats: int) -> dict[str, Any]:
-    """The batcher with instant answers (``serving_gpu.InstantEngines``) in each mode: its own ceiling here."""
+    """The batcher with instant answers (``serving_measure.InstantEngines``) in each mode: its own ceiling here."""
     engines = model_engines(Timing.resnet50_graphs(), 1, MODEL.buckets, ROW)
-    one = serving_gpu.feed_of(engines, MODEL, MODEL.buckets[-1], seed=1)["images"]
-    instant = serving_gpu.InstantEngines(engines, {"logits": np.asarray(engines(one))})
+    one = serving_measure.feed_of(engines, MODEL, MODEL.buckets[-1], seed=1)["images"]
+    instant = serving_measure.InstantEngines(engines, {"logits": np.asarray(engines(one))})
     out = {}
     for mode, (clients, requests) in mode_counts.items():
-        runs = [serving_gpu.batcher_run(instant, MODEL, 1, clients, requests, max_wait_ms, mode=mode,
+        runs = [serving_measure.batcher_run(instant, MODEL, 1, clients, requests, max_wait_ms, mode=mode,
                                         check_rows=False) for _ in range(repeats)]
         out[mode] = {k: median_run(runs)[k] for k in ("requests_per_s", "p50_ms", "p99_ms", "runs")}
     engines.close()
@@ -114,8 +114,8 @@ def main() -> None:
     for kind in [k for k in args.kinds.split(",") if k]:
         for contexts in [int(c) for c in args.contexts.split(",") if c]:
             engines = model_engines(timing_of(kind, args.shape_change_ms), contexts, MODEL.buckets, ROW)
-            one = serving_gpu.feed_of(engines, MODEL, MODEL.buckets[-1], seed=1)["images"]
-            bound = serving_gpu.throughput(engines, one, MODEL.buckets[-1], 1.0)
+            one = serving_measure.feed_of(engines, MODEL, MODEL.buckets[-1], seed=1)["images"]
+            bound = serving_measure.throughput(engines, one, MODEL.buckets[-1], 1.0)
             run: dict[str, Any] = {"kind": kind, "contexts": contexts, "bound_rows_per_s": bound["rows_per_s"],
                                    "bound_batch_ms": bound["batch_ms_mean"]}
             for mode, (clients, requests) in counts.items():
@@ -144,7 +144,7 @@ def main() -> None:
 
 
 def map_figures(engines: Any, batches: int) -> dict[str, Any]:
-    mapped = serving_gpu.map_run(engines, MODEL, 16, batches)
+    mapped = serving_measure.map_run(engines, MODEL, 16, batches)
     return {k: mapped[k] for k in ("map_ms", "sequential_ms", "sequential_over_map", "map_runs_ms",
                                    "sequential_runs_ms") if k in mapped}
 
