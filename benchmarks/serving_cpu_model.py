@@ -105,6 +105,9 @@ def main() -> None:
     parser.add_argument("--shape-change-ms", type=float, default=50.0,
                         help="ort-shape: the run's extra launch time at each new bucket of a session (default 50).")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="The batcher's window (default 5).")
+    parser.add_argument("--largest-only", action="store_true",
+                        help="Serve every batch at the largest bucket (what ONNX Runtime on CUDA does for a model "
+                             "whose kernels keep per-shape state: ort-shape then never changes shape).")
     parser.add_argument("--no-map", action="store_true", help="Skip map.")
     parser.add_argument("--no-ceiling", action="store_true", help="Skip the instant-answer ceilings.")
     args = parser.parse_args()
@@ -113,7 +116,8 @@ def main() -> None:
     runs = []
     for kind in [k for k in args.kinds.split(",") if k]:
         for contexts in [int(c) for c in args.contexts.split(",") if c]:
-            engines = model_engines(timing_of(kind, args.shape_change_ms), contexts, MODEL.buckets, ROW)
+            buckets = MODEL.buckets[-1:] if args.largest_only else MODEL.buckets
+            engines = model_engines(timing_of(kind, args.shape_change_ms), contexts, buckets, ROW)
             one = serving_measure.feed_of(engines, MODEL, MODEL.buckets[-1], seed=1)["images"]
             bound = serving_measure.throughput(engines, one, MODEL.buckets[-1], 1.0)
             run: dict[str, Any] = {"kind": kind, "contexts": contexts, "bound_rows_per_s": bound["rows_per_s"],

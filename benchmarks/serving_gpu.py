@@ -15,7 +15,7 @@ engines by ``trtc rebuild``) with 1 and 2 where it imports and the time budget l
 * ``DynamicBatcher`` in one process, 64 threads blocking in ``submit``, 4,000 requests: >= 50 % of min(bound, the
   batcher's ceiling with instant answers here), p99 <= max_wait + 3 x batch time;
 * ``map`` over 100 batches of 16 against the plain loop, five runs of each in turns: map's median no slower than
-  the loop's (within ``MAP_TOLERANCE``, the spread of two runs of one loop);
+  the loop's (within ``MAP_TOLERANCE``, or half the loop's own spread over its five runs where that is larger);
 
 and in every batcher cell nothing lost (errors, timeouts), misrouted (a row that is not the caller's) or duplicated
 (rows the engines ran beyond the requests). Batcher clients stop sending after ``--cell-seconds`` (a collapsed cell
@@ -53,7 +53,7 @@ from benchmarks import serving_measure as measure  # noqa: E402
 from benchmarks.serving_measure import Model  # noqa: E402
 
 MAX_WAIT_MS = 5.0
-MAP_TOLERANCE = 0.02  # map's median may be this much slower than the loop's and count as no slower (run noise)
+MAP_TOLERANCE = 0.02  # map's median may be this much slower than the loop's and count as no slower (run-to-run noise)
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,10 @@ def cell_targets(cell: Cell, result: dict[str, Any], bound: dict[str, Any], ceil
                  one_context: dict[str, Any] | None) -> dict[str, bool]:
     """The targets of one cell (the module docstring); ``one_context``: the same cell with one context (processes)."""
     if cell.mode == "map":
-        return {"map_not_slower_than_loop": result["map_ms"] <= result["sequential_ms"] * (1 + MAP_TOLERANCE)}
+        loops = result.get("sequential_runs_ms") or [result["sequential_ms"]]
+        # no slower: within MAP_TOLERANCE, or within half the loop's own spread over its runs (a busy host's noise)
+        result["tolerance"] = max(MAP_TOLERANCE, (max(loops) - min(loops)) / (2 * result["sequential_ms"]))
+        return {"map_not_slower_than_loop": result["map_ms"] <= result["sequential_ms"] * (1 + result["tolerance"])}
     batch_ms = bound["batch_ms_mean"]
     if cell.name == "threads":
         rate = 0.5 * min(bound["rows_per_s"], ceiling or bound["rows_per_s"])

@@ -845,7 +845,7 @@ def test_the_serving_benchmark_holds_each_cell_to_issue_29s_target() -> None:
     """``serving_gpu.cell_targets``: threads >= 50 % of min(bound, the threads ceiling) with p99 <= max_wait + 3
     batch times; coroutines and processes >= 80 % of the bound with p99 <= max_wait + 2 batch times; a process cell
     with two contexts within the one-context p99 + one batch time; nothing lost, misrouted or duplicated; map no
-    slower than the loop within the tolerance."""
+    slower than the loop within the tolerance (or half the loop's own spread over its runs)."""
     from benchmarks import serving_gpu
 
     bound = {"rows_per_s": 10_000.0, "batch_ms_mean": 6.0}
@@ -869,3 +869,5 @@ def test_the_serving_benchmark_holds_each_cell_to_issue_29s_target() -> None:
         "map_not_slower_than_loop": True}
     assert not serving_gpu.cell_targets(mapped, {"map_ms": 1.05, "sequential_ms": 1.0}, bound, None, None)[
         "map_not_slower_than_loop"]
+    noisy = {"map_ms": 1.05, "sequential_ms": 1.0, "sequential_runs_ms": [0.9, 1.0, 1.2]}  # the loop's own spread
+    assert serving_gpu.cell_targets(mapped, noisy, bound, None, None)["map_not_slower_than_loop"]
