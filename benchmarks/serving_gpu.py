@@ -293,6 +293,12 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if not cuda and not smoke:
         sys.exit("serving_gpu needs a CUDA GPU (torch.cuda.is_available() is False); --smoke runs on the CPU")
+    if cuda:
+        import onnxruntime
+
+        preload = getattr(onnxruntime, "preload_dlls", None)  # onnxruntime-gpu: its CUDA libraries before a session
+        if preload is not None:
+            preload()
     device = "cpu" if smoke and not cuda else None
     trt = tensorrt_version() is not None and cuda
     wanted = [b for b in args.backends.split(",") if b] or ["onnxruntime", "torch", *(["tensorrt"] if trt else [])]
