@@ -19,8 +19,8 @@ copies on a timeline of their own; ``ready()`` is true once the batch's end time
 holds the GIL for a moment), ``wait()`` sleeps without the GIL until then. The model's output is a fixed function
 of each row (its first values, doubled), so a misrouted answer shows.
 
-The times come from the H200 figures of issue 29 (``Timing.resnet50_ort``: ResNet-50 at FP16, batch 64 in about
-6.6 ms end to end, launches about as long as the compute). This measures the serving code's threads, waits and
+The times are those of torchvision's ResNet-50 on an H200 (``Timing.resnet50_ort``: ONNX Runtime FP16, batch 64 in
+about 6.6 ms end to end, launches about as long as the compute). This measures the serving code's threads, waits and
 hand-offs, not a GPU: ``benchmarks/serving_cpu_model.py`` runs the batchers on it.
 """
 
@@ -71,7 +71,7 @@ class Timing:
 
     @staticmethod
     def resnet50_ort() -> Timing:
-        """ONNX Runtime FP16 without CUDA graphs, ResNet-50 at 3x224x224 on an H200 (issue 29's figures, scaled to
+        """ONNX Runtime FP16 without CUDA graphs, ResNet-50 at 3x224x224 on an H200 (its measured figures, scaled to
         the model's smaller rows: the device's time is the model's, not the copies')."""
         return Timing()
 

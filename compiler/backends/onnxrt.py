@@ -74,7 +74,8 @@ CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_works
 # 3,302): the thread that runs it holds the order across ONNX Runtime's run, which releases the GIL, and then waits
 # for the GIL with the order held. Contexts whose runs are CUDA graph replays are ordered, as TensorRT's and torch's
 # are: a replay holds the order for microseconds, and two contexts' batches side by side on the GPU both finished
-# late (issue 29: ``ProcessBatcher`` with two contexts at p99 48 ms against 15.7 ms with one).
+# late (an H200, torchvision's ResNet-50: ``ProcessBatcher`` with two contexts at p99 48 ms against 15.7 ms with
+# one).
 ORDER_RUNS = False
 
 

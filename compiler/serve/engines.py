@@ -492,9 +492,9 @@ class Engines:
         nothing on average, map 0.75-1.31x the loop, ``serving_gpu.py``), and GPU contexts whose runs launch every
         kernel from the host with one launching thread for all batches (ONNX Runtime without CUDA graphs: the run
         holds the thread for about as long as the GPU computes, so a second batch could only wait behind the first's
-        launch; the CPU model of it, ``benchmarks/serving_cpu_model.py``, ran map at 0.96-0.98x the loop, issue 29's
-        H200 at 0.85-0.88x). With two contexts or more whose ``start`` hands the run to a launcher thread of the
-        context's own (``start_hands_off``), their launches overlap: "start"."""
+        launch; the CPU model of it, ``benchmarks/serving_cpu_model.py``, ran map at 0.96-0.98x the loop, an H200 at
+        0.85-0.88x with torchvision's ResNet-50). With two contexts or more whose ``start`` hands the run to a
+        launcher thread of the context's own (``start_hands_off``), their launches overlap: "start"."""
         context = self._contexts[0]
         if not context.overlaps:
             return "loop"

@@ -257,7 +257,7 @@ def test_bad_settings() -> None:
 
 @pytest.mark.slow
 def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
-    """benchmarks/serving_gpu.py --smoke: every cell of issue 29's table for each configuration of the CNN (the
+    """benchmarks/serving_gpu.py --smoke: every cell of the serving table for each configuration of the CNN (the
     ProcessBatcher's processes, the two DynamicBatcher modes, map), each with its targets and its batch trace;
     torchvision's model skipped with the reason where it does not import; one JSON and the table."""
     import json
@@ -290,10 +290,11 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
             assert cell["trace"]["rows"][0] >= 1 and "bucket_changes_per_batch" in cell["trace"]
         assert len(r["cells"]["map"]["map_runs_ms"]) == len(r["cells"]["map"]["sequential_runs_ms"]) == 5
         assert r["bound"]["rows_per_s"] > 0 and r["buckets"] == [1, 4, 8] and r["launches_on_host"] is False
+        assert r["run_parts"]["rows_per_s"] > 0 and (r["parallel_calls"] is None) == (r["contexts"] == 1)
     assert "processes_p99_vs_one_context" in runs["cnn", 2]["targets"]
     assert report["runs"][0]["cells"]["processes"]["client_processes"] == 2
     assert set(report["batcher_ceiling"]["cnn"]) == {"processes", "asyncio", "threads"}
-    assert "issue 29's serving table" in done.stdout
+    assert "serving at its bound" in done.stdout
 
 
 def test_map_runs_post_stage_copies_the_outputs_out_of_the_context_then_post_processes(
@@ -841,7 +842,7 @@ def test_the_serving_benchmark_takes_the_process_modes_p99_over_the_steady_span(
     assert result["requests_per_s"] == (3.0 if steady else 4.0)
 
 
-def test_the_serving_benchmark_holds_each_cell_to_issue_29s_target() -> None:
+def test_the_serving_benchmark_holds_each_cell_to_its_target() -> None:
     """``serving_gpu.cell_targets``: threads >= 50 % of min(bound, the threads ceiling) with p99 <= max_wait + 3
     batch times; coroutines and processes >= 80 % of the bound with p99 <= max_wait + 2 batch times; a process cell
     with two contexts within the one-context p99 + one batch time; nothing lost, misrouted or duplicated; map no
