@@ -276,9 +276,9 @@ def main() -> None:
                         help="Models by name, NAME:map for the bound and map only (default: torchvision-resnet50, "
                              "resnet50:map, transformer:map; with --smoke cnn, transformer:map). Known: "
                              "torchvision-resnet50, resnet50 (cnn with --smoke), transformer, segmenter.")
-    parser.add_argument("--budget-s", type=float, default=500.0,
+    parser.add_argument("--budget-s", type=float, default=480.0,
                         help="Seconds the whole run may take: a configuration that would start later than this less "
-                             "its expected time is skipped, and said so in the JSON (default 500).")
+                             "its expected time is skipped, and said so in the JSON (default 480).")
     parser.add_argument("--cell-seconds", type=float, help="Seconds a batcher cell's clients send at most (default "
                         "6; 3 with --smoke).")
     parser.add_argument("--seconds", type=float, help="Seconds per engines(x) throughput (default 1.5; 0.2 smoke).")
