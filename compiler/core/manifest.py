@@ -10,17 +10,17 @@ import datetime
 import platform
 import sys
 from collections.abc import Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from compiler.core.errors import InputError
-from compiler.core.files import atomic_write_json, read_json, sha256_file, sha256_files
+from compiler.core.files import atomic_write_json, inside, read_json, sha256_file, sha256_files
 from compiler.core.onnx_io import onnx_files
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 from compiler.core.version import __version__
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "read_manifest", "write_manifest", "tool_versions", "onnx_entry",
-           "refuse_other_model", "now", "spec_from_manifest", "inside", "verified_onnx", "verified_file", "onnx_for"]
+           "refuse_other_model", "now", "spec_from_manifest", "verified_onnx", "verified_file", "onnx_for"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -50,31 +50,6 @@ def onnx_entry(directory: Path, path: Path) -> dict[str, Any]:
             "files": [f.relative_to(directory).as_posix() for f in files],
             "sha256": sha256_files(files),
             "bytes": sum(f.stat().st_size for f in files)}
-
-
-def inside(directory: Path, relpath: Any, what: str = "file") -> Path:
-    """``directory / relpath`` for a path read from a manifest or ``calibration.json``, confined to ``directory``.
-
-    The path must be a plain relative POSIX path: not absolute, no ``..``, no backslash or drive, and
-    it must not resolve (through symlinks) outside ``directory``. Anything else is an InputError:
-    a build directory is shared, so what its files say must not make trtc read, write or delete
-    anything else. Does not check that the file exists.
-    """
-    directory = Path(directory)
-    text = relpath if isinstance(relpath, str) else None
-    bad = (text is None or not text or "\x00" in text or "\\" in text or text.startswith("/")
-           or ":" in text.split("/")[0] or any(part in ("..", "") for part in text.split("/")))
-    if not bad:
-        path = directory / PurePosixPath(text or "")
-        try:
-            bad = not path.resolve().is_relative_to(directory.resolve())
-        except (OSError, RuntimeError):  # a symlink loop
-            bad = True
-    if bad:
-        raise InputError(f"{directory}: the {what} {relpath!r} named in its records is not a relative path inside "
-                         "the directory (absolute, '..' or a symlink out of it); refusing it: rebuild the directory "
-                         "with `trtc build`")
-    return path
 
 
 def verified_file(directory: Path, entry: dict[str, Any], what: str = "file") -> Path:

@@ -29,10 +29,9 @@ from compiler.backends.tensorrt.compat import (
 from compiler.backends.tensorrt.environment import environment
 from compiler.backends.tensorrt.records import manifest_engine_keys, settings_from_dict
 from compiler.core.errors import InputError
-from compiler.core.files import directory_transaction, sha256_file
+from compiler.core.files import directory_transaction, inside, sha256_file
 from compiler.core.manifest import (
     MANIFEST,
-    inside,
     now,
     read_manifest,
     spec_from_manifest,

@@ -219,7 +219,8 @@ def default_python_path() -> tuple[str, ...]:
 def build_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
     """The relative paths a ``trtc`` entry's copy of ``directory`` holds: the manifest and every file it names
     (ONNX files of each precision with their data, engines, layer files, the source model snapshot)."""
-    from compiler.core.manifest import MANIFEST, inside
+    from compiler.core.files import inside
+    from compiler.core.manifest import MANIFEST
 
     names = [MANIFEST]
     for entry in (manifest.get("onnx") or {}).values():

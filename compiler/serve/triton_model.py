@@ -73,7 +73,8 @@ class TritonPythonModel:
 def verify_files(directory: Path, manifest: Mapping[str, Any]) -> None:
     """Every ONNX file, engine and source snapshot of ``directory`` against its manifest's sha256 (layer files,
     which the manifest records without a digest, must exist); an ``InputError`` names the first that does not."""
-    from compiler.core.manifest import inside, verified_file, verified_onnx
+    from compiler.core.files import inside
+    from compiler.core.manifest import verified_file, verified_onnx
 
     for precision, entry in (manifest.get("onnx") or {}).items():
         verified_onnx(directory, entry, precision)

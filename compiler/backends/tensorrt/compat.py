@@ -21,8 +21,8 @@ from typing import Any
 from compiler.backends.tensorrt.environment import environment, parse_compute_capability
 from compiler.core.capabilities import version_tuple
 from compiler.core.errors import InputError
-from compiler.core.files import sha256_file
-from compiler.core.manifest import MANIFEST, inside, read_manifest
+from compiler.core.files import inside, sha256_file
+from compiler.core.manifest import MANIFEST, read_manifest
 from compiler.core.settings import hardware_compat_level
 
 __all__ = ["Staleness", "NEVER_BUILT", "tensorrt_can_run", "later_runtimes", "gpu_can_run", "gpus_that_run",

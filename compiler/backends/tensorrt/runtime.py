@@ -30,7 +30,7 @@ from compiler.backends.tensorrt.environment import environment
 from compiler.backends.tensorrt.logger import tensorrt_logger
 from compiler.backends.tensorrt.versions import require_tensorrt
 from compiler.core.errors import InputError, TrtcError
-from compiler.core.manifest import inside
+from compiler.core.files import inside
 from compiler.core.specs import ModelSpec
 
 if TYPE_CHECKING:

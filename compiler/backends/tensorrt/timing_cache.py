@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from compiler.backends.tensorrt.logger import tensorrt_logger
-from compiler.core.files import atomic_write_bytes, atomic_write_text, read_json
-from compiler.core.manifest import inside
+from compiler.core.files import atomic_write_bytes, atomic_write_text, inside, read_json
 from compiler.core.settings import BuildSettings
 
 if TYPE_CHECKING:

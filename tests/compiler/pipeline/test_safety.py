@@ -176,7 +176,7 @@ def test_an_onnx_is_read_only_after_its_sha256_matches(copy: Path) -> None:
 
 
 def test_inside_accepts_plain_relative_paths_only(copy: Path) -> None:
-    from compiler.core.manifest import inside
+    from compiler.core.files import inside
 
     assert inside(copy, "engines/b1.engine") == copy / "engines/b1.engine"
     for bad in ("", "/etc/passwd", "../m/model.onnx", "engines/../../x", "a//b", "C:/x", "a\\..\\b", None, 3):
