@@ -59,8 +59,7 @@ def _tensorrt_serving(source: ServingSource, settings: ServeSettings) -> Backend
 
 def _onnxruntime_serving(source: ServingSource, settings: ServeSettings) -> Backend:
     from compiler.backends.onnxrt import OrtBackend
-    from compiler.backends.tensorrt.records import recorded_tf32
-    from compiler.core.manifest import onnx_for
+    from compiler.core.manifest import onnx_for, recorded_tf32
 
     if source.directory is None:
         raise InputError("the onnxruntime backend serves a build directory's ONNX: export one with `trtc export`")

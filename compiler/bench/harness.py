@@ -135,7 +135,7 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
 
 def _tf32(settings: BenchSettings, manifest: dict[str, Any]) -> tuple[bool, str]:
     """The run's TF32 policy and where it came from."""
-    from compiler.backends.tensorrt.records import recorded_tf32  # the rule compiler.load serves by
+    from compiler.core.manifest import recorded_tf32  # the rule compiler.load serves by
 
     if settings.tf32 is not None:
         return settings.tf32, "--tf32" if settings.tf32 else "--no-tf32"

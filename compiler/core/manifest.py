@@ -6,21 +6,28 @@ and atomically by every command that changes the directory. docs/manifest.md doc
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
 import platform
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.files import atomic_write_json, inside, read_json, sha256_file, sha256_files
 from compiler.core.onnx_io import onnx_files
+from compiler.core.settings import BuildSettings
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 from compiler.core.version import __version__
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "read_manifest", "write_manifest", "tool_versions", "onnx_entry",
-           "refuse_other_model", "now", "spec_from_manifest", "verified_onnx", "verified_file", "onnx_for"]
+           "refuse_other_model", "now", "spec_from_manifest", "verified_onnx", "verified_file", "onnx_for",
+           "settings_to_dict", "settings_from_dict", "recorded_tf32", "manifest_engine_keys"]
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -218,6 +225,53 @@ def _paths_in(m: dict[str, Any]) -> list[tuple[str, Any]]:
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
     manifest = {"schema_version": SCHEMA_VERSION, **{k: v for k, v in manifest.items() if k != "schema_version"}}
     atomic_write_json(path, manifest)
+
+
+# --- the build settings as the manifest stores them ---------------------------------------------------------------
+
+def settings_to_dict(settings: BuildSettings) -> dict[str, Any]:
+    """``BuildSettings`` as the manifest's ``build``: JSON values (lists, strings) under the field names."""
+    out = dataclasses.asdict(settings)
+    out["buckets"] = list(settings.buckets)
+    out["timing_cache"] = str(settings.timing_cache) if settings.timing_cache is not None else None
+    return out
+
+
+def recorded_tf32(build: Any) -> bool:
+    """Whether FP32 math may use TF32 for a build: its ``tf32``; a build section without one (a trtc that did not
+    record it) built with TF32 off; no build section (or not a mapping: the manifest's checks name that): the
+    default. One rule for ``trtc rebuild`` and for the serving and bench backends."""
+    if not isinstance(build, dict):
+        return defaults.TF32
+    return bool(build.get("tf32", False))
+
+
+def settings_from_dict(data: dict[str, Any]) -> BuildSettings:
+    """``BuildSettings`` from the manifest's ``build``; keys this trtc does not know are ignored (with a note)."""
+    known = {f.name for f in dataclasses.fields(BuildSettings)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        log.info("manifest build settings %s are unknown to this trtc and ignored", ", ".join(unknown))
+    values = {k: v for k, v in data.items() if k in known}
+    values["tf32"] = recorded_tf32(data)
+    if "buckets" in values:
+        values["buckets"] = tuple(int(b) for b in values["buckets"])
+    if values.get("timing_cache") is not None:
+        values["timing_cache"] = Path(values["timing_cache"])
+    try:
+        return BuildSettings(**values)
+    except TypeError as err:
+        raise InputError(f"manifest build settings do not parse ({err}); rebuild with `trtc build --force`") from err
+
+
+def manifest_engine_keys(settings: BuildSettings, env: dict[str, Any], entries: list[dict[str, Any]],
+                         ) -> dict[str, Any]:
+    """The manifest keys an engine build writes: ``build`` (the settings, so ``trtc rebuild`` can repeat
+    them), ``environment`` (where the engines were built, for ``trtc check``) and ``engines``."""
+    return {"build": settings_to_dict(settings),
+            "environment": {**env, "hardware_compat": settings.hardware_compat,
+                            "version_compatible": settings.version_compatible},
+            "engines": entries}
 
 
 def refuse_other_model(directory: Path, source_sha256: str, force: bool) -> None:

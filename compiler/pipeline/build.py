@@ -22,12 +22,11 @@ import numpy as np
 
 from compiler.backends.tensorrt.build import build_engine_files
 from compiler.backends.tensorrt.environment import environment
-from compiler.backends.tensorrt.records import manifest_engine_keys, settings_to_dict
 from compiler.backends.tensorrt.versions import NOT_INSTALLED, require_tensorrt
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import AccuracyGateError, TensorRTNotInstalled
 from compiler.core.files import directory_transaction, settle_modes
-from compiler.core.manifest import MANIFEST, write_manifest
+from compiler.core.manifest import MANIFEST, manifest_engine_keys, settings_to_dict, write_manifest
 from compiler.core.progress import stage_timer
 from compiler.core.settings import BuildSettings, ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec

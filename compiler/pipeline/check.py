@@ -27,13 +27,14 @@ from compiler.backends.tensorrt.compat import (
     tensorrt_can_run,
 )
 from compiler.backends.tensorrt.environment import environment
-from compiler.backends.tensorrt.records import manifest_engine_keys, settings_from_dict
 from compiler.core.errors import InputError
 from compiler.core.files import directory_transaction, inside, sha256_file
 from compiler.core.manifest import (
     MANIFEST,
+    manifest_engine_keys,
     now,
     read_manifest,
+    settings_from_dict,
     spec_from_manifest,
     verified_onnx,
     write_manifest,

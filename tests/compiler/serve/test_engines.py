@@ -22,11 +22,10 @@ import torch
 
 import compiler
 from compiler.backends.onnxrt import OrtCpuContext
-from compiler.backends.tensorrt.records import recorded_tf32
 from compiler.backends.tensorrt.runtime import EnginesNotRunnable
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import FeedError, InputError, TensorRTNotInstalled
-from compiler.core.manifest import write_manifest
+from compiler.core.manifest import recorded_tf32, settings_from_dict, write_manifest
 from compiler.core.onnx_io import ort_session
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 from compiler.serve import engines as runtime
@@ -418,7 +417,6 @@ def test_onnxruntime_tf32_follows_the_manifest_or_the_argument(tmp_path: Path) -
 def test_serving_and_rebuild_read_a_build_without_tf32_alike() -> None:
     """A build section of an older trtc (no ``tf32``) was built with TF32 off: ``trtc rebuild`` and the serving
     backends both read it so; no build section at all (nothing built) takes the default."""
-    from compiler.backends.tensorrt.records import settings_from_dict
     from compiler.core import defaults
 
     older = {"buckets": [1, 4], "precision": "fp32", "engine": "tensorrt"}

@@ -334,9 +334,8 @@ def test_shared_timing_cache_is_keyed_grows_by_combining_and_an_unreadable_direc
     from dataclasses import replace
 
     from compiler.backends.tensorrt.environment import environment
-    from compiler.backends.tensorrt.records import settings_from_dict
     from compiler.backends.tensorrt.timing_cache import timing_cache_key, timing_cache_keys
-    from compiler.core.manifest import read_manifest
+    from compiler.core.manifest import read_manifest, settings_from_dict
     from compiler.pipeline.check import rebuild_directory
 
     shared = tmp_path / "caches" / "shared.cache"

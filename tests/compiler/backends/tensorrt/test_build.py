@@ -23,13 +23,12 @@ from compiler.backends.tensorrt.environment import environment
 from compiler.backends.tensorrt.layers import layer_summary
 from compiler.backends.tensorrt.loaders import StronglyTypedNetworkFromOnnxPath, TensorRTEnumOptions, engine_loader
 from compiler.backends.tensorrt.profiles import engine_profile_shapes, multi_profile_shapes, profile_shapes
-from compiler.backends.tensorrt.records import settings_from_dict, settings_to_dict
 from compiler.backends.tensorrt.timing_cache import shared_timing_cache_problem, timing_cache_key
 from compiler.backends.tensorrt.versions import NOT_INSTALLED, require_tensorrt, tensorrt_version_problem
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.core.files import sha256_file, staging_dir
-from compiler.core.manifest import read_manifest, spec_from_manifest
+from compiler.core.manifest import read_manifest, settings_from_dict, settings_to_dict, spec_from_manifest
 from compiler.core.settings import BuildSettings
 from compiler.core.specs import DimRange, ModelSpec, parse_input_spec
 from tests.conftest import FAKE_ENGINE_HEADER, H200_ENV, fake_engine_build_step_for_tests
@@ -180,8 +179,7 @@ def test_engine_profile_shapes_is_the_one_plan_for_builder_and_manifest() -> Non
 
 
 def test_a_multi_profile_build_exports_to_triton_as_a_plan(exported_dir: Path, tmp_path: Path) -> None:
-    from compiler.backends.tensorrt.records import manifest_engine_keys
-    from compiler.core.manifest import write_manifest
+    from compiler.core.manifest import manifest_engine_keys, write_manifest
     from compiler.pipeline.triton import PLAN_VERSION_FILE, triton_repository
 
     settings = BuildSettings(buckets=(1, 4), multi_profile=True)
