@@ -138,7 +138,7 @@ def main() -> int:
             console.print(item)
         summary["models"][name] = {
             "factory": model.factory, "inputs": list(model.inputs), "dims": list(model.dims),
-            "build": str(directory), "onnx": sorted(manifest.get("onnx") or {}),
+            "build": str(directory), "onnx": sorted(manifest.onnx),
             "calibration": "as built: see its report/accuracy.json" if name in given else "random data (timing only)",
             "report": str(report.json_path), "plot": report.data["plot"],
             "reference": report.data["reference"], "results": summary_rows(report), "skipped": report.data["skipped"],

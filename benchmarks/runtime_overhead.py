@@ -37,7 +37,7 @@ def mlp_directory(out: Path) -> Path:
     """examples.models:mlp as a build directory (TorchScript export: a second, no verification)."""
     import torch
 
-    from compiler.core.manifest import onnx_entry, write_manifest
+    from compiler.core.manifest import FileRecord, Manifest, SourceRecord, write_manifest
     from compiler.core.onnx_io import load_onnx, save_onnx
     from examples import models
 
@@ -46,10 +46,10 @@ def mlp_directory(out: Path) -> Path:
                       output_names=["logits"], dynamic_axes={"x": {0: "B"}, "logits": {0: "B"}}, opset_version=17)
     save_onnx(load_onnx(out / "raw.onnx"), out / "model.onnx")
     (out / "raw.onnx").unlink()
-    write_manifest(out / "manifest.json", {
-        "inputs": ["x:Bx64:float32"], "dims": {}, "output_names": ["logits"], "buckets": [1, 4, 8, 16],
-        "source": {"path": "examples.models:mlp", "format": "factory"},
-        "onnx": {"fp32": onnx_entry(out, out / "model.onnx")}, "precision": "fp32"})
+    write_manifest(out / "manifest.json", Manifest(
+        inputs=("x:Bx64:float32",), output_names=("logits",), buckets=(1, 4, 8, 16),
+        source=SourceRecord("examples.models:mlp", "factory"),
+        onnx={"fp32": FileRecord.for_onnx(out, out / "model.onnx")}, precision="fp32"))
     return out
 
 

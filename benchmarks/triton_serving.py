@@ -99,9 +99,9 @@ def perf_analyzer_libraries(work: Path) -> str:
 
 def sample(model: Path) -> dict[str, np.ndarray]:
     """One request: batch 1, zeros, dynamic dimensions at their optimum."""
-    from compiler.core.manifest import read_manifest, spec_from_manifest
+    from compiler.core.manifest import read_manifest
 
-    spec = spec_from_manifest(read_manifest(model))
+    spec = read_manifest(model).spec
     return {name: np.zeros_like(array) for name, array in spec.example_feed(1, values=spec.opt_values(1)).items()}
 
 

@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,11 @@ from compiler.core.errors import AccuracyGateError, CalibrationError
 from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file
 from compiler.core.manifest import (
     MANIFEST,
+    CalibrationRecord,
+    FileRecord,
+    Manifest,
     now,
-    onnx_entry,
     read_manifest,
-    spec_from_manifest,
     verified_onnx,
     write_manifest,
 )
@@ -55,12 +56,18 @@ ALL_SAMPLES = 1 << 62  # the gate evaluates every sample of --eval-data; --calib
 
 @dataclass
 class CalibrationOutcome:
-    manifest_update: dict[str, Any]
-    passed: bool
-    message: str
+    """What ``calibrated_into`` made: the record the manifest gets (``Manifest.with_calibration``) when the model
+    passed the accuracy gate, else None and the message saying why not."""
+
+    record: CalibrationRecord | None
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.record is not None
 
 
-def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[str, Any]:
+def calibrate_directory(directory: Path, settings: CalibrationSettings) -> Manifest:
     """``trtc calibrate DIR``: add model.int8.onnx or model.fp16.onnx to an export directory."""
     manifest = read_manifest(directory)
     with directory_transaction(directory, f"trtc calibrate --{settings.precision}") as transaction:
@@ -69,14 +76,13 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
             if (directory / name).is_file():
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(directory / name, stage / name)
-        fp32 = verified_onnx(directory, (manifest.get("onnx") or {}).get("fp32"), "fp32")
+        fp32 = verified_onnx(directory, manifest.onnx.get("fp32"), "fp32")
         with stage_timer(f"{settings.precision.upper()} calibration"):
-            outcome = calibrated_into(stage, fp32, spec_from_manifest(manifest), settings)
-        if outcome.passed:
-            merged = merge_update(manifest, outcome.manifest_update)
-            write_manifest(stage / MANIFEST, merged)
-            manifest = merged
-        elif "int8" in manifest.get("onnx", {}) and (stage / CALIBRATION_JSON).is_file():
+            outcome = calibrated_into(stage, fp32, manifest.spec, settings)
+        if outcome.record is not None:
+            manifest = manifest.with_calibration(outcome.record)
+            write_manifest(stage / MANIFEST, manifest)
+        elif "int8" in manifest.onnx and (stage / CALIBRATION_JSON).is_file():
             # calibration.json must keep describing the model.int8.onnx that is there; the failed attempt's
             # ranges go beside its report
             os.replace(stage / CALIBRATION_JSON, stage / "report" / "calibration.failed.json")
@@ -84,16 +90,6 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> dict[
     if not outcome.passed:
         raise AccuracyGateError(f"{outcome.message}; see {directory / ACCURACY_JSON}")
     return manifest
-
-
-def merge_update(manifest: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(manifest)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
-    return merged
 
 
 def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: CalibrationSettings,
@@ -143,28 +139,25 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
         message = (f"the {settings.precision} model misses the accuracy gate ({result.result.summary()}) even with "
                    f"{len(result.kept)} layer(s) kept in {_kept_as(settings)}; FP32 artifacts are kept; try more "
                    "calibration data, another --calib-method, or a larger --max-fallback")
-        return CalibrationOutcome({}, False, message)
+        return CalibrationOutcome(None, message)
     out = stage / ONNX_NAMES[settings.precision]
     final = result.model if result is not None else ungated_model
     save_onnx(final, out)
-    update: dict[str, Any] = {
-        "onnx": {settings.precision: onnx_entry(stage, out)},
-        "precision": settings.precision,
-        "accuracy": {settings.precision: {"metric": report["accuracy"]["metric"] if report["accuracy"] else None,
-                                          "summary": result.result.summary() if result else "gate not run",
-                                          "kept_in_fp32": sorted(result.kept) if result else [],
-                                          "provider": result.result.provider if result else None}},
+    record = CalibrationRecord(
+        precision=settings.precision, onnx=FileRecord.for_onnx(stage, out),
+        accuracy={"metric": report["accuracy"]["metric"] if report["accuracy"] else None,
+                  "summary": result.result.summary() if result else "gate not run",
+                  "kept_in_fp32": sorted(result.kept) if result else [],
+                  "provider": result.result.provider if result else None},
         # the data behind each precision (FP16 too): what it was, how many samples, whether it was random
-        "data": {settings.precision: {"calibration": report["calibration_data"], "eval": report["eval_data"]}},
-    }
+        data={"calibration": report["calibration_data"], "eval": report["eval_data"]})
     if settings.precision == "int8":
-        update["calibration"] = {k: report[k] for k in ("calibration_data",)} | details["calibration"]
-        update["calibration"]["remainder"] = details["remainder"]
-        update["calibration"]["node_precisions"] = report["node_precisions"]["counts"]
-    else:
-        update["fp16"] = {"fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"],
-                          "range_provider": details["fp16_range_provider"]}
-    return CalibrationOutcome(update, True, "")
+        return CalibrationOutcome(replace(record, calibration={
+            "calibration_data": report["calibration_data"], **details["calibration"],
+            "remainder": details["remainder"], "node_precisions": report["node_precisions"]["counts"]}))
+    return CalibrationOutcome(replace(record, fp16={
+        "fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"],
+        "range_provider": details["fp16_range_provider"]}))
 
 
 def _earlier_reports(path: Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from compiler.core.manifest import onnx_entry, write_manifest
+from compiler.core.manifest import FileRecord, Manifest, write_manifest
 from compiler.core.onnx_io import load_onnx, save_onnx
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 from compiler.frontend.loading import LoadedModel, snapshot_into
@@ -43,7 +43,7 @@ def build_directory(out: Path, name: str, buckets: list[int] = BUCKETS, **extra:
     raw.unlink()
     manifest = {"inputs": inputs, "dims": dims, "output_names": ["out"], "buckets": buckets,
                 "source": {"path": f"examples.models:{name}", "format": "factory", "factory": f"examples.models:{name}",
-                           "snapshot": snapshot_into(out, LoadedModel("factory", None, module=model))},
-                "onnx": {"fp32": onnx_entry(out, out / "model.onnx")}, "precision": "fp32", **extra}
-    write_manifest(out / "manifest.json", manifest)
+                           "snapshot": snapshot_into(out, LoadedModel("factory", None, module=model)).to_json()},
+                "onnx": {"fp32": FileRecord.for_onnx(out, out / "model.onnx").to_json()}, "precision": "fp32", **extra}
+    write_manifest(out / "manifest.json", Manifest.from_json(manifest))
     return out

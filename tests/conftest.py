@@ -98,7 +98,7 @@ def exported_dir(tmp_path: Path) -> Path:
     """
     from onnx import helper
 
-    from compiler.core.manifest import MANIFEST, now, onnx_entry, write_manifest
+    from compiler.core.manifest import MANIFEST, FileRecord, Manifest, SourceRecord, now, write_manifest
     from compiler.core.onnx_io import save_onnx
     from tests.onnx_helpers import make_model, tensor
 
@@ -108,9 +108,8 @@ def exported_dir(tmp_path: Path) -> Path:
                         helper.make_node("Relu", ["h"], ["y"], name="relu")],
                        [tensor("x", ["B", 64])], [tensor("y", ["B", 8])], {"w": weights})
     save_onnx(model, out / "model.onnx")
-    write_manifest(out / MANIFEST, {
-        "trtc_version": "0.1.0", "created": now(),
-        "source": {"path": "tests/conftest.py:exported_dir", "format": "onnx", "sha256": "0" * 64},
-        "inputs": ["x:Bx64:float32"], "dims": {}, "output_names": ["y"], "buckets": [1, 4],
-        "onnx": {"fp32": onnx_entry(out, out / "model.onnx")}, "precision": "fp32"})
+    write_manifest(out / MANIFEST, Manifest(
+        trtc_version="0.1.0", created=now(), source=SourceRecord("tests/conftest.py:exported_dir", "onnx", "0" * 64),
+        inputs=("x:Bx64:float32",), output_names=("y",), buckets=(1, 4),
+        onnx={"fp32": FileRecord.for_onnx(out, out / "model.onnx")}, precision="fp32"))
     return out

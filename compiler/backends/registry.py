@@ -8,10 +8,10 @@ checks can use it), and one ``BackendKind`` in ``REGISTRY``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compiler.backends.base import Backend, Runner
 from compiler.core.capabilities import capabilities, cuda_available, ort_providers
@@ -19,18 +19,22 @@ from compiler.core.errors import InputError
 from compiler.core.settings import ServeSettings
 from compiler.core.specs import ModelSpec
 
+if TYPE_CHECKING:
+    from compiler.core.manifest import Manifest
+
 __all__ = ["BACKENDS", "REGISTRY", "BackendKind", "ServingSource", "serving_backend", "check_runner", "unavailable"]
 
 
 @dataclass(frozen=True)
 class ServingSource:
-    """What a serving backend is made from: a build directory and its manifest (None for a module served without a
-    build), the input spec, the buckets to serve, the eager module for the torch backend (the build's snapshot,
-    loaded by the caller, or a module in memory), and for ONNX Runtime the graph when the caller has verified it
-    already (else the manifest's for the settings' precision)."""
+    """What a serving backend is made from: a build directory (None for a module served without a build) and its
+    manifest (for a module, one that records only its ``output_names``), the input spec, the buckets to serve, the
+    eager module for the torch backend (the build's snapshot, loaded by the caller, or a module in memory), and for
+    ONNX Runtime the graph when the caller has verified it already (else the manifest's for the settings'
+    precision)."""
 
     directory: Path | None
-    manifest: Mapping[str, Any]
+    manifest: Manifest
     spec: ModelSpec
     buckets: tuple[int, ...]
     module: Any = None
@@ -53,19 +57,17 @@ def _tensorrt_serving(source: ServingSource, settings: ServeSettings) -> Backend
 
     if source.directory is None:
         raise InputError("the tensorrt backend serves a build directory's engines: build one with `trtc build`")
-    return tensorrt_backend(source.directory, dict(source.manifest), source.spec, settings.device,
+    return tensorrt_backend(source.directory, source.manifest, source.spec, settings.device,
                              settings.cuda_graphs)
 
 
 def _onnxruntime_serving(source: ServingSource, settings: ServeSettings) -> Backend:
     from compiler.backends.onnxrt import OrtBackend
-    from compiler.backends.tensorrt.records import recorded_tf32
-    from compiler.core.manifest import onnx_for
 
     if source.directory is None:
         raise InputError("the onnxruntime backend serves a build directory's ONNX: export one with `trtc export`")
-    path = source.onnx or onnx_for(source.directory, source.manifest, settings.precision)
-    tf32 = recorded_tf32(source.manifest.get("build")) if settings.tf32 is None else settings.tf32
+    path = source.onnx or source.manifest.onnx_for(source.directory, settings.precision)
+    tf32 = source.manifest.tf32 if settings.tf32 is None else settings.tf32
     return OrtBackend(path, source.spec, source.buckets, settings.device, settings.threads, tf32=tf32,
                       cuda_options=dict(settings.ort_cuda_options), cuda_graphs=settings.cuda_graphs)
 
@@ -75,7 +77,7 @@ def _torch_serving(source: ServingSource, settings: ServeSettings) -> Backend:
 
     if source.module is None:
         raise InputError("the torch backend needs the source model: the build's snapshot, or a module")
-    return TorchBackend(source.module, source.spec, source.buckets, source.manifest.get("output_names"),
+    return TorchBackend(source.module, source.spec, source.buckets, list(source.manifest.output_names),
                         settings.device, settings.cuda_graphs, autocast_fp16=settings.autocast_fp16)
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from compiler.bench.target import VerifiedOnnx
 from compiler.core.errors import InputError
+from compiler.core.manifest import Manifest
 from compiler.frontend.verify import compare_outputs
 
 __all__ = ["Accuracy", "accuracy_of", "is_classifier"]
@@ -51,14 +51,14 @@ def accuracy_of(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], bu
 _CLASSIFIER_HEADS = ("Gemm", "MatMul", "Softmax", "LogSoftmax")
 
 
-def is_classifier(directory: Path, manifest: dict[str, Any], onnx_paths: VerifiedOnnx | None = None) -> bool:
+def is_classifier(directory: Path, manifest: Manifest, onnx_paths: VerifiedOnnx | None = None) -> bool:
     """Whether top-1 agreement means anything for this model: the accuracy gate ran on labels, or every output is
     2-D (batch x classes) and made by a linear layer or a softmax. A sentence embedding (pooling, normalization,
     LayerNorm) or a per-token output is not a classifier. A projection head on an embedding model looks like one.
     ``onnx_paths`` shares the verified graphs with the rest of a bench run (default: checked here)."""
-    if any((entry or {}).get("metric") == "top1" for entry in (manifest.get("accuracy") or {}).values()):
+    if "top1" in manifest.accuracy_metrics.values():
         return True
-    if not (manifest.get("onnx") or {}).get("fp32"):
+    if "fp32" not in manifest.onnx:
         return False
     import onnx
 

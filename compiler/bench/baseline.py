@@ -13,6 +13,7 @@ from typing import Any
 from compiler.bench.report import REPORT_KIND, Regression
 from compiler.core.errors import InputError
 from compiler.core.files import read_json
+from compiler.core.manifest import Manifest
 
 __all__ = ["find_regressions", "parse_percent", "read_baseline"]
 
@@ -29,7 +30,7 @@ def parse_percent(text: str | float) -> float:
     return number / 100
 
 
-def read_baseline(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def read_baseline(path: Path, manifest: Manifest) -> dict[str, Any]:
     try:
         baseline = read_json(path)
     except (OSError, ValueError) as err:
@@ -37,8 +38,8 @@ def read_baseline(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(baseline, dict) or baseline.get("kind") != REPORT_KIND:
         raise InputError(f"--baseline {path}: not a trtc bench report (report/bench.json)")
     old = (baseline.get("build") or {}).get("source") or {}
-    new = manifest.get("source") or {}
-    if old.get("sha256") and new.get("sha256") and old["sha256"] != new["sha256"]:
+    new = manifest.source.sha256 if manifest.source is not None else ""
+    if old.get("sha256") and new and old["sha256"] != new:
         raise InputError(f"--baseline {path} measured another model ({old.get('path')}); compare runs of the same "
                          "build")
     return baseline

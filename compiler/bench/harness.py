@@ -31,7 +31,6 @@ import logging
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from compiler.bench.accuracy import is_classifier
 from compiler.bench.baseline import find_regressions, read_baseline
@@ -51,7 +50,7 @@ from compiler.bench.target import Target, VerifiedOnnx
 from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.files import directory_lock, require_directory
-from compiler.core.manifest import read_manifest, spec_from_manifest
+from compiler.core.manifest import Manifest, read_manifest
 from compiler.core.settings import BenchSettings, ExportSettings
 from compiler.core.specs import BATCH_DIM
 
@@ -84,11 +83,11 @@ def bench_model(export: ExportSettings, settings: BenchSettings) -> BenchReport:
                       report_dir=settings.report_dir or Path("bench-report"))
 
 
-def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, model_mode: bool,
+def _bench(directory: Path, manifest: Manifest, settings: BenchSettings, model_mode: bool,
            report_dir: Path) -> BenchReport:
     require_directory(report_dir, "--report-dir")  # before minutes of measurements, not after
-    spec = spec_from_manifest(manifest)
-    buckets = tuple(sorted(set(settings.buckets or manifest.get("buckets") or (1,))))
+    spec = manifest.spec
+    buckets = tuple(sorted(set(settings.buckets or manifest.buckets or (1,))))
     device = settings.device or ("cuda" if cuda_available() else "cpu")
     if device == "cuda" and not cuda_available():
         raise InputError("--device cuda, but torch.cuda.is_available() is False here; use --device cpu")
@@ -113,9 +112,8 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
             skipped += missed
     results = _with_speedups(results)
     warnings = _warnings(results, settings)
-    engines_tf32 = (manifest.get("build") or {}).get("tf32")
-    if any(r.backend == "tensorrt" for r in results) and engines_tf32 is not None and bool(engines_tf32) != tf32:
-        warnings.append(f"the tensorrt rows run as their engines were built (build.tf32 = {bool(engines_tf32)}), "
+    if any(r.backend == "tensorrt" for r in results) and manifest.build is not None and manifest.tf32 != tf32:
+        warnings.append(f"the tensorrt rows run as their engines were built (build.tf32 = {manifest.tf32}), "
                         f"the other rows with TF32 {'on' if tf32 else 'off'}; rebuild or rerun with the same setting")
     data = report_dict(directory if not model_mode else None, manifest, settings, device, reference_name, feeds,
                        results, skipped, warnings)
@@ -133,15 +131,13 @@ def _bench(directory: Path, manifest: dict[str, Any], settings: BenchSettings, m
     return write_report(data, report_dir, settings.plot, regressions)
 
 
-def _tf32(settings: BenchSettings, manifest: dict[str, Any]) -> tuple[bool, str]:
-    """The run's TF32 policy and where it came from."""
-    from compiler.backends.tensorrt.records import recorded_tf32  # the rule compiler.load serves by
-
+def _tf32(settings: BenchSettings, manifest: Manifest) -> tuple[bool, str]:
+    """The run's TF32 policy and where it came from: ``--tf32``/``--no-tf32``, else ``Manifest.tf32``, the rule
+    ``compiler.load`` serves by."""
     if settings.tf32 is not None:
         return settings.tf32, "--tf32" if settings.tf32 else "--no-tf32"
-    recorded = (manifest.get("build") or {}).get("tf32") is not None
-    return recorded_tf32(manifest.get("build")), ("the manifest's build.tf32" if recorded
-                                   else "default (the manifest records no build.tf32)")
+    return manifest.tf32, ("the manifest's build.tf32" if manifest.build is not None
+                           else "default (the manifest records no build.tf32)")
 
 
 def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:

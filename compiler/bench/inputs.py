@@ -18,6 +18,7 @@ import numpy as np
 
 from compiler.core.errors import InputError
 from compiler.core.files import read_json
+from compiler.core.manifest import Manifest
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
 __all__ = ["bench_inputs", "build_data", "feed_record", "first_line", "input_feeds"]
@@ -52,7 +53,7 @@ def input_feeds(spec: ModelSpec, buckets: tuple[int, ...], seed: int = 0, data: 
     return feeds
 
 
-def build_data(directory: Path, manifest: dict[str, Any]) -> tuple[Path | None, str]:
+def build_data(directory: Path, manifest: Manifest) -> tuple[Path | None, str]:
     """The build's evaluation data, else its calibration data, when ``report/accuracy.json`` names real files that
     are still there: (path, what it is), or (None, why not). Random data and image folders (they need the
     profile's preprocessing) are not used; ``--data`` takes any .npz."""
@@ -61,7 +62,7 @@ def build_data(directory: Path, manifest: dict[str, Any]) -> tuple[Path | None, 
         reports = read_json(path) if path.is_file() else {}
     except (OSError, ValueError):
         reports = {}
-    precision = manifest.get("precision")
+    precision = manifest.precision
     ordered = sorted(reports.items(), key=lambda kv: kv[0] != precision) if isinstance(reports, dict) else []
     why = "the build records no evaluation or calibration data"
     kinds = (("eval_data", "the build's evaluation data"), ("calibration_data", "the build's calibration data"))
@@ -81,7 +82,7 @@ def build_data(directory: Path, manifest: dict[str, Any]) -> tuple[Path | None, 
     return None, why
 
 
-def bench_inputs(target_dir: Path | None, manifest: dict[str, Any], spec: ModelSpec, buckets: tuple[int, ...],
+def bench_inputs(target_dir: Path | None, manifest: Manifest, spec: ModelSpec, buckets: tuple[int, ...],
                  seed: int = 0, data: Path | None = None) -> tuple[dict[int, dict[str, np.ndarray]], str]:
     """The feeds every backend gets, and where they came from: ``data``, else the build's evaluation or calibration
     data (``build_data``), else seeded random normal values."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from compiler.backends.base import Runner
 from compiler.bench.report import Skipped
@@ -28,7 +27,7 @@ from compiler.bench.target import Target
 from compiler.core.capabilities import capabilities, cuda_available
 from compiler.core.settings import BENCH_BACKENDS, BenchSettings, ServeSettings
 
-__all__ = ["Plan", "engine_precision", "plans_for"]
+__all__ = ["Plan", "plans_for"]
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +54,8 @@ def plans_for(target: Target, settings: BenchSettings, device: str, buckets: tup
     from compiler.serve.load import load
 
     manifest, spec, model = target.manifest, target.spec, target.model
-    onnx = manifest.get("onnx") or {}
-    reduced = any(p in onnx for p in ("fp16", "int8")) or manifest.get("precision") in ("fp16", "int8")
+    onnx = manifest.onnx
+    reduced = any(p in onnx for p in ("fp16", "int8")) or manifest.precision in ("fp16", "int8")
     torch_precisions = ("fp32", "fp16") if reduced else ("fp32",)
     cuda = cuda_available()
     plans: list[Plan] = []
@@ -124,16 +123,16 @@ def plans_for(target: Target, settings: BenchSettings, device: str, buckets: tup
                                     if p in ONNX_PRECISION_ORDER else 99):
                 plans.append(Plan(backend, precision, ort_runner(precision, ort_device)))
         elif backend == "tensorrt":
-            engines = manifest.get("engines") or []
+            engines = manifest.engines
             reason = model_mode_note if target.model_mode else capabilities().tensorrt_unavailable()
             if reason is None and not engines:
-                note = str(manifest.get("engines_note") or "not built")
+                note = manifest.engines_note or "not built"
                 reason = f"the build has no TensorRT engines ({note.removeprefix('not built: ')}); " \
                          f"build them with `trtc build` where TensorRT is installed"
             if reason is not None:
                 skip(backend, None, reason)
                 continue
-            plans.append(Plan(backend, engine_precision(engines[0], manifest), trt_runner))
+            plans.append(Plan(backend, manifest.engine_precision(engines[0]), trt_runner))
     return plans, skipped
 
 
@@ -150,11 +149,3 @@ def _ort_device(providers: tuple[str, ...]) -> str | None:
         log.warning("--ort-providers %s: the onnxruntime backend serves with the CUDA provider or the CPU; running "
                     "with CUDA where usable", providers[0])
     return None
-
-
-def engine_precision(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
-    """The precision of the ONNX an engine was built from (its ``onnx`` file), else the build's precision."""
-    for precision, onnx_entry in (manifest.get("onnx") or {}).items():
-        if onnx_entry.get("file") == entry.get("onnx"):
-            return str(precision)
-    return str((manifest.get("build") or {}).get("precision") or manifest.get("precision") or "fp32")

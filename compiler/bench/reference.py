@@ -18,11 +18,12 @@ from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner
 from compiler.bench.target import Target
 from compiler.core.errors import InputError
+from compiler.core.manifest import Manifest, SourceRecord
 
 __all__ = ["eager_model", "reference_outputs", "torch_bench_mode"]
 
 
-def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: bool = False,
+def eager_model(manifest: Manifest, device: str = "cpu", trust_pickle: bool = False,
                 directory: Path | None = None) -> tuple[Any, str]:
     """The source model as the build in ``directory`` exported it (its ``source.snapshot``), or None and the reason.
 
@@ -33,8 +34,8 @@ def eager_model(manifest: dict[str, Any], device: str = "cpu", trust_pickle: boo
     """
     from compiler.frontend.loading import load_snapshot
 
-    source = manifest.get("source") or {}
-    fmt, text = source.get("format"), str(source.get("path") or "")
+    source = manifest.source or SourceRecord()
+    fmt, text = source.format, source.path
     if fmt == "onnx":
         return None, "the build's source is an ONNX file: there is no PyTorch model to run"
     if fmt == "pickle" and not trust_pickle:
@@ -59,8 +60,8 @@ def reference_outputs(target: Target, feeds: dict[int, dict[str, np.ndarray]], d
     """FP32 eager PyTorch outputs per bucket; ONNX Runtime FP32 on the CPU when there is no PyTorch model."""
     runner: Runner
     if target.model is not None:
-        runner = check_runner("torch", target.model, target.spec.input_names,
-                              list(target.manifest.get("output_names") or []), device)
+        runner = check_runner("torch", target.model, target.spec.input_names, list(target.manifest.output_names),
+                              device)
         what = f"torch/fp32 (eager, {device})"
     else:
         runner = check_runner("onnxruntime", target.onnx.path("fp32"), ["CPUExecutionProvider"])

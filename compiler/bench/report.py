@@ -26,7 +26,7 @@ from compiler.bench.inputs import feed_record
 from compiler.bench.timing import Latency
 from compiler.core.errors import TrtcError
 from compiler.core.files import atomic_write_bytes, atomic_write_json, atomic_write_text
-from compiler.core.manifest import now, tool_versions
+from compiler.core.manifest import Manifest, now, tool_versions
 from compiler.core.settings import BenchSettings
 
 __all__ = ["CSV_NAME", "JSON_NAME", "PNG_NAME", "REFERENCE", "REPORT_KIND", "BenchReport", "BenchResult",
@@ -166,7 +166,7 @@ def _versions() -> dict[str, Any]:
     return {**tool_versions(), "tensorrt": tensorrt_version()}
 
 
-def report_dict(directory: Path | None, manifest: dict[str, Any], settings: BenchSettings, device: str,
+def report_dict(directory: Path | None, manifest: Manifest, settings: BenchSettings, device: str,
                 reference: str, feeds: dict[int, dict[str, np.ndarray]], results: list[BenchResult],
                 skipped: list[Skipped], warnings: list[str]) -> dict[str, Any]:
     """bench.json. Keys:
@@ -179,17 +179,16 @@ def report_dict(directory: Path | None, manifest: dict[str, Any], settings: Benc
     min, max); ``skipped``: backend, precision, bucket, reason, failed; ``warnings``; ``baseline`` (with
     ``--baseline``: file, max_regression, compared, not_compared, regressions).
     """
-    source = dict(manifest.get("source") or {})
     return {
         "kind": REPORT_KIND,
         "schema": REPORT_SCHEMA,
         "created": now(),
         "build": {
             "directory": str(directory) if directory is not None else None,
-            "source": source,
-            "precision": manifest.get("precision"),
-            "onnx": {p: e.get("sha256") for p, e in (manifest.get("onnx") or {}).items()},
-            "engines": {str(e.get("bucket")): e.get("sha256") for e in manifest.get("engines") or []},
+            "source": manifest.source.to_json() if manifest.source is not None else {},
+            "precision": manifest.precision,
+            "onnx": {precision: record.sha256 for precision, record in manifest.onnx.items()},
+            "engines": {str(e.bucket): e.sha256 for e in manifest.engines},
         },
         "machine": machine_info(),
         "versions": _versions(),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compiler.core.manifest import verified_onnx
+from compiler.core.manifest import Manifest, verified_onnx
 from compiler.core.specs import ModelSpec
 
 __all__ = ["Target", "VerifiedOnnx"]
@@ -23,13 +23,13 @@ class VerifiedOnnx:
     """
 
     directory: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     _paths: dict[str, Path] = field(default_factory=dict)
 
     def path(self, precision: str) -> Path:
         """The checked graph of the manifest's ``onnx[precision]`` entry (which must exist)."""
         if precision not in self._paths:
-            self._paths[precision] = verified_onnx(self.directory, self.manifest["onnx"][precision], precision)
+            self._paths[precision] = verified_onnx(self.directory, self.manifest.onnx[precision], precision)
         return self._paths[precision]
 
 
@@ -38,7 +38,7 @@ class Target:
     """What is benchmarked: a build directory's manifest, its input spec, and the eager model if it loads."""
 
     directory: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     spec: ModelSpec
     model: Any  # nn.Module or None
     model_note: str  # why there is no model, or where it came from

@@ -93,4 +93,4 @@ def merge_cmd(directory: Path, others: tuple[Path, ...]) -> None:
     from compiler.pipeline.check import merge_manifests
 
     manifest = merge_manifests(directory, list(others))
-    click.echo(f"{directory}: engines for buckets {', '.join(str(e['bucket']) for e in manifest['engines'])}")
+    click.echo(f"{directory}: engines for buckets {', '.join(str(e.bucket) for e in manifest.engines)}")

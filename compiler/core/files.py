@@ -1,8 +1,9 @@
-"""Atomic writes, hashing and a directory lock.
+"""Atomic writes, hashing, a directory lock, and paths confined to a directory.
 
 A failed or killed run must leave the previous artifacts intact: every file is written to
 a temporary name in the same directory and renamed into place (``os.replace`` is atomic on
-POSIX), and the manifest is always the last file replaced.
+POSIX), and the manifest is always the last file replaced. A path that a directory's records
+name is used only inside that directory (``inside``).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Iterable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from compiler.core.errors import DirectoryLocked, InputError
 
 __all__ = ["sha256_file", "sha256_files", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
            "staging_dir", "commit_staged", "directory_lock", "directory_transaction", "Transaction", "read_json",
-           "file_mode", "current_umask", "settle_modes", "require_directory"]
+           "file_mode", "current_umask", "settle_modes", "require_directory", "inside"]
 
 LOCK_NAME = ".trtc.lock"
 
@@ -42,6 +43,31 @@ def sha256_files(paths: list[Path]) -> str:
         h.update(p.name.encode())
         h.update(bytes.fromhex(sha256_file(p)))
     return h.hexdigest()
+
+
+def inside(directory: Path, relpath: Any, what: str = "file") -> Path:
+    """``directory / relpath`` for a path read from a manifest or ``calibration.json``, confined to ``directory``.
+
+    The path must be a plain relative POSIX path: not absolute, no ``..``, no backslash or drive, and
+    it must not resolve (through symlinks) outside ``directory``. Anything else is an InputError:
+    a build directory is shared, so what its files say must not make trtc read, write or delete
+    anything else. Does not check that the file exists.
+    """
+    directory = Path(directory)
+    text = relpath if isinstance(relpath, str) else None
+    bad = (text is None or not text or "\x00" in text or "\\" in text or text.startswith("/")
+           or ":" in text.split("/")[0] or any(part in ("..", "") for part in text.split("/")))
+    if not bad:
+        path = directory / PurePosixPath(text or "")
+        try:
+            bad = not path.resolve().is_relative_to(directory.resolve())
+        except (OSError, RuntimeError):  # a symlink loop
+            bad = True
+    if bad:
+        raise InputError(f"{directory}: the {what} {relpath!r} named in its records is not a relative path inside "
+                         "the directory (absolute, '..' or a symlink out of it); refusing it: rebuild the directory "
+                         "with `trtc build`")
+    return path
 
 
 def current_umask() -> int:

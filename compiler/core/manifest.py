@@ -1,26 +1,40 @@
-"""``DIR/manifest.json``: what a build directory holds and how it was made.
+"""``DIR/manifest.json``, what a build directory holds and how it was made, as a typed ``Manifest``.
 
-The manifest is a plain JSON object, schema-versioned (``schema_version``), written last
-and atomically by every command that changes the directory. docs/manifest.md documents each key.
+The one reader and writer of the file: ``read_manifest`` checks it (schema version, the shape of every key a
+command reads, paths confined to the directory) and returns a ``Manifest``; ``write_manifest`` writes one.
+Commands change a manifest only through its update methods (``with_calibration``, ``with_engines``,
+``with_no_engines``, ``rebuilt``, ``merged``), and readers share its rules (``spec``, ``tf32``, ``onnx_for``,
+``engine_precision``). Each key of docs/manifest.md is a field of the same name; records that code reads are typed
+(``FileRecord``, ``EngineRecord``, ``SourceRecord``, ``BuildSettings``), those written for people (``export``,
+``verification``, ``accuracy``, ...) stay the JSON they are, and keys of a newer trtc are kept in ``extra``.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime
+import logging
 import platform
 import sys
-from collections.abc import Mapping
-from pathlib import Path, PurePosixPath
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar, Self
 
+from compiler.core import defaults
 from compiler.core.errors import InputError
-from compiler.core.files import atomic_write_json, read_json, sha256_file, sha256_files
+from compiler.core.files import atomic_write_json, inside, read_json, sha256_file, sha256_files
 from compiler.core.onnx_io import onnx_files
+from compiler.core.settings import BuildSettings, hardware_compat_level
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 from compiler.core.version import __version__
 
-__all__ = ["SCHEMA_VERSION", "MANIFEST", "read_manifest", "write_manifest", "tool_versions", "onnx_entry",
-           "refuse_other_model", "now", "spec_from_manifest", "inside", "verified_onnx", "verified_file", "onnx_for"]
+__all__ = ["SCHEMA_VERSION", "MANIFEST", "Manifest", "FileRecord", "EngineRecord", "SourceRecord", "ShapeRange",
+           "CalibrationRecord", "read_manifest", "write_manifest", "settings_to_dict", "settings_from_dict",
+           "recorded_tf32", "tool_versions", "refuse_other_model", "now", "verified_onnx", "verified_file"]
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -43,63 +57,441 @@ def tool_versions() -> dict[str, str]:
     return versions
 
 
-def onnx_entry(directory: Path, path: Path) -> dict[str, Any]:
-    """A manifest entry for an ONNX file and its external data: relative names and one digest."""
-    files = onnx_files(path)
-    return {"file": path.relative_to(directory).as_posix(),
-            "files": [f.relative_to(directory).as_posix() for f in files],
-            "sha256": sha256_files(files),
-            "bytes": sum(f.stat().st_size for f in files)}
+# --- records ---------------------------------------------------------------------------------------------------------
+
+def _json(value: Any) -> Any:
+    """A field's value as JSON: records by their ``to_json``, tuples as lists, a copy of anything else."""
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if isinstance(value, tuple):
+        return [_json(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _json(v) for k, v in value.items()}
+    return copy.deepcopy(value)
 
 
-def inside(directory: Path, relpath: Any, what: str = "file") -> Path:
-    """``directory / relpath`` for a path read from a manifest or ``calibration.json``, confined to ``directory``.
+class _Record:
+    """A JSON object of the manifest as a frozen dataclass: a field per key, read through ``_CONVERT`` (else
+    copied); ``extra`` holds the keys this trtc does not know, so that writing the record back loses nothing."""
 
-    The path must be a plain relative POSIX path: not absolute, no ``..``, no backslash or drive, and
-    it must not resolve (through symlinks) outside ``directory``. Anything else is an InputError:
-    a build directory is shared, so what its files say must not make trtc read, write or delete
-    anything else. Does not check that the file exists.
-    """
-    directory = Path(directory)
-    text = relpath if isinstance(relpath, str) else None
-    bad = (text is None or not text or "\x00" in text or "\\" in text or text.startswith("/")
-           or ":" in text.split("/")[0] or any(part in ("..", "") for part in text.split("/")))
-    if not bad:
-        path = directory / PurePosixPath(text or "")
-        try:
-            bad = not path.resolve().is_relative_to(directory.resolve())
-        except (OSError, RuntimeError):  # a symlink loop
-            bad = True
-    if bad:
-        raise InputError(f"{directory}: the {what} {relpath!r} named in its records is not a relative path inside "
-                         "the directory (absolute, '..' or a symlink out of it); refusing it: rebuild the directory "
-                         "with `trtc build`")
-    return path
+    _CONVERT: ClassVar[Mapping[str, Any]] = {}
+    _NOT_KEYS: ClassVar[tuple[str, ...]] = ("extra",)  # fields that are no key of the JSON
+    extra: Mapping[str, Any]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in cls._NOT_KEYS]  # type: ignore[arg-type]
+        values = {n: cls._CONVERT.get(n, copy.deepcopy)(data[n]) for n in names if data.get(n) is not None}
+        make: Any = cls
+        return make(**values, extra={k: copy.deepcopy(v) for k, v in data.items() if k not in names})
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as JSON: its fields in order, those without a value (None, empty) left out, then ``extra``."""
+        names = [f.name for f in dataclasses.fields(self) if f.name not in self._NOT_KEYS]  # type: ignore[arg-type]
+        values = {name: getattr(self, name) for name in names}
+        return {**{k: _json(v) for k, v in values.items() if v not in (None, "", (), {})},
+                **copy.deepcopy(dict(self.extra))}
 
 
-def verified_file(directory: Path, entry: dict[str, Any], what: str = "file") -> Path:
-    """The confined ``entry["file"]`` after checking that it exists and matches ``entry["sha256"]``."""
-    path = inside(directory, entry.get("file") if isinstance(entry, dict) else None, what)
+@dataclass(frozen=True)
+class FileRecord(_Record):
+    """A file of the directory and its digest: an ONNX graph with its data files (``files``, graph first; ``sha256``
+    over all of them in that order), or one file (the source snapshot: ``files`` empty). ``bytes``: their size."""
+
+    file: str
+    sha256: str
+    files: tuple[str, ...] = ()
+    bytes: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    _CONVERT: ClassVar[Mapping[str, Any]] = {"files": tuple}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every file of the record, relative to the directory: ``files``, else the one ``file``."""
+        return self.files or (self.file,)
+
+    @classmethod
+    def for_onnx(cls, directory: Path, path: Path) -> FileRecord:
+        """The record of the ONNX graph ``path`` inside ``directory`` and its external data: one digest for all."""
+        found = onnx_files(path)
+        return cls(path.relative_to(directory).as_posix(), sha256_files(found),
+                   tuple(f.relative_to(directory).as_posix() for f in found), sum(f.stat().st_size for f in found))
+
+    @classmethod
+    def for_file(cls, directory: Path, path: Path) -> FileRecord:
+        """The record of one file ``path`` inside ``directory``."""
+        return cls(path.relative_to(directory).as_posix(), sha256_file(path), bytes=path.stat().st_size)
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """The min / opt / max shape of one input in an engine's optimization profile."""
+
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"min": list(self.min), "opt": list(self.opt), "max": list(self.max)}
+
+
+@dataclass(frozen=True)
+class EngineRecord(_Record):
+    """One bucket's engine: its file (shared by the buckets of a multi-profile engine, each with its ``profile``),
+    digest and size, the ``shapes`` it was built for, ``build_seconds``, ``layers`` (TensorRT's layer information:
+    ``file``, ``count``, ``output_types``) and the ONNX it was built from (``onnx``, ``onnx_sha256``)."""
+
+    bucket: int
+    file: str
+    sha256: str
+    profile: int = 0
+    bytes: int | None = None
+    shapes: Mapping[str, ShapeRange] = field(default_factory=dict)
+    build_seconds: float | None = None
+    layers: Mapping[str, Any] | None = None
+    onnx: str | None = None
+    onnx_sha256: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    _CONVERT: ClassVar[Mapping[str, Any]] = {"shapes": lambda shapes: {
+        name: ShapeRange(tuple(s["min"]), tuple(s["opt"]), tuple(s["max"])) for name, s in shapes.items()}}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The files of this engine, relative to the directory: the engine and its layer file."""
+        layers = (self.layers or {}).get("file")
+        return (self.file, layers) if isinstance(layers, str) and layers else (self.file,)
+
+
+@dataclass(frozen=True)
+class SourceRecord(_Record):
+    """The model the directory was exported from: ``path`` (the file, or the factory), ``format``
+    (``exported_program``, ``torchscript``, ``onnx``, ``factory`` or ``pickle``), ``sha256`` of the model file (of
+    the state dict for a factory without weights), ``factory``, and ``snapshot``: the copy kept in ``DIR/source/``
+    (None for an ONNX input). An empty string is a key the record lacks."""
+
+    path: str = ""
+    format: str = ""
+    sha256: str = ""
+    factory: str | None = None
+    snapshot: FileRecord | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    _CONVERT: ClassVar[Mapping[str, Any]] = {"snapshot": FileRecord.from_json}
+
+
+@dataclass(frozen=True)
+class CalibrationRecord:
+    """What a calibration that passed adds to the manifest (``Manifest.with_calibration``): the reduced-precision
+    ONNX, the gate's ``accuracy`` and the ``data`` entries of this precision, and the section of its kind
+    (``calibration`` for INT8, ``fp16`` for FP16)."""
+
+    precision: str
+    onnx: FileRecord
+    accuracy: Mapping[str, Any]
+    data: Mapping[str, Any]
+    calibration: Mapping[str, Any] | None = None
+    fp16: Mapping[str, Any] | None = None
+
+
+# --- build settings as the manifest stores them --------------------------------------------------------------------
+
+def settings_to_dict(settings: BuildSettings) -> dict[str, Any]:
+    """``BuildSettings`` as the manifest's ``build``: JSON values (lists, strings) under the field names."""
+    out = dataclasses.asdict(settings)
+    out["buckets"] = list(settings.buckets)
+    out["timing_cache"] = str(settings.timing_cache) if settings.timing_cache is not None else None
+    return out
+
+
+def recorded_tf32(build: Mapping[str, Any] | None) -> bool:
+    """Whether FP32 math may use TF32 for a recorded ``build`` section: its ``tf32``; a section without one (a trtc
+    that did not record it) built with TF32 off; no section: the default. One rule for ``trtc rebuild`` and the
+    serving and bench backends (``Manifest.tf32``)."""
+    if not isinstance(build, Mapping):
+        return defaults.TF32
+    return bool(build.get("tf32", False))
+
+
+def settings_from_dict(data: Mapping[str, Any]) -> BuildSettings:
+    """``BuildSettings`` from the manifest's ``build``; keys this trtc does not know are not used (with a note; a
+    ``Manifest`` keeps them in ``build_extra`` and writes them back)."""
+    known = {f.name for f in dataclasses.fields(BuildSettings)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        log.info("manifest build settings %s are unknown to this trtc: not used", ", ".join(unknown))
+    values = {k: v for k, v in data.items() if k in known}
+    values["tf32"] = recorded_tf32(data)
+    if "buckets" in values:
+        values["buckets"] = tuple(int(b) for b in values["buckets"])
+    if values.get("timing_cache") is not None:
+        values["timing_cache"] = Path(values["timing_cache"])
+    try:
+        return BuildSettings(**values)
+    except TypeError as err:
+        raise InputError(f"manifest build settings do not parse ({err}); rebuild with `trtc build --force`") from err
+
+
+# --- the manifest ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Manifest(_Record):
+    """``DIR/manifest.json``: one field per key of docs/manifest.md (which says what writes each), ``extra`` for keys
+    this trtc does not know. ``from_json`` / ``to_json`` convert the JSON object both ways and lose no key; the JSON
+    records of people (``export``, ``verification``, ...) are kept as they are, and not to be changed in place."""
+
+    trtc_version: str | None = None
+    created: str | None = None
+    tools: Mapping[str, str] | None = None
+    source: SourceRecord | None = None
+    inputs: tuple[str, ...] = ()  # the input spec: NAME:SHAPE:DTYPE each (``spec``)
+    dims: Mapping[str, str] = field(default_factory=dict)  # non-batch dynamic dims: {NAME: "MIN:OPT:MAX"}
+    output_names: tuple[str, ...] = ()
+    buckets: tuple[int, ...] = ()  # the batch buckets the export was verified for
+    export: Mapping[str, Any] | None = None
+    passes: Sequence[Mapping[str, Any]] | None = None
+    verification: Mapping[str, Any] | None = None
+    onnx: Mapping[str, FileRecord] = field(default_factory=dict)  # by precision: fp32, int8, fp16, ...
+    precision: str = defaults.PRECISION  # the precision last produced (engines record theirs in build.precision)
+    calibration: Mapping[str, Any] | None = None
+    fp16: Mapping[str, Any] | None = None
+    data: Mapping[str, Any] | None = None
+    accuracy: Mapping[str, Any] | None = None
+    build: BuildSettings | None = None  # None: never built
+    engines: tuple[EngineRecord, ...] = ()
+    engines_note: str | None = None  # why no engines were built
+    environment: Mapping[str, Any] | None = None  # where the engines were built (backends.tensorrt.environment)
+    build_seconds: float | None = None
+    engines_built: str | None = None
+    merged_from: Sequence[str] | None = None
+    failed: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # keys of a newer trtc, written back as they were
+    build_extra: Mapping[str, Any] = field(default_factory=dict)  # the same, inside ``build``
+
+    # --- JSON ------------------------------------------------------------------------------------------------------
+
+    _CONVERT: ClassVar[Mapping[str, Any]] = {
+        "source": SourceRecord.from_json, "inputs": tuple, "output_names": tuple, "buckets": tuple,
+        "build": settings_from_dict, "onnx": lambda records: {p: FileRecord.from_json(r) for p, r in records.items()},
+        "engines": lambda records: tuple(EngineRecord.from_json(r) for r in records)}
+    _NOT_KEYS: ClassVar[tuple[str, ...]] = ("extra", "build_extra")
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Manifest:
+        """The manifest of a JSON object (``schema_version`` aside, which ``read_manifest`` checks). InputError when a
+        key has the wrong shape or the build settings do not parse."""
+        problem = _malformed(data)
+        if problem:
+            raise InputError(f"{problem}; the manifest is damaged, rebuild the directory with `trtc build`")
+        build = data.get("build") or {}  # an empty build section records nothing
+        keys = {k: v for k, v in data.items() if k != "schema_version" and (k != "build" or build)}
+        known = {f.name for f in dataclasses.fields(BuildSettings)}
+        return replace(super().from_json(keys),
+                       build_extra={k: copy.deepcopy(v) for k, v in build.items() if k not in known})
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written to ``manifest.json``: ``schema_version`` first, then each key that has a value."""
+        out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("extra", "build_extra") or value is None or (f.name in ("inputs", "buckets") and not value):
+                continue
+            if f.name == "engines" and not value and self.build is None:
+                continue  # an export: no engines key until a build writes one
+            if f.name == "build":
+                out["build"] = {**settings_to_dict(value), **copy.deepcopy(dict(self.build_extra))}
+            else:
+                out[f.name] = _json(value)
+        return {**out, **copy.deepcopy(dict(self.extra))}
+
+    # --- what readers need -----------------------------------------------------------------------------------------
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The input spec recorded by the export (``inputs`` and ``dims``)."""
+        if not self.inputs:
+            raise InputError("the manifest has no usable input spec (no inputs); re-export with `trtc export`")
+        return ModelSpec(tuple(parse_input_spec(text) for text in self.inputs),
+                         dict(parse_dim_range(f"{name}={text}") for name, text in self.dims.items()))
+
+    @property
+    def tf32(self) -> bool:
+        """Whether FP32 math may use TF32, as the engines were built (``recorded_tf32``): the build's ``tf32``
+        (False for a build section that does not record it), the default when nothing was built."""
+        return self.build.tf32 if self.build is not None else defaults.TF32
+
+    @property
+    def hardware_compat(self) -> str:
+        """The engines' hardware-compatibility level: the build's, else the environment's, else ``none``."""
+        if self.build is not None:
+            return self.build.hardware_compat
+        return hardware_compat_level((self.environment or {}).get("hardware_compat"))
+
+    @property
+    def version_compatible(self) -> bool:
+        """Whether the engines were built version-compatible: the build's setting, else the environment's."""
+        if self.build is not None:
+            return self.build.version_compatible
+        return bool((self.environment or {}).get("version_compatible"))
+
+    @property
+    def accuracy_metrics(self) -> dict[str, str | None]:
+        """The accuracy gate's metric (``top1`` or ``cosine``) per reduced precision; None where it did not run."""
+        return {precision: entry.get("metric") if isinstance(entry, Mapping) else None
+                for precision, entry in (self.accuracy or {}).items()}
+
+    def engine_precision(self, engine: EngineRecord) -> str:
+        """The precision of the ONNX ``engine`` was built from (its ``onnx`` file), else the build's precision."""
+        for precision, record in self.onnx.items():
+            if record.file == engine.onnx:
+                return precision
+        return self.build.precision if self.build is not None else self.precision
+
+    def onnx_record(self, directory: Path, precision: str) -> FileRecord:
+        """The ``onnx`` record of ``precision``; InputError naming the precisions there are when there is none."""
+        if precision not in self.onnx:
+            have = ", ".join(sorted(self.onnx)) or "none"
+            raise InputError(f"{directory} has no {precision} ONNX (it has: {have}); run `trtc build` with "
+                             f"--precision {precision}, or rebuild another precision")
+        return self.onnx[precision]
+
+    def onnx_for(self, directory: Path, precision: str | None = None) -> Path:
+        """The graph of ``precision`` (default: the manifest's ``precision``) in ``directory``, confined to it and
+        checked against its sha256 (``verified_onnx``)."""
+        precision = precision or self.precision
+        return verified_onnx(directory, self.onnx_record(directory, precision), precision)
+
+    def rebuild_settings(self) -> BuildSettings:
+        """The settings ``trtc rebuild`` repeats: the recorded build's; for an export never built, the export's
+        buckets and precision with the default settings."""
+        if self.build is not None:
+            return self.build
+        return BuildSettings(buckets=self.buckets or BuildSettings().buckets, precision=self.precision)
+
+    def named_files(self) -> list[tuple[str, str]]:
+        """(what, relative path) of every file the manifest names: ONNX and data files, engines and their layer
+        files, the source snapshot."""
+        paths = [(f"{precision} ONNX", name) for precision, record in self.onnx.items() for name in record.names]
+        for engine in self.engines:
+            paths += list(zip(("engine", "layer file"), engine.names))
+        if self.source is not None and self.source.snapshot is not None:
+            paths.append(("source model snapshot", self.source.snapshot.file))
+        return paths
+
+    # --- how the commands change it --------------------------------------------------------------------------------
+
+    def with_calibration(self, record: CalibrationRecord) -> Manifest:
+        """After a calibration that passed: its ONNX beside the others, ``precision`` the new one, its ``accuracy``
+        and ``data`` entries beside the other precisions', its ``calibration`` or ``fp16`` section over the old."""
+        def over(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+            return old if new is None else {**(old or {}), **copy.deepcopy(dict(new))}
+
+        return replace(self, onnx={**self.onnx, record.precision: record.onnx}, precision=record.precision,
+                       accuracy=over(self.accuracy, {record.precision: record.accuracy}),
+                       data=over(self.data, {record.precision: record.data}),
+                       calibration=over(self.calibration, record.calibration), fp16=over(self.fp16, record.fp16))
+
+    def with_engines(self, settings: BuildSettings, environment: Mapping[str, Any],
+                     engines: Sequence[EngineRecord]) -> Manifest:
+        """After an engine build: the ``build`` settings (so that ``trtc rebuild`` can repeat them), the
+        ``environment`` the engines were built in with the settings' compatibility, and the ``engines``.
+        ``engines_note`` goes once there are engines: it no longer describes the directory."""
+        recorded = {**environment, "hardware_compat": settings.hardware_compat,
+                    "version_compatible": settings.version_compatible}
+        return replace(self, build=settings, build_extra={}, environment=recorded, engines=tuple(engines),
+                       engines_note=None if engines else self.engines_note)
+
+    def with_no_engines(self, settings: BuildSettings, note: str,
+                        environment: Mapping[str, Any] | None = None) -> Manifest:
+        """After a build that made no engines: the settings, why (``note``: ``not built: ...``) and, when it looked
+        for TensorRT, the ``environment`` it found."""
+        built = self.with_engines(settings, environment, ()) if environment is not None else replace(
+            self, build=settings, build_extra={}, engines=())
+        return replace(built, engines_note=note)
+
+    def rebuilt(self, settings: BuildSettings, environment: Mapping[str, Any],
+                engines: Sequence[EngineRecord]) -> Manifest:
+        """After ``trtc rebuild``: as ``with_engines``, and ``engines_built`` now."""
+        return replace(self.with_engines(settings, environment, engines), engines_built=now())
+
+    def merged(self, reference: Manifest, engines: Sequence[EngineRecord], merged_from: Sequence[str]) -> Manifest:
+        """After ``trtc merge``: ``engines`` (by bucket) from the directories ``merged_from``, with the build settings
+        and environment of ``reference`` (the first directory with engines) and its buckets those of ``engines``."""
+        build = replace(reference.build or BuildSettings(), buckets=tuple(sorted(e.bucket for e in engines)))
+        return replace(self, build=build, build_extra=reference.build_extra, environment=reference.environment,
+                       engines=tuple(sorted(engines, key=lambda e: e.bucket)), merged_from=list(merged_from))
+
+
+# --- reading and writing ---------------------------------------------------------------------------------------------
+
+def read_manifest(directory: Path) -> Manifest:
+    """``directory``'s manifest, checked: one InputError (a line naming the file and the fix) for a missing,
+    unreadable, other-version or damaged manifest, or one that names a path outside the directory."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise InputError(f"{directory}: no {MANIFEST}; run `trtc export` or `trtc build` into it first")
+    try:
+        data = read_json(path)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: not valid JSON ({err}); rebuild the directory with `trtc build --force`") from err
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if version != SCHEMA_VERSION:
+        raise InputError(f"{path}: schema_version {version!r}, this trtc reads {SCHEMA_VERSION}; rebuild the "
+                         "directory with this version of trtc")
+    try:
+        manifest = Manifest.from_json(data)
+    except InputError as err:
+        raise InputError(f"{path}: {err}") from err
+    for what, name in manifest.named_files():
+        inside(Path(directory), name, what)
+    return manifest
+
+
+def write_manifest(path: Path, manifest: Manifest) -> None:
+    """Write ``manifest`` to ``path`` (a staged ``manifest.json``) atomically."""
+    atomic_write_json(path, manifest.to_json())
+
+
+def refuse_other_model(directory: Path, source_sha256: str, force: bool) -> None:
+    """Refuse to write over a directory that holds a different model's build, unless ``force``. Reads the old
+    manifest leniently: one that does not read protects nothing."""
+    path = directory / MANIFEST
+    if force or not path.is_file():
+        return
+    try:
+        old = read_json(path)
+    except ValueError:
+        return
+    source = (old.get("source") if isinstance(old, dict) else None) or {}
+    old_sha = source.get("sha256") if isinstance(source, dict) else None
+    if old_sha and old_sha != source_sha256:
+        raise InputError(f"{directory} holds the build of another model ({source.get('path')}); choose another --out "
+                         "directory or pass --force to replace it")
+
+
+# --- files and digests -----------------------------------------------------------------------------------------------
+
+def verified_file(directory: Path, record: FileRecord | EngineRecord, what: str = "file") -> Path:
+    """The confined ``record.file`` after checking that it exists and matches ``record.sha256``."""
+    path = inside(directory, record.file, what)
     if not path.is_file():
         raise InputError(f"{path} is missing: the directory is incomplete; rebuild it with `trtc rebuild {directory}`")
-    if sha256_file(path) != entry.get("sha256"):
+    if sha256_file(path) != record.sha256:
         raise InputError(f"{path} does not match the sha256 in {directory / MANIFEST} (changed or truncated); "
                          f"rebuild it with `trtc rebuild {directory}` or `trtc build`")
     return path
 
 
-def verified_onnx(directory: Path, entry: Any, precision: str = "") -> Path:
-    """The confined graph of a manifest ``onnx`` entry, after its files (graph + data) match the entry's sha256.
+def verified_onnx(directory: Path, record: FileRecord | None, precision: str = "") -> Path:
+    """The confined graph of an ``onnx`` record, after its files (graph + data) match the record's sha256.
 
     Every file is checked inside ``directory`` and read only after the digest over all of them
     matches; the graph's external data references are checked to be among those files.
     """
     what = f"{precision} ONNX".strip()
-    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+    if record is None:
         raise InputError(f"{directory / MANIFEST}: the {what} entry lacks file or sha256; rebuild the directory "
                          "with `trtc build`")
-    names = entry.get("files") or [entry.get("file")]
-    if not isinstance(names, list) or entry.get("file") not in names:
+    names = list(record.names)
+    if record.file not in names:
         raise InputError(f"{directory / MANIFEST}: the {what} entry's files do not include its graph; rebuild the "
                          "directory with `trtc build`")
     files = [inside(directory, name, what) for name in names]
@@ -107,8 +499,8 @@ def verified_onnx(directory: Path, entry: Any, precision: str = "") -> Path:
     if missing:
         raise InputError(f"{', '.join(missing)} missing: the directory's ONNX is incomplete; restore it or "
                          "re-run `trtc build`")
-    graph = files[names.index(entry["file"])]
-    if sha256_files(files) != entry["sha256"]:
+    graph = files[names.index(record.file)]
+    if sha256_files(files) != record.sha256:
         raise InputError(f"{graph} does not match the sha256 in the manifest: it was changed after export, so it "
                          "is not the verified model; restore it or re-run `trtc build` to re-export")
     referenced = {p.resolve() for p in onnx_files(graph)}
@@ -117,51 +509,8 @@ def verified_onnx(directory: Path, entry: Any, precision: str = "") -> Path:
     return graph
 
 
-def onnx_for(directory: Path, manifest: Mapping[str, Any], precision: str | None = None) -> Path:
-    """The build's ONNX for ``precision`` (default: the build's ``precision``, else fp32), confined to ``directory``
-    and checked against its sha256."""
-    precision = precision or manifest.get("precision") or "fp32"
-    onnx = manifest.get("onnx")
-    entry = onnx.get(precision) if isinstance(onnx, dict) and isinstance(precision, str) else None
-    if entry is None:
-        raise InputError(f"{directory}: the manifest's precision is {precision} but it lists no onnx.{precision} "
-                         "file; run `trtc build` into the directory again")
-    return verified_onnx(directory, entry, str(precision))
-
-
-def spec_from_manifest(manifest: dict[str, Any]) -> ModelSpec:
-    """The input spec recorded by ``trtc export`` (``inputs`` and ``dims``)."""
-    try:
-        inputs = tuple(parse_input_spec(text) for text in manifest["inputs"])
-        dims = dict(parse_dim_range(f"{name}={text}") for name, text in (manifest.get("dims") or {}).items())
-    except (KeyError, TypeError, AttributeError) as err:
-        raise InputError(f"the manifest has no usable input spec ({err}); re-export with `trtc export`") from err
-    return ModelSpec(inputs, dims)
-
-
-def read_manifest(directory: Path) -> dict[str, Any]:
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise InputError(f"{directory}: no {MANIFEST}; run `trtc export` or `trtc build` into it first")
-    try:
-        manifest = read_json(path)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise InputError(f"{path}: not valid JSON ({err}); rebuild the directory with `trtc build --force`") from err
-    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
-    if version != SCHEMA_VERSION:
-        raise InputError(f"{path}: schema_version {version!r}, this trtc reads {SCHEMA_VERSION}; rebuild the "
-                         "directory with this version of trtc")
-    problem = _malformed(manifest)
-    if problem:
-        raise InputError(f"{path}: {problem}; the manifest is damaged, rebuild the directory with `trtc build`")
-    for what, name in _paths_in(manifest):
-        inside(Path(directory), name, what)
-    return manifest
-
-
-# The shape of the keys that commands read, checked once when the manifest is read so that a damaged or
-# hand-edited manifest is one InputError rather than a TypeError deep in a reader. Hand-written: a dozen type
-# checks on one JSON object do not justify a schema library as a runtime dependency.
+# --- the shape of the JSON: the keys commands read, checked once so that a damaged or hand-edited manifest is one
+# InputError rather than a TypeError deep in a reader (a dozen type checks do not justify a schema library)
 
 def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
     return isinstance(value, kind) and not (isinstance(value, bool) and kind in (int, (int, float)))
@@ -197,8 +546,10 @@ def _engine_ok(entry: Any) -> bool:
             and all(_is(entry.get(k, ""), str) for k in ("onnx", "onnx_sha256")))
 
 
-def _malformed(m: dict[str, Any]) -> str | None:
+def _malformed(m: Mapping[str, Any]) -> str | None:
     """What is wrong with the shape of manifest ``m``, or None. Keys that are absent are not checked here."""
+    if not isinstance(m, Mapping):
+        return "it is not a JSON object"
     source, build = m.get("source", {}), m.get("build") or {}
     checks = {
         "inputs": lambda: _list_of(m["inputs"], str, nonempty=True),
@@ -223,38 +574,3 @@ def _malformed(m: dict[str, Any]) -> str | None:
                 return f"engines[{index}] lacks bucket, file or sha256, or has a value of the wrong type"
             return f"'{key}' is malformed"
     return None
-
-
-def _paths_in(m: dict[str, Any]) -> list[tuple[str, Any]]:
-    """(what, relative path) of every file a well-formed manifest names."""
-    paths: list[tuple[str, Any]] = []
-    for precision, entry in (m.get("onnx") or {}).items():
-        paths += [(f"{precision} ONNX", name) for name in entry.get("files") or [entry["file"]]]
-    for entry in m.get("engines") or []:
-        paths.append(("engine", entry["file"]))
-        if entry.get("layers"):
-            paths.append(("layer file", entry["layers"]["file"]))
-    snapshot = (m.get("source") or {}).get("snapshot")
-    if snapshot:
-        paths.append(("source model snapshot", snapshot["file"]))
-    return paths
-
-
-def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    manifest = {"schema_version": SCHEMA_VERSION, **{k: v for k, v in manifest.items() if k != "schema_version"}}
-    atomic_write_json(path, manifest)
-
-
-def refuse_other_model(directory: Path, source_sha256: str, force: bool) -> None:
-    """Refuse to write over a directory that holds a different model's build, unless ``force``."""
-    path = directory / MANIFEST
-    if force or not path.is_file():
-        return
-    try:
-        old = read_json(path)
-    except ValueError:
-        return  # an unreadable manifest protects nothing
-    old_sha = (old.get("source") or {}).get("sha256")
-    if old_sha and old_sha != source_sha256:
-        raise InputError(f"{directory} holds the build of another model ({(old.get('source') or {}).get('path')}); "
-                         "choose another --out directory or pass --force to replace it")

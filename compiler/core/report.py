@@ -8,23 +8,26 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from compiler.core.manifest import MANIFEST, Manifest, read_manifest
+
 __all__ = ["print_export_summary", "console"]
 
 console = Console()
 
 
-def print_export_summary(manifest: dict[str, Any], out: Path) -> None:
-    export = manifest["export"]
-    console.print(f"exported {manifest['source']['path']} with the {export['exporter']} exporter "
+def print_export_summary(manifest: Manifest, out: Path) -> None:
+    export = manifest.export or {}
+    source = manifest.source.path if manifest.source is not None else "?"
+    console.print(f"exported {source} with the {export['exporter']} exporter "
                   f"(opset {export['opset']}, {export['seconds']:.1f} s)")
     table = Table("pass", "nodes", "initializers", "seconds", "changes", title="graph passes")
-    for p in manifest["passes"]:
+    for p in manifest.passes or ():
         counts = {k: len(v) if isinstance(v, list) else v for k, v in p["changes"].items()}
         changes = ", ".join(f"{k} {v}" for k, v in counts.items() if v) or "-"
         table.add_row(p["name"], f"{p['nodes_before']} -> {p['nodes_after']}",
                       f"{p['initializers_before']} -> {p['initializers_after']}", f"{p['seconds']:.3f}", changes)
     console.print(table)
-    ver = manifest["verification"]
+    ver = manifest.verification or {}
     title = f"verification (atol {ver.get('atol', 0):g}, rtol {ver['rtol']:g}; inputs: {ver.get('inputs', 'random')})"
     table = Table("check", "batch", "max abs", "max rel", "cosine", "outside", title=title)
     for key in ("export", "passes"):
@@ -32,7 +35,7 @@ def print_export_summary(manifest: dict[str, Any], out: Path) -> None:
             table.add_row(key, str(c["batch"]), f"{c['max_abs']:.2e}", f"{c['max_rel']:.2e}", f"{c['cosine']:.6f}",
                           f"{c.get('mismatched', 0)}/{c.get('elements', 0)}")
     console.print(table)
-    console.print(f"wrote {out / manifest['onnx']['fp32']['file']} and {out / 'manifest.json'}")
+    console.print(f"wrote {out / manifest.onnx['fp32'].file} and {out / MANIFEST}")
 
 
 def print_accuracy(directory: Path) -> None:
@@ -72,20 +75,18 @@ def _print_accuracy_entry(precision: str, report: dict[str, Any], path: Path) ->
     console.print("PASS" if acc["passed"] else "FAIL", f"({path})")
 
 
-def print_build_summary(out: Path, manifest: dict[str, Any] | None = None) -> None:
-    import json
-
+def print_build_summary(out: Path, manifest: Manifest | None = None) -> None:
+    """The accuracy table and the artifacts of a build: ``manifest``, else the one in ``out`` (none: nothing)."""
     if manifest is None:
-        path = out / "manifest.json"
-        if not path.is_file():
+        if not (out / MANIFEST).is_file():
             return
-        manifest = json.loads(path.read_text())
+        manifest = read_manifest(out)
     print_accuracy(out)
-    table = Table("artifact", "file", "size", title=f"build {out} ({manifest.get('precision', 'fp32')})")
-    for precision, entry in manifest.get("onnx", {}).items():
-        table.add_row(f"onnx {precision}", entry["file"], f"{entry['bytes'] / 2**20:.2f} MiB")
-    for engine in manifest.get("engines", []):
-        table.add_row(f"engine b{engine.get('bucket')}", engine["file"], f"{engine['bytes'] / 2**20:.2f} MiB")
+    table = Table("artifact", "file", "size", title=f"build {out} ({manifest.precision})")
+    for precision, record in manifest.onnx.items():
+        table.add_row(f"onnx {precision}", record.file, f"{(record.bytes or 0) / 2**20:.2f} MiB")
+    for engine in manifest.engines:
+        table.add_row(f"engine b{engine.bucket}", engine.file, f"{(engine.bytes or 0) / 2**20:.2f} MiB")
     console.print(table)
-    if manifest.get("engines_note"):
-        console.print(f"engines: not built ({manifest['engines_note'].removeprefix('not built: ')})")
+    if manifest.engines_note:
+        console.print(f"engines: not built ({manifest.engines_note.removeprefix('not built: ')})")

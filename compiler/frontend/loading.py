@@ -17,10 +17,13 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, DimRange, InputSpec
+
+if TYPE_CHECKING:
+    from compiler.core.manifest import FileRecord, Manifest
 
 __all__ = ["LoadedModel", "load_model", "detect_format", "specs_from_exported_program", "snapshot_into",
            "load_snapshot", "SNAPSHOT_DIR"]
@@ -188,7 +191,7 @@ def _from_factory(spec: str, weights: Path | None) -> LoadedModel:
     return LoadedModel("factory", source, module=module.eval())
 
 
-def snapshot_into(directory: Path, loaded: LoadedModel) -> dict[str, Any] | None:
+def snapshot_into(directory: Path, loaded: LoadedModel) -> FileRecord | None:
     """Keep the model a build exports in ``directory/source/``; returns its manifest record, None for ONNX.
 
     A factory's module is kept as its state dict (``source/state_dict.pt``, read back with
@@ -197,7 +200,7 @@ def snapshot_into(directory: Path, loaded: LoadedModel) -> dict[str, Any] | None
     """
     import torch
 
-    from compiler.core.files import sha256_file
+    from compiler.core.manifest import FileRecord
 
     if loaded.is_onnx or loaded.module is None:
         return None
@@ -209,10 +212,10 @@ def snapshot_into(directory: Path, loaded: LoadedModel) -> dict[str, Any] | None
     else:
         path = folder / ("model" + (loaded.source.suffix or ".pt"))
         shutil.copyfile(loaded.source, path)
-    return {"file": path.relative_to(directory).as_posix(), "sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return FileRecord.for_file(directory, path)
 
 
-def load_snapshot(directory: Path, manifest: dict[str, Any], trust_pickle: bool = False) -> LoadedModel:
+def load_snapshot(directory: Path, manifest: Manifest, trust_pickle: bool = False) -> LoadedModel:
     """The source model exactly as the build in ``directory`` exported it, from ``source.snapshot``.
 
     The snapshot is read only inside ``directory`` and after its sha256 matches the manifest. A
@@ -221,19 +224,16 @@ def load_snapshot(directory: Path, manifest: dict[str, Any], trust_pickle: bool 
     """
     from compiler.core.manifest import verified_file
 
-    source = manifest.get("source")
-    fmt = source.get("format") if isinstance(source, dict) else None
-    if fmt == "onnx":
+    source = manifest.source
+    if source is not None and source.format == "onnx":
         raise InputError("the directory was exported from an ONNX file: there is no PyTorch model to run; use "
                          "backend='onnxruntime'")
-    snapshot = source.get("snapshot") if isinstance(source, dict) else None
-    if not isinstance(snapshot, dict):
+    if source is None or source.snapshot is None:
         raise InputError(f"{directory}: the build keeps no snapshot of its source model (made by an older trtc); "
                          "run `trtc build` again so that bench and the torch backend run the exported weights")
-    path = verified_file(directory, snapshot, "source model snapshot")
-    if fmt == "factory":
-        assert isinstance(source, dict)
-        factory = str(source.get("factory") or str(source.get("path") or "").partition(" + ")[0]).strip()
+    path = verified_file(directory, source.snapshot, "source model snapshot")
+    if source.format == "factory":
+        factory = (source.factory or source.path.partition(" + ")[0]).strip()
         return _from_factory(factory, path)
     return load_model(path, trust_pickle=trust_pickle)
 

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,11 @@ import numpy as np
 
 from compiler.backends.tensorrt.build import build_engine_files
 from compiler.backends.tensorrt.environment import environment
-from compiler.backends.tensorrt.records import manifest_engine_keys, settings_to_dict
 from compiler.backends.tensorrt.versions import NOT_INSTALLED, require_tensorrt
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import AccuracyGateError, TensorRTNotInstalled
 from compiler.core.files import directory_transaction, settle_modes
-from compiler.core.manifest import MANIFEST, write_manifest
+from compiler.core.manifest import MANIFEST, Manifest, write_manifest
 from compiler.core.progress import stage_timer
 from compiler.core.settings import BuildSettings, ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
@@ -42,9 +42,9 @@ FAILED_DIR = "failed"
 
 
 def build_directory(export: ExportSettings, calibration: Any | None, build: BuildSettings,
-                    command: str = "trtc build") -> dict[str, Any]:
+                    command: str = "trtc build") -> Manifest:
     """Run the whole chain; returns the manifest written. ``calibration`` is a CalibrationSettings or None (FP32)."""
-    from calibration.calibrate import ACCURACY_JSON, CALIBRATION_JSON, calibrated_into, merge_update
+    from calibration.calibrate import ACCURACY_JSON, CALIBRATION_JSON, calibrated_into
 
     start = time.perf_counter()
     out = export.out
@@ -61,20 +61,18 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
                 shutil.copy2(cache, stage / CALIBRATION_JSON)
             with stage_timer(f"{calibration.precision.upper()} calibration"):
                 outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
-            if not outcome.passed:
+            if outcome.record is None:
                 _keep_failed_attempt(stage, out, manifest)
                 raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "
                                         f"attempt is in {out / FAILED_DIR})")
-            manifest = merge_update(manifest, outcome.manifest_update)
-        manifest["build"] = settings_to_dict(build)
-        manifest["engines"] = []
+            manifest = manifest.with_calibration(outcome.record)
         missing: TensorRTNotInstalled | None = None
         if build.engine == "none":
-            manifest["engines_note"] = "not built: --engine none"
+            manifest = manifest.with_no_engines(build, "not built: --engine none")
         else:
             with stage_timer("engines"):
-                missing = _engines_into(stage, out, manifest, spec, build)
-        manifest["build_seconds"] = round(time.perf_counter() - start, 2)
+                manifest, missing = _engines_into(stage, out, manifest, spec, build)
+        manifest = replace(manifest, build_seconds=round(time.perf_counter() - start, 2))
         write_manifest(stage / MANIFEST, manifest)
     if missing is not None:
         raise missing
@@ -110,22 +108,21 @@ def _feeds_from_calibration_data(calibration: Any | None, spec: ModelSpec, max_b
     return feed_at, f"the first {len(samples)} sample(s) of {data.description}"
 
 
-def _engines_into(stage: Path, out: Path, manifest: dict[str, Any], spec: Any, build: BuildSettings,
-                  ) -> TensorRTNotInstalled | None:
-    """Build the engines into ``stage``; returns (not raises) TensorRTNotInstalled so the rest is committed first."""
+def _engines_into(stage: Path, out: Path, manifest: Manifest, spec: Any, build: BuildSettings,
+                  ) -> tuple[Manifest, TensorRTNotInstalled | None]:
+    """Build the engines into ``stage``: the manifest that records them, and TensorRTNotInstalled (returned, not
+    raised, so that the rest is committed first) when TensorRT is missing."""
     env = environment(build)
     if tensorrt_version() is None:
-        manifest["engines_note"] = "not built: TensorRT is not installed here"
-        manifest.update(manifest_engine_keys(build, env, []))
-        return TensorRTNotInstalled(NOT_INSTALLED.format(directory=out))
+        return (manifest.with_no_engines(build, "not built: TensorRT is not installed here", env),
+                TensorRTNotInstalled(NOT_INSTALLED.format(directory=out)))
     require_tensorrt(out)
-    onnx_rel = manifest["onnx"][build.precision]["file"] if build.precision in manifest["onnx"] else FP32_ONNX
+    onnx_rel = manifest.onnx[build.precision].file if build.precision in manifest.onnx else FP32_ONNX
     entries = build_engine_files(out, stage, onnx_rel, spec, build, env=env)
-    manifest.update(manifest_engine_keys(build, env, entries))
-    return None
+    return manifest.with_engines(build, env, entries), None
 
 
-def _keep_failed_attempt(stage: Path, out: Path, manifest: dict[str, Any]) -> None:
+def _keep_failed_attempt(stage: Path, out: Path, manifest: Manifest) -> None:
     """Move what the failed attempt produced to DIR/failed/, leaving the previous build untouched."""
     failed = out / FAILED_DIR
     if failed.exists():
@@ -135,6 +132,6 @@ def _keep_failed_attempt(stage: Path, out: Path, manifest: dict[str, Any]) -> No
     for path in list(stage.iterdir()):
         if path.name not in (".failed", ".export"):
             os.replace(path, kept / path.name)
-    write_manifest(kept / MANIFEST, {**manifest, "failed": "accuracy gate"})
+    write_manifest(kept / MANIFEST, replace(manifest, failed="accuracy gate"))
     settle_modes([p for p in kept.rglob("*") if p.is_file()])
     os.replace(kept, failed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,27 +20,16 @@ from compiler.backends.tensorrt.build import BuildStep, build_engine_files
 from compiler.backends.tensorrt.compat import (
     NEVER_BUILT,
     Staleness,
-    engine_entries,
     gpu_can_run,
-    recorded_onnx,
     stale_engines,
     stale_in,
     tensorrt_can_run,
 )
 from compiler.backends.tensorrt.environment import environment
-from compiler.backends.tensorrt.records import manifest_engine_keys, settings_from_dict
 from compiler.core.errors import InputError
-from compiler.core.files import directory_transaction, sha256_file
-from compiler.core.manifest import (
-    MANIFEST,
-    inside,
-    now,
-    read_manifest,
-    spec_from_manifest,
-    verified_onnx,
-    write_manifest,
-)
-from compiler.core.settings import BuildSettings, hardware_compat_level
+from compiler.core.files import directory_transaction, inside, sha256_file
+from compiler.core.manifest import MANIFEST, EngineRecord, Manifest, read_manifest, verified_onnx, write_manifest
+from compiler.core.settings import BuildSettings
 
 __all__ = ["Staleness", "CheckResult", "RebuildResult", "stale_engines", "check_directory", "rebuild_directory",
            "merge_manifests", "tensorrt_can_run", "gpu_can_run", "NEVER_BUILT"]
@@ -57,7 +47,7 @@ class CheckResult:
 
     directory: Path
     environment: dict[str, Any]
-    fresh: list[dict[str, Any]] = field(default_factory=list)  # manifest entries that can run here
+    fresh: list[EngineRecord] = field(default_factory=list)  # the engines that can run here
     stale: list[Staleness] = field(default_factory=list)
 
     @property
@@ -66,7 +56,7 @@ class CheckResult:
 
     def lines(self) -> list[str]:
         """One line per engine, for the CLI to print."""
-        lines = [f"ok     bucket {e['bucket']} ({e['file']})" for e in self.fresh]
+        lines = [f"ok     bucket {e.bucket} ({e.file})" for e in self.fresh]
         lines += [f"stale  {s}" for s in self.stale]
         if self.stale:
             lines.append(f"rebuild with `trtc rebuild {self.directory} --if-stale`")
@@ -78,7 +68,7 @@ class RebuildResult:
     directory: Path
     rebuilt: bool
     stale_before: list[Staleness]
-    engines: list[dict[str, Any]]
+    engines: list[EngineRecord]
 
 
 def check_directory(directory: Path, env: dict[str, Any] | None = None) -> CheckResult:
@@ -92,28 +82,14 @@ def check_directory(directory: Path, env: dict[str, Any] | None = None) -> Check
     manifest = read_manifest(directory)
     stale = stale_in(directory, manifest, here)
     stale_files = {(s.bucket, s.file) for s in stale}
-    fresh = [e for e in engine_entries(manifest) if (e["bucket"], e["file"]) not in stale_files]
+    fresh = [e for e in manifest.engines if (e.bucket, e.file) not in stale_files]
     return CheckResult(directory, here, fresh, stale)
 
 
 # --- rebuild -----------------------------------------------------------------------------------------------------
 
-def _recorded_settings(manifest: dict[str, Any]) -> BuildSettings:
-    if manifest.get("build"):
-        return settings_from_dict(manifest["build"])
-    # exported but never built: the export's buckets, default build settings
-    return BuildSettings(buckets=tuple(manifest.get("buckets") or BuildSettings().buckets),
-                         precision=manifest.get("precision", "fp32"))
-
-
-def _engine_files(entries: list[dict[str, Any]]) -> set[str]:
-    files = set()
-    for entry in entries:
-        files.add(entry["file"])
-        layers = entry.get("layers")
-        if isinstance(layers, dict) and layers.get("file"):
-            files.add(layers["file"])
-    return files
+def _engine_files(engines: Sequence[EngineRecord]) -> set[str]:
+    return {name for engine in engines for name in engine.names}
 
 
 def rebuild_directory(directory: Path, if_stale: bool, settings_override: BuildSettings | None = None,
@@ -134,22 +110,18 @@ def rebuild_directory(directory: Path, if_stale: bool, settings_override: BuildS
         manifest = read_manifest(directory)
         here = env if env is not None else environment()
         stale = stale_in(directory, manifest, here)
-        old_entries = engine_entries(manifest)
+        old_entries = list(manifest.engines)
         if if_stale and not stale:
             log.info("all %d engine(s) of %s can run here; nothing rebuilt", len(old_entries), directory)
             return RebuildResult(directory, False, [], old_entries)
-        settings = settings_override or _recorded_settings(manifest)
+        settings = settings_override or manifest.rebuild_settings()
         if settings.engine == "none":
             settings = replace(settings, engine="tensorrt")
-        onnx = recorded_onnx(manifest, settings.precision, directory)
+        onnx = manifest.onnx_record(directory, settings.precision)
         verified_onnx(directory, onnx)  # refuse an ONNX outside the directory or changed since it was recorded
-        spec = spec_from_manifest(manifest)
         stage = transaction.stage
-        entries = build_engine_files(directory, stage, onnx["file"], spec, settings, build_step, env=here)
-        rebuilt = {**manifest, **manifest_engine_keys(settings, here, entries), "engines_built": now()}
-        if entries:
-            rebuilt.pop("engines_note", None)  # "not built: ..." no longer describes the directory
-        write_manifest(stage / MANIFEST, rebuilt)
+        entries = build_engine_files(directory, stage, onnx.file, manifest.spec, settings, build_step, env=here)
+        write_manifest(stage / MANIFEST, manifest.rebuilt(settings, here, entries))
         transaction.remove_after_commit(inside(directory, name)
                                         for name in sorted(_engine_files(old_entries) - _engine_files(entries)))
         log.info("rebuilt %d engine(s) in %s", len(entries), directory)
@@ -158,7 +130,7 @@ def rebuild_directory(directory: Path, if_stale: bool, settings_override: BuildS
 
 # --- merge -------------------------------------------------------------------------------------------------------
 
-def merge_manifests(directory: Path, others: list[Path]) -> dict[str, Any]:
+def merge_manifests(directory: Path, others: list[Path]) -> Manifest:
     """Add the engines of ``others`` (one bucket each, say, built by parallel CI jobs) to ``directory``.
 
     Every directory must hold the same ONNX (sha256 of the built precision), the same engine-relevant
@@ -171,32 +143,30 @@ def merge_manifests(directory: Path, others: list[Path]) -> dict[str, Any]:
     with directory_transaction(directory, "trtc merge") as transaction:
         base = read_manifest(directory)
         sources = [(directory, base)] + [(Path(o), read_manifest(Path(o))) for o in others]
-        with_engines = [(d, m) for d, m in sources if engine_entries(m)]
+        with_engines = [(d, m) for d, m in sources if m.engines]
         if not with_engines:
             raise InputError("none of the directories has engines to merge; build them first")
         ref_dir, ref = with_engines[0]
-        build = ref.get("build") or {}
-        precision = build.get("precision", "fp32")
-        onnx_sha = recorded_onnx(base, precision, directory)["sha256"]
-        if build.get("multi_profile"):
+        build = ref.build or BuildSettings()
+        onnx_sha = base.onnx_record(directory, build.precision).sha256
+        if build.multi_profile:
             raise InputError(f"{ref_dir} holds a multi-profile engine (every bucket in one file): nothing to merge")
-        merged: dict[int, dict[str, Any]] = {}
+        merged: dict[int, EngineRecord] = {}
         copies: list[tuple[Path, str]] = []
         for source_dir, manifest in sources:
-            entries = engine_entries(manifest)
-            if not entries:
+            if not manifest.engines:
                 continue
-            if recorded_onnx(manifest, precision, source_dir)["sha256"] != onnx_sha:
-                raise InputError(f"{source_dir} was built from another {precision} ONNX than {directory}: merge only "
-                                 "directories built from the same export")
-            other_build = manifest.get("build") or {}
-            differ = [k for k in _ENGINE_SETTINGS if other_build.get(k) != build.get(k)]
+            if manifest.onnx_record(source_dir, build.precision).sha256 != onnx_sha:
+                raise InputError(f"{source_dir} was built from another {build.precision} ONNX than {directory}: merge "
+                                 "only directories built from the same export")
+            other_build = manifest.build or BuildSettings()
+            differ = [k for k in _ENGINE_SETTINGS if getattr(other_build, k) != getattr(build, k)]
             if differ:
                 raise InputError(f"{source_dir} was built with other settings than {ref_dir} ({', '.join(differ)}); "
                                  "merge only engines built with the same settings")
-            env, ref_env = manifest.get("environment") or {}, ref.get("environment") or {}
+            env, ref_env = manifest.environment or {}, ref.environment or {}
             keys = ["tensorrt", "compute_capability", "platform"]
-            if hardware_compat_level(build.get("hardware_compat")) == "none":
+            if build.hardware_compat == "none":
                 keys.append("gpu")  # such engines run on the GPU model that built them
             if any(env.get(k) != ref_env.get(k) for k in keys):
                 raise InputError(f"{source_dir} was built with TensorRT {env.get('tensorrt')} on {env.get('gpu')} "
@@ -204,15 +174,15 @@ def merge_manifests(directory: Path, others: list[Path]) -> dict[str, Any]:
                                  f"{ref_env.get('tensorrt')} on {ref_env.get('gpu')} (compute capability "
                                  f"{ref_env.get('compute_capability')}): one directory holds engines of one "
                                  "environment")
-            for entry in entries:
-                if entry["bucket"] in merged:
-                    log.info("bucket %s: keeping the engine met first, skipping the one of %s", entry["bucket"],
+            for entry in manifest.engines:
+                if entry.bucket in merged:
+                    log.info("bucket %s: keeping the engine met first, skipping the one of %s", entry.bucket,
                              source_dir)
                     continue
-                path = inside(source_dir, entry["file"], "engine")
-                if not path.is_file() or sha256_file(path) != entry["sha256"]:
+                path = inside(source_dir, entry.file, "engine")
+                if not path.is_file() or sha256_file(path) != entry.sha256:
                     raise InputError(f"{path} is missing or differs from its manifest; rebuild it before merging")
-                merged[entry["bucket"]] = entry
+                merged[entry.bucket] = entry
                 if source_dir != directory:
                     copies += [(inside(source_dir, name), name) for name in sorted(_engine_files([entry]))]
         stage = transaction.stage
@@ -221,8 +191,6 @@ def merge_manifests(directory: Path, others: list[Path]) -> dict[str, Any]:
                 raise InputError(f"{source} is missing; rebuild its directory before merging")
             (stage / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, stage / name)
-        engines = [merged[b] for b in sorted(merged)]
-        new = {**base, "build": {**build, "buckets": sorted(merged)}, "environment": ref.get("environment"),
-               "engines": engines, "merged_from": [str(Path(o)) for o in others]}
+        new = base.merged(ref, list(merged.values()), [str(Path(o)) for o in others])
         write_manifest(stage / MANIFEST, new)
     return new

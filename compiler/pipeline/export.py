@@ -17,7 +17,16 @@ from typing import Any
 
 from compiler.core.errors import InputError
 from compiler.core.files import Transaction, directory_transaction, sha256_file
-from compiler.core.manifest import MANIFEST, now, onnx_entry, refuse_other_model, tool_versions, write_manifest
+from compiler.core.manifest import (
+    MANIFEST,
+    FileRecord,
+    Manifest,
+    SourceRecord,
+    now,
+    refuse_other_model,
+    tool_versions,
+    write_manifest,
+)
 from compiler.core.onnx_io import save_onnx
 from compiler.core.progress import stage_timer
 from compiler.core.settings import ExportSettings
@@ -79,7 +88,7 @@ def model_to_export(settings: ExportSettings, buckets: tuple[int, ...] | None = 
 
 
 def export_step(transaction: Transaction, model: ModelToExport, settings: ExportSettings,
-                feeds: FeedSource | None = None, feeds_from: str = "") -> dict[str, Any]:
+                feeds: FeedSource | None = None, feeds_from: str = "") -> Manifest:
     """The export step of ``trtc export`` and ``trtc build``: refuse a directory that holds another model's build
     (unless ``settings.force``), then export, fold and verify into the transaction's stage. Returns the manifest
     (not yet written); ``feeds``/``feeds_from`` as for ``exported_into``."""
@@ -87,7 +96,7 @@ def export_step(transaction: Transaction, model: ModelToExport, settings: Export
     return exported_into(transaction.stage, model.loaded, model.spec, settings, model.fingerprint, feeds, feeds_from)
 
 
-def export_directory(settings: ExportSettings, command: str = "trtc export") -> dict[str, Any]:
+def export_directory(settings: ExportSettings, command: str = "trtc export") -> Manifest:
     """Load, export, run the passes, verify and write ``OUT/model.onnx`` and ``OUT/manifest.json``."""
     model = model_to_export(settings)
     if any(BATCH_DIM not in i.dims for i in model.spec.inputs):
@@ -99,7 +108,7 @@ def export_directory(settings: ExportSettings, command: str = "trtc export") -> 
 
 
 def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: ExportSettings,
-                  fingerprint: str, feeds: FeedSource | None = None, feeds_from: str = "") -> dict[str, Any]:
+                  fingerprint: str, feeds: FeedSource | None = None, feeds_from: str = "") -> Manifest:
     """Export and verify into ``stage``; returns the manifest (not yet written).
 
     ``feeds`` gives the example inputs at a batch size (``feeds_from`` says whence, for the
@@ -147,28 +156,23 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     verification["devices"] = checks.record()  # where the checks ran, as calibration records its provider
     checks.close()
     shutil.rmtree(work)
-    source: dict[str, Any] = {"path": settings.source.describe(), "format": loaded.format, "sha256": fingerprint}
-    if settings.source.factory:
-        source["factory"] = settings.source.factory
-    snapshot = snapshot_into(stage, loaded)
-    if snapshot is not None:
-        source["snapshot"] = snapshot
-    return {
-        "trtc_version": tool_versions()["trtc"],
-        "created": now(),
-        "source": source,
-        "inputs": [str(i) for i in spec.inputs],
-        "dims": {name: str(r) for name, r in spec.dims.items()},
-        "output_names": output_names,
-        "buckets": list(settings.buckets),
-        "export": {**exported, "passes_seconds": round(passes_seconds, 3)},
-        "passes": [asdict(p) for p in passes],
-        "verification": verification,
-        "onnx": {"fp32": onnx_entry(stage, onnx_path)},
-        "precision": "fp32",
-        "tools": tool_versions(),
-    }
-
+    source = SourceRecord(settings.source.describe(), loaded.format, fingerprint, settings.source.factory or None,
+                          snapshot_into(stage, loaded))
+    return Manifest(
+        trtc_version=tool_versions()["trtc"],
+        created=now(),
+        tools=tool_versions(),
+        source=source,
+        inputs=tuple(str(i) for i in spec.inputs),
+        dims={name: str(r) for name, r in spec.dims.items()},
+        output_names=tuple(output_names),
+        buckets=tuple(settings.buckets),
+        export={**exported, "passes_seconds": round(passes_seconds, 3)},
+        passes=tuple(asdict(p) for p in passes),
+        verification=verification,
+        onnx={"fp32": FileRecord.for_onnx(stage, onnx_path)},
+        precision="fp32",
+    )
 
 
 def check_against_model(loaded: LoadedModel, spec: ModelSpec, buckets: tuple[int, ...]) -> None:

@@ -47,9 +47,9 @@ class ServeEndpoints:
 def curl_example(directory: Path, model: str, http_url: str) -> str:
     """A shell line that sends one request of batch 1, all zeros, to ``model``: Python writes the JSON body (any
     size), curl sends it. Dynamic dimensions take their optimum value."""
-    from compiler.core.manifest import read_manifest, spec_from_manifest
+    from compiler.core.manifest import read_manifest
 
-    spec = spec_from_manifest(read_manifest(directory))
+    spec = read_manifest(directory).spec
     feed = spec.example_feed(1, values=spec.opt_values(1))
     parts = [f'{{"name": {json.dumps(name)}, "shape": {list(array.shape)}, '
              f'"datatype": "{PROTOCOL_TYPES.get(array.dtype.name, "FP32")}", '

@@ -38,12 +38,11 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from compiler.backends.tensorrt.compat import gpus_that_run, later_runtimes
 from compiler.core import defaults
 from compiler.core.errors import InputError
-from compiler.core.manifest import spec_from_manifest
+from compiler.core.manifest import Manifest
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
 __all__ = ["TritonModel", "TritonTensor", "triton_repository", "model_config_text", "plan_requirement",
@@ -155,25 +154,25 @@ def _triton_type(elem_type: int | None, name: str) -> str:
     return TRITON_TYPES[elem_type]
 
 
-def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, tuple[int, ...], int]:
+def _plan_for_triton(directory: Path, manifest: Manifest) -> tuple[Path, tuple[int, ...], int]:
     """(engine file, profile indices, largest batch) of a plan Triton can serve; InputError saying why not."""
-    entries = manifest.get("engines") or []
+    entries = manifest.engines
     if not entries:
-        raise InputError(f"{directory} has no TensorRT engines ({manifest.get('engines_note') or 'none built'}); run "
+        raise InputError(f"{directory} has no TensorRT engines ({manifest.engines_note or 'none built'}); run "
                          f"`trtc rebuild {directory}` with TensorRT, or export with --platform onnxruntime_onnx")
-    files = sorted({str(e["file"]) for e in entries})
+    files = sorted({e.file for e in entries})
     if len(files) != 1:
         raise InputError(f"Triton serves one plan per model and {directory} has one engine per bucket ({len(files)} "
                          "files); build with --multi-profile for one engine with a profile per bucket, or export "
                          "with --platform trtc (which pads each batch to its bucket)")
-    batched = [i.name for i in spec_from_manifest(manifest).inputs if i.dims and i.dims[0] == BATCH_DIM]
+    batched = [i.name for i in manifest.spec.inputs if i.dims and i.dims[0] == BATCH_DIM]
     ranges = []
     for entry in entries:
-        shapes = (entry.get("shapes") or {}).get(batched[0]) if batched else None
+        shapes = entry.shapes.get(batched[0]) if batched else None
         if not shapes:
-            raise InputError(f"the manifest's engine entry for bucket {entry.get('bucket')} has no shapes for "
+            raise InputError(f"the manifest's engine entry for bucket {entry.bucket} has no shapes for "
                              f"{batched[0] if batched else 'a batched input'}; rebuild with `trtc rebuild {directory}`")
-        ranges.append((int(shapes["min"][0]), int(shapes["max"][0])))
+        ranges.append((shapes.min[0], shapes.max[0]))
     largest = max(high for _, high in ranges)
     missing = [b for b in range(1, largest + 1) if not any(low <= b <= high for low, high in ranges)]
     if missing:
@@ -182,20 +181,19 @@ def _plan_for_triton(directory: Path, manifest: dict[str, Any]) -> tuple[Path, t
                          f"profiles of {files[0]} take batches {taken} only (e.g. not {missing[0]}); build profiles "
                          "whose batch ranges cover 1 to the largest bucket, or export with --platform trtc "
                          "(which pads)")
-    profiles = tuple(sorted({int(e.get("profile", 0)) for e in entries}))
+    profiles = tuple(sorted({e.profile for e in entries}))
     from compiler.core.manifest import verified_file
 
     return verified_file(directory, entries[0], "engine"), profiles, largest
 
 
-def plan_requirement(manifest: dict[str, Any]) -> tuple[str, str]:
+def plan_requirement(manifest: Manifest) -> tuple[str, str]:
     """(TensorRT version, one line saying which Triton can load the plan and on which GPUs) for a directory's
     engines, by the rules of ``compiler.backends.tensorrt.compat``."""
-    env = manifest.get("environment") or {}
-    build = manifest.get("build") or {}
+    env = dict(manifest.environment or {})
     version = str(env.get("tensorrt") or "unknown")
-    gpus = gpus_that_run(env, build.get("hardware_compat", env.get("hardware_compat")))
-    if build.get("version_compatible"):
+    gpus = gpus_that_run(env, manifest.hardware_compat)
+    if manifest.version_compatible:
         return version, (f"model.plan was built version-compatible with TensorRT {version}: Triton loads it with "
                          f"{later_runtimes(version)} when started with "
                          f"--backend-config=tensorrt,version-compatible=true; {gpus}")
@@ -216,28 +214,20 @@ def default_python_path() -> tuple[str, ...]:
     return tuple(folders)
 
 
-def build_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
+def build_files(directory: Path, manifest: Manifest) -> list[str]:
     """The relative paths a ``trtc`` entry's copy of ``directory`` holds: the manifest and every file it names
-    (ONNX files of each precision with their data, engines, layer files, the source model snapshot)."""
-    from compiler.core.manifest import MANIFEST, inside
+    (``Manifest.named_files``: ONNX files of each precision with their data, engines, layer files, the source
+    model snapshot)."""
+    from compiler.core.files import inside
+    from compiler.core.manifest import MANIFEST
 
-    names = [MANIFEST]
-    for entry in (manifest.get("onnx") or {}).values():
-        names += entry.get("files") or [entry["file"]]
-    for entry in manifest.get("engines") or []:
-        names.append(entry["file"])
-        if entry.get("layers"):
-            names.append(entry["layers"]["file"])
-    snapshot = (manifest.get("source") or {}).get("snapshot")
-    if snapshot:
-        names.append(snapshot["file"])
-    unique = list(dict.fromkeys(names))
+    unique = list(dict.fromkeys([MANIFEST, *(name for _, name in manifest.named_files())]))
     for name in unique:
         inside(directory, name)  # read_manifest checked these; a copy must never reach outside the directory
     return unique
 
 
-def _choose_platform(directory: Path, manifest: dict[str, Any],
+def _choose_platform(directory: Path, manifest: Manifest,
                      platform: str) -> tuple[str, tuple[Path, tuple[int, ...], int] | None]:
     """(platform, the plan for tensorrt_plan) for ``platform`` as asked; ``auto`` logs why it picks trtc."""
     if platform in (ORT_ONNX, TRTC):
@@ -247,7 +237,7 @@ def _choose_platform(directory: Path, manifest: dict[str, Any],
     except InputError as err:
         if platform == TRT_PLAN:
             raise
-        if not manifest.get("engines"):
+        if not manifest.engines:
             return ORT_ONNX, None
         log.warning("writing the trtc platform (Triton's Python backend running trtc's runtime, which pads each "
                     "batch to its bucket): Triton's TensorRT backend cannot serve these engines: %s", err)
@@ -274,7 +264,7 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     the new folder appears whole (staged beside ``repo``, then renamed).
     """
     from compiler.core.files import require_directory
-    from compiler.core.manifest import onnx_for, read_manifest
+    from compiler.core.manifest import read_manifest
     from compiler.core.onnx_io import onnx_files
     from compiler.serve.triton_model import BUILD_FOLDER, MODEL_PY, PYTHON_PATH, SERVING_BACKEND, verify_files
 
@@ -289,15 +279,15 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
     if max_wait_ms < 0:
         raise InputError(f"--max-wait-ms {max_wait_ms:g}: a wait cannot be negative")
     manifest = read_manifest(directory)
-    spec = spec_from_manifest(manifest)
+    spec = manifest.spec
     name = name or directory.resolve().name
     if not name or name.startswith(".") or "/" in name or "\\" in name:
         raise InputError(f"model name {name!r}: Triton takes the folder name as the model name; pass --name NAME "
                          "without slashes or a leading dot")
-    onnx_path = onnx_for(directory, manifest)
+    onnx_path = manifest.onnx_for(directory)
     chosen, plan = _choose_platform(directory, manifest, platform)
     inputs, outputs = _io_tensors(onnx_path, spec)
-    buckets = tuple(sorted(int(b) for b in manifest.get("buckets") or ()))
+    buckets = tuple(sorted(manifest.buckets))
     max_batch = plan[2] if plan else max(buckets) * (TRTC_MAX_BATCH_FACTOR if chosen == TRTC else 1)
     if preferred_batch_sizes and max(preferred_batch_sizes) > max_batch:
         raise InputError(f"--preferred-batch-sizes {','.join(map(str, preferred_batch_sizes))}: Triton forms batches "

@@ -60,15 +60,15 @@ def load(directory: str | Path, backend: str = defaults.SERVE_BACKEND, *, device
     ``compiler.backends.onnxrt.CUDA_OPTIONS``. ``precision``: which of the build's ONNX files
     ONNX Runtime serves (default the manifest's precision).
     """
-    from compiler.core.manifest import read_manifest, spec_from_manifest
+    from compiler.core.manifest import read_manifest
 
     settings = ServeSettings(backend=backend, device=device, contexts=contexts, cuda_graphs=cuda_graphs,
                              threads=threads, trust_pickle=trust_pickle, tf32=tf32,
                              ort_cuda_options=dict(ort_cuda_options or {}), precision=precision)
     directory = Path(directory)
     manifest = read_manifest(directory)
-    spec = spec_from_manifest(manifest)
-    buckets = tuple(int(b) for b in manifest.get("buckets") or ())
+    spec = manifest.spec
+    buckets = manifest.buckets
     if not buckets:
         raise InputError(f"{directory}: the manifest lists no buckets; run `trtc export` into it again")
     chosen = backend
@@ -78,8 +78,8 @@ def load(directory: str | Path, backend: str = defaults.SERVE_BACKEND, *, device
     if chosen == "torch":
         from compiler.frontend.loading import load_snapshot
 
-        if manifest.get("precision", "fp32") != "fp32":
-            log.info("backend torch runs the FP32 source model, not the %s graph", manifest["precision"])
+        if manifest.precision != "fp32":
+            log.info("backend torch runs the FP32 source model, not the %s graph", manifest.precision)
         module = load_snapshot(directory, manifest, trust_pickle).module  # the weights that were exported
     impl = serving_backend(chosen, ServingSource(directory, manifest, spec, buckets, module), settings)
     engines = Engines(impl, contexts)
@@ -107,5 +107,7 @@ def engines_from_module(module: Any, inputs: Sequence[str | InputSpec] | ModelSp
                   for name, r in (dims or {}).items()}
         spec = ModelSpec(specs, ranges)
     settings = ServeSettings(backend="torch", device=device, contexts=contexts, cuda_graphs=cuda_graphs)
-    source = ServingSource(None, {"output_names": list(output_names or [])}, spec, tuple(buckets), module)
+    from compiler.core.manifest import Manifest
+
+    source = ServingSource(None, Manifest(output_names=tuple(output_names or ())), spec, tuple(buckets), module)
     return Engines(serving_backend("torch", source, settings), contexts)

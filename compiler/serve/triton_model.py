@@ -22,11 +22,14 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from compiler.core.errors import InputError, TrtcError
+
+if TYPE_CHECKING:
+    from compiler.core.manifest import Manifest
 
 __all__ = ["TrtcTritonModel", "verify_build", "verify_files", "MODEL_PY", "PYTHON_PATH", "SERVING_BACKEND",
            "BUILD_FOLDER"]
@@ -70,22 +73,22 @@ class TritonPythonModel:
 '''
 
 
-def verify_files(directory: Path, manifest: Mapping[str, Any]) -> None:
+def verify_files(directory: Path, manifest: Manifest) -> None:
     """Every ONNX file, engine and source snapshot of ``directory`` against its manifest's sha256 (layer files,
     which the manifest records without a digest, must exist); an ``InputError`` names the first that does not."""
-    from compiler.core.manifest import inside, verified_file, verified_onnx
+    from compiler.core.files import inside
+    from compiler.core.manifest import verified_file, verified_onnx
 
-    for precision, entry in (manifest.get("onnx") or {}).items():
-        verified_onnx(directory, entry, precision)
-    for entry in manifest.get("engines") or []:
-        verified_file(directory, entry, "engine")
-        layers = entry.get("layers")
-        if layers and not inside(directory, layers["file"], "layer file").is_file():
-            raise InputError(f"{directory / layers['file']} is missing: the directory is incomplete; rebuild it with "
-                             f"`trtc rebuild {directory}`")
-    snapshot = (manifest.get("source") or {}).get("snapshot")
-    if snapshot:
-        verified_file(directory, snapshot, "source model snapshot")
+    for precision, record in manifest.onnx.items():
+        verified_onnx(directory, record, precision)
+    for engine in manifest.engines:
+        verified_file(directory, engine, "engine")
+        for layers in engine.names[1:]:
+            if not inside(directory, layers, "layer file").is_file():
+                raise InputError(f"{directory / layers} is missing: the directory is incomplete; rebuild it with "
+                                 f"`trtc rebuild {directory}`")
+    if manifest.source is not None and manifest.source.snapshot is not None:
+        verified_file(directory, manifest.source.snapshot, "source model snapshot")
 
 
 def verify_build(directory: Path, backend: str = "auto", env: dict[str, Any] | None = None) -> None:
@@ -103,7 +106,7 @@ def verify_build(directory: Path, backend: str = "auto", env: dict[str, Any] | N
     except InputError as err:
         raise InputError(f"the build directory of this repository entry does not match its manifest: {err} (export "
                          "the entry again with `trtc export-triton --force`)") from err
-    if not manifest.get("engines"):
+    if not manifest.engines:
         return
     if env is None:
         from compiler.core.capabilities import tensorrt_version

@@ -204,13 +204,13 @@ def test_the_provider_is_recorded_and_the_work_runs_in_a_worker(tmp_path: Any, p
     outcome = calibrated_into(stage, tmp_path / "model.onnx", ModelSpec((parse_input_spec("x:Bx16"),)),
                               CalibrationSettings(precision, data="random", samples=32))
     provider = checking_providers()[0]
-    assert outcome.passed, outcome.message
-    assert outcome.manifest_update["accuracy"][precision]["provider"] == provider
+    assert outcome.record is not None, outcome.message
+    assert outcome.record.accuracy["provider"] == provider
     if precision == "int8":
-        assert outcome.manifest_update["calibration"]["provider"] == provider
+        assert outcome.record.calibration is not None and outcome.record.calibration["provider"] == provider
         assert json.loads((stage / "calibration.json").read_text())["provider"] == provider
     else:
-        assert outcome.manifest_update["fp16"]["range_provider"] == provider
+        assert outcome.record.fp16 is not None and outcome.record.fp16["range_provider"] == provider
     gate = json.loads((stage / "report" / "accuracy.json").read_text())[precision]["accuracy"]
     assert gate["provider"] == provider
     # INT8 keeps an FP16 remainder, so on the CPU both precisions run the FP16 rounding emulation

@@ -8,8 +8,8 @@ Building (``trtc build`` / ``trtc rebuild``), in the order a build runs:
 * ``build_step``: TensorRT builds the engine (and names the ONNX nodes its parser rejects);
 * ``layers``: the engine inspector's layer information and its summary;
 * ``timing_cache``: the directory's and the shared tactic timing caches;
-* ``build``: ``build_engine_files``, the stage: every engine of a directory, in worker processes with ``--jobs``;
-* ``records``: the build settings and engines as the manifest stores them.
+* ``build``: ``build_engine_files``, the stage: every engine of a directory, in worker processes with ``--jobs``,
+  returning the manifest's engine records (``compiler.core.manifest`` stores them and the build settings).
 
 Running: ``environment`` (TensorRT, CUDA, the GPU that builds or runs, platform), ``compat`` (whether an engine
 built in one environment runs in another: ``trtc check``) and ``runtime`` (the ``tensorrt`` serving backend).

@@ -3,7 +3,7 @@
 ``build_engine_files`` is the stage: it checks the environment and the shared timing cache, seeds the
 staging folder's cache, builds each engine through a *build step* (``build_step.tensorrt_build_step`` by
 default; tests inject a double of the step alone, so that everything around it is tested for real), in
-worker processes pinned to one GPU each with ``--jobs``, and returns the manifest entries.
+worker processes pinned to one GPU each with ``--jobs``, and returns the manifest's engine records.
 
 Directory layout written by ``build_engine_files`` (into the staging folder, committed by the caller)::
 
@@ -49,6 +49,7 @@ from compiler.backends.tensorrt.timing_cache import (
 from compiler.backends.tensorrt.versions import require_tensorrt
 from compiler.core.errors import BuildError, InputError
 from compiler.core.files import atomic_write_bytes, atomic_write_text, sha256_file, sha256_files
+from compiler.core.manifest import EngineRecord, ShapeRange
 from compiler.core.onnx_io import onnx_files
 from compiler.core.settings import BuildSettings
 from compiler.core.specs import ModelSpec
@@ -84,8 +85,8 @@ class _EngineJob:
         return "profiles_b" + "_".join(str(b) for b in self.buckets)
 
 
-def _build_engine(job: _EngineJob) -> list[dict[str, Any]]:
-    """Build one engine into ``STAGE/engines``; one manifest entry per bucket (profile) it serves, recording
+def _build_engine(job: _EngineJob) -> list[EngineRecord]:
+    """Build one engine into ``STAGE/engines``; one engine record per bucket (profile) it serves, recording
     the shapes the engine was built with (``engine_profile_shapes``, which the loader takes too)."""
     if job.gpu_model is not None:
         _check_worker_gpu(job.gpu_model)
@@ -116,18 +117,11 @@ def _build_engine(job: _EngineJob) -> list[dict[str, Any]]:
         summary = layer_summary(layers_json)
         log.info("built %s (bucket %d) in %.1f s: %.1f MiB, %s layers %s", engine_rel, bucket, seconds,
                  len(engine_bytes) / 2**20, summary["count"], summary["output_types"])
-        entries.append({
-            "bucket": bucket,
-            "file": engine_rel,
-            "profile": profile,
-            "sha256": digest,
-            "bytes": len(engine_bytes),
-            "shapes": {name: {"min": list(s[0]), "opt": list(s[1]), "max": list(s[2])} for name, s in shapes.items()},
-            "build_seconds": round(seconds, 3),
-            "layers": {"file": layers_rel, **summary},
-            "onnx": job.onnx_rel,
-            "onnx_sha256": job.onnx_sha256,
-        })
+        entries.append(EngineRecord(
+            bucket=bucket, file=engine_rel, profile=profile, sha256=digest, bytes=len(engine_bytes),
+            shapes={name: ShapeRange(tuple(s[0]), tuple(s[1]), tuple(s[2])) for name, s in shapes.items()},
+            build_seconds=round(seconds, 3), layers={"file": layers_rel, **summary}, onnx=job.onnx_rel,
+            onnx_sha256=job.onnx_sha256))
     return entries
 
 
@@ -164,7 +158,7 @@ def build_workers(jobs: int, engines: int, gpus: Sequence[str]) -> int:
     return min(jobs, engines, len(gpus))
 
 
-def _build_in_parallel(jobs: list[_EngineJob], workers: int, gpus: list[str]) -> list[list[dict[str, Any]]]:
+def _build_in_parallel(jobs: list[_EngineJob], workers: int, gpus: list[str]) -> list[list[EngineRecord]]:
     """Run ``jobs`` in ``workers`` spawned processes, each pinned to its own GPU (``build_workers``)."""
     context = multiprocessing.get_context("spawn")  # forked CUDA state is unusable; spawn starts clean
     gpu_ids = context.Queue()
@@ -182,8 +176,8 @@ def _build_in_parallel(jobs: list[_EngineJob], workers: int, gpus: list[str]) ->
 
 def build_engine_files(directory: Path, stage: Path, onnx_rel: str, spec: ModelSpec, settings: BuildSettings,
                        build_step: BuildStep | None = None, *, env: dict[str, Any] | None = None,
-                       ) -> list[dict[str, Any]]:
-    """Build the engines of ``settings`` into ``stage``; returns their manifest entries, by bucket.
+                       ) -> list[EngineRecord]:
+    """Build the engines of ``settings`` into ``stage``; returns their records for the manifest, by bucket.
 
     ``onnx_rel`` names the ONNX file relative to the directory; it is read from ``stage`` when the
     current command wrote it there (``trtc build``), else from ``directory`` (``trtc rebuild``).
@@ -234,7 +228,7 @@ def build_engine_files(directory: Path, stage: Path, onnx_rel: str, spec: ModelS
         why = "" if gpus else "; no GPU list is known (CUDA_VISIBLE_DEVICES, nvidia-smi), so one build at a time"
         log.warning("--jobs %d: %d build process(es) (%d engine(s), %d GPU(s) visible%s)", settings.jobs, workers,
                     len(jobs), len(gpus), why)
-    entries: list[dict[str, Any]] = []
+    entries: list[EngineRecord] = []
     if workers > 1:
         model = {"gpu": env.get("gpu"), "compute_capability": env.get("compute_capability")}
         jobs = [replace(job, gpu_model=model) for job in jobs]
@@ -247,4 +241,4 @@ def build_engine_files(directory: Path, stage: Path, onnx_rel: str, spec: ModelS
     (stage / f"{TIMING_CACHE}.lock").unlink(missing_ok=True)
     if settings.timing_cache is not None and build_step is None and (stage / TIMING_CACHE).is_file():
         merge_timing_cache(stage / TIMING_CACHE, settings.timing_cache, env)
-    return sorted(entries, key=lambda e: e["bucket"])
+    return sorted(entries, key=lambda e: e.bucket)

@@ -20,13 +20,12 @@ from typing import Any
 
 from compiler.backends.tensorrt.environment import environment, parse_compute_capability
 from compiler.core.capabilities import version_tuple
-from compiler.core.errors import InputError
-from compiler.core.files import sha256_file
-from compiler.core.manifest import MANIFEST, inside, read_manifest
+from compiler.core.files import inside, sha256_file
+from compiler.core.manifest import Manifest, read_manifest
 from compiler.core.settings import hardware_compat_level
 
 __all__ = ["Staleness", "NEVER_BUILT", "tensorrt_can_run", "later_runtimes", "gpu_can_run", "gpus_that_run",
-           "environment_reasons", "engine_entries", "recorded_onnx", "stale_in", "stale_engines"]
+           "environment_reasons", "stale_in", "stale_engines"]
 
 NEVER_BUILT = "engines never built (TensorRT was not available at build time)"
 
@@ -103,11 +102,12 @@ def gpus_that_run(built: dict[str, Any], hardware_compat: object) -> str:
             f"{capability}): rebuild with --hardware-compat same-compute-capability or ampere-plus for other GPUs")
 
 
-def environment_reasons(built: dict[str, Any], here: dict[str, Any], build: dict[str, Any]) -> list[str]:
-    """Reasons, shared by every engine of the directory, why they cannot run in ``here``."""
+def environment_reasons(built: dict[str, Any], here: dict[str, Any], version_compatible: bool,
+                        hardware_compat: str) -> list[str]:
+    """Reasons, shared by every engine of a directory built in ``built`` (its environment record) with these
+    compatibility settings (``Manifest.version_compatible``, the level ``Manifest.hardware_compat``), why they
+    cannot run in ``here``."""
     reasons = []
-    version_compatible = bool(build.get("version_compatible", built.get("version_compatible")))
-    hardware_compat = hardware_compat_level(build.get("hardware_compat", built.get("hardware_compat")))
     made, running = built.get("tensorrt"), here.get("tensorrt")
     if running is None:
         reasons.append(f"TensorRT is not installed here (built with TensorRT {made})")
@@ -137,50 +137,31 @@ def environment_reasons(built: dict[str, Any], here: dict[str, Any], build: dict
 
 # --- the manifest's engines --------------------------------------------------------------------------------------
 
-def engine_entries(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """The engines a manifest from ``read_manifest`` records: that has checked each entry's shape (bucket, file,
-    sha256) and that its engine and layer files lie inside the directory."""
-    return manifest.get("engines") or []
-
-
-def recorded_onnx(manifest: dict[str, Any], precision: str, directory: Path) -> dict[str, Any]:
-    entries = manifest.get("onnx") or {}
-    if not isinstance(entries, dict):
-        raise InputError(f"{directory / MANIFEST}: 'onnx' is not an object; rebuild the directory with `trtc build`")
-    entry = entries.get(precision)
-    if not isinstance(entry, dict) or "file" not in entry or "sha256" not in entry:
-        have = ", ".join(sorted(entries)) or "none"
-        raise InputError(f"{directory} has no {precision} ONNX (it has: {have}); run `trtc build` with "
-                         f"--precision {precision}, or rebuild another precision")
-    return entry
-
-
-def stale_in(directory: Path, manifest: dict[str, Any], here: dict[str, Any]) -> list[Staleness]:
-    """The engines of ``directory`` (its ``manifest``, from ``read_manifest``) that cannot run in ``here``."""
-    engines = engine_entries(manifest)
-    build = manifest.get("build") or {}
-    if not engines:
-        reason = "engines never built (built with --engine none)" if build.get("engine") == "none" else NEVER_BUILT
-        return [Staleness(None, None, reason)]
-    shared = environment_reasons(manifest.get("environment") or {}, here, build)
+def stale_in(directory: Path, manifest: Manifest, here: dict[str, Any]) -> list[Staleness]:
+    """The engines of ``directory`` (its ``manifest``, from ``read_manifest``, which has checked that every engine and
+    layer file lies inside the directory) that cannot run in ``here``."""
+    if not manifest.engines:
+        built_none = manifest.build is not None and manifest.build.engine == "none"
+        return [Staleness(None, None, "engines never built (built with --engine none)" if built_none else NEVER_BUILT)]
+    shared = environment_reasons(dict(manifest.environment or {}), here, manifest.version_compatible,
+                                 manifest.hardware_compat)
     digests: dict[str, str | None] = {}
-    onnx_digests = {e.get("file"): e.get("sha256") for e in (manifest.get("onnx") or {}).values()
-                    if isinstance(e, dict)}
+    onnx_digests = {record.file: record.sha256 for record in manifest.onnx.values()}
     stale = []
-    for entry in engines:
-        path = inside(directory, entry["file"], "engine")
-        if entry["file"] not in digests:
-            digests[entry["file"]] = sha256_file(path) if path.is_file() else None
+    for engine in manifest.engines:
+        path = inside(directory, engine.file, "engine")
+        if engine.file not in digests:
+            digests[engine.file] = sha256_file(path) if path.is_file() else None
         reasons = []
-        if digests[entry["file"]] is None:
+        if digests[engine.file] is None:
             reasons.append("engine file missing")
-        elif digests[entry["file"]] != entry["sha256"]:
+        elif digests[engine.file] != engine.sha256:
             reasons.append("engine file differs from the manifest's sha256 (changed or truncated)")
-        if entry.get("onnx") and entry.get("onnx_sha256") and onnx_digests.get(entry["onnx"]) != entry["onnx_sha256"]:
-            reasons.append(f"built from another version of {entry['onnx']}")
+        if engine.onnx and engine.onnx_sha256 and onnx_digests.get(engine.onnx) != engine.onnx_sha256:
+            reasons.append(f"built from another version of {engine.onnx}")
         reasons += shared
         if reasons:
-            stale.append(Staleness(entry["bucket"], entry["file"], "; ".join(reasons)))
+            stale.append(Staleness(engine.bucket, engine.file, "; ".join(reasons)))
     return stale
 
 

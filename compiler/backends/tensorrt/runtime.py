@@ -30,7 +30,8 @@ from compiler.backends.tensorrt.environment import environment
 from compiler.backends.tensorrt.logger import tensorrt_logger
 from compiler.backends.tensorrt.versions import require_tensorrt
 from compiler.core.errors import InputError, TrtcError
-from compiler.core.manifest import inside
+from compiler.core.files import inside
+from compiler.core.manifest import Manifest
 from compiler.core.specs import ModelSpec
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def _shape_of(dims: trt.Dims) -> tuple[int, ...]:
 class _TensorRTBackend:
     name = "tensorrt"
 
-    def __init__(self, directory: Path, manifest: dict[str, Any], spec: ModelSpec, device: str,
+    def __init__(self, directory: Path, manifest: Manifest, spec: ModelSpec, device: str,
                  cuda_graphs: bool) -> None:
         import tensorrt as trt
         import torch
@@ -91,8 +92,8 @@ class _TensorRTBackend:
         engines: dict[str, trt.ICudaEngine] = {}
         self.profiles: dict[int, tuple[trt.ICudaEngine, int]] = {}
         with torch.cuda.device(torch.device(device)):
-            for entry in manifest["engines"]:
-                file = str(entry["file"])
+            for entry in manifest.engines:
+                file = entry.file
                 if file not in engines:
                     # confined; its sha256 was checked by ``tensorrt_backend`` (``stale_in``) just before
                     path = inside(directory, file, "engine")
@@ -101,7 +102,7 @@ class _TensorRTBackend:
                         raise EnginesNotRunnable(f"{directory / file}: TensorRT cannot load this engine (see its log "
                                                  f"above); run `trtc rebuild {directory}`")
                     engines[file] = engine
-                self.profiles[int(entry["bucket"])] = (engines[file], int(entry.get("profile", 0)))
+                self.profiles[entry.bucket] = (engines[file], entry.profile)
         self.buckets = tuple(sorted(self.profiles))
         first = next(iter(engines.values()))
         names = [first.get_tensor_name(i) for i in range(first.num_io_tensors)]
@@ -110,7 +111,7 @@ class _TensorRTBackend:
         if sorted(inputs) != sorted(spec.input_names):
             raise EnginesNotRunnable(f"the engines take inputs {inputs}, the manifest declares {spec.input_names}; "
                                      f"run `trtc rebuild {directory}`")
-        declared = list(manifest.get("output_names") or [])
+        declared = list(manifest.output_names)
         self.output_names = declared if sorted(declared) == sorted(outputs) else outputs
         self.dtypes = {n: _torch_dtype_of(first.get_tensor_dtype(n)) for n in names}
         bfloat16 = [n for n in names if self.dtypes[n] == torch.bfloat16]
@@ -250,7 +251,7 @@ class _TensorRTContext(GpuContext):
         self._scratch = None
 
 
-def tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec, device: str | None,
+def tensorrt_backend(directory: Path, manifest: Manifest, spec: ModelSpec, device: str | None,
                       cuda_graphs: bool) -> _TensorRTBackend:
     """The TensorRT backend after the checks ``trtc check`` makes: installed, engines built, none stale on the
     device they will run on (``device``: ``cuda:N``; ``cuda`` or None: the current device), no bfloat16 input.
@@ -260,8 +261,8 @@ def tensorrt_backend(directory: Path, manifest: dict[str, Any], spec: ModelSpec,
     import torch
 
     require_tensorrt(directory)  # TensorRTNotInstalled, naming `trtc rebuild DIR`
-    if not manifest.get("engines"):
-        note = manifest.get("engines_note") or "none were built"
+    if not manifest.engines:
+        note = manifest.engines_note or "none were built"
         raise EnginesNotRunnable(f"{directory} has no TensorRT engines ({note}); run `trtc rebuild {directory}` "
                                  "on a machine with TensorRT and a GPU, or load it with backend='onnxruntime'")
     bfloat16 = [i.name for i in spec.inputs if i.dtype == "bfloat16"]

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from compiler.backends.tensorrt.logger import tensorrt_logger
-from compiler.core.files import atomic_write_bytes, atomic_write_text, read_json
-from compiler.core.manifest import inside
+from compiler.core.errors import InputError
+from compiler.core.files import atomic_write_bytes, atomic_write_text, inside, read_json
+from compiler.core.manifest import read_manifest
 from compiler.core.settings import BuildSettings
 
 if TYPE_CHECKING:
@@ -82,8 +83,8 @@ def seed_timing_cache(directory: Path, stage_cache: Path, settings: BuildSetting
     own = inside(directory, TIMING_CACHE, "timing cache")  # a symlink out of the directory is refused
     if own.is_file():
         try:
-            built = (read_json(directory / "manifest.json") or {}).get("environment") or {}
-        except (OSError, ValueError):
+            built = dict(read_manifest(directory).environment or {})
+        except InputError:  # no manifest, or one that does not read: nothing says where the cache was made
             built = {}
         if timing_cache_key(built) == timing_cache_key(env):
             shutil.copyfile(own, stage_cache)

@@ -28,19 +28,19 @@ from compiler.bench.accuracy import accuracy_of
 from compiler.bench.baseline import find_regressions, parse_percent
 from compiler.bench.harness import bench_directory
 from compiler.bench.inputs import input_feeds
-from compiler.bench.plans import engine_precision
 from compiler.bench.reference import eager_model
 from compiler.bench.report import BenchReport
 from compiler.bench.table import bench_renderables, short_runner
 from compiler.bench.timing import time_runner
 from compiler.cli import cli
 from compiler.core.errors import InputError
-from compiler.core.manifest import onnx_entry, read_manifest, write_manifest
+from compiler.core.manifest import EngineRecord, FileRecord, Manifest, SourceRecord, read_manifest, write_manifest
 from compiler.core.onnx_io import load_onnx, save_onnx
 from compiler.core.settings import BenchSettings, ExportSettings, ModelSource
 from compiler.core.specs import DimRange, ModelSpec, parse_input_spec
 from compiler.pipeline.export import export_directory
 from examples import models
+from tests.manifests import manifest_json
 
 # Tiny counts, and the CPU everywhere so that these tests read the same on a GPU machine (test_cuda_* is for GPUs).
 FAST = dict(iterations=3, min_seconds=0.0, warmup=1, warmup_seconds=0.0, device="cpu",
@@ -117,8 +117,8 @@ def test_a_perturbed_model_shows_its_error(build: Path, tmp_path: Path) -> None:
     head.CopyFrom(numpy_helper.from_array(rng.standard_normal((10, 64)).astype(np.float32), head.name))
     save_onnx(model, broken / "model.onnx")
     manifest = read_manifest(broken)  # as if the build had produced this model: bench reads only verified files
-    manifest["onnx"]["fp32"] = onnx_entry(broken, broken / "model.onnx")
-    write_manifest(broken / "manifest.json", manifest)
+    onnx = {**manifest.onnx, "fp32": FileRecord.for_onnx(broken, broken / "model.onnx")}
+    write_manifest(broken / "manifest.json", dataclasses.replace(manifest, onnx=onnx))
     data = bench_directory(broken, BenchSettings(**FAST, backends=("onnxruntime",), buckets=(4,),  # type: ignore[arg-type]
                                                  plot=False)).data
     acc = rows(data)[("onnxruntime/fp32", 4)]["accuracy"]
@@ -267,15 +267,15 @@ def test_the_eager_model_loads_from_the_build_snapshot_of_a_factory_source(tmp_p
     for tensor in zeros.state_dict().values():
         tensor.zero_()
     snapshot = snapshot_into(tmp_path, LoadedModel("factory", None, module=zeros))
-    manifest = {"source": {"format": "factory", "path": "examples.models:mlp", "factory": "examples.models:mlp",
-                           "snapshot": snapshot}}
+    manifest = Manifest(source=SourceRecord("examples.models:mlp", "factory", factory="examples.models:mlp",
+                                            snapshot=snapshot))
     module, note = eager_model(manifest, directory=tmp_path)
     assert isinstance(module, torch.nn.Module) and "examples.models:mlp" in note
     assert float(module(torch.ones(1, 64)).abs().sum()) == 0.0  # the snapshot's weights, not the factory's
     none, why = eager_model(manifest)
     assert none is None and "snapshot" in why
-    assert eager_model({"source": {"format": "onnx", "path": "m.onnx"}})[0] is None
-    none, why = eager_model({"source": {"format": "pickle", "path": "m.pt"}})
+    assert eager_model(Manifest(source=SourceRecord("m.onnx", "onnx")))[0] is None
+    none, why = eager_model(Manifest(source=SourceRecord("m.pt", "pickle")))
     assert none is None and "--trust-pickle" in why
 
 
@@ -342,9 +342,10 @@ def test_settings_are_validated() -> None:
 
 def test_an_engine_is_labelled_with_the_precision_of_its_onnx(build: Path) -> None:
     manifest = read_manifest(build)
-    entry = {"bucket": 4, "file": "engines/b4.engine", "onnx": "model.fp16.onnx"}
-    assert engine_precision(entry, manifest) == "fp16"
-    assert engine_precision({"bucket": 1, "onnx": "elsewhere.onnx"}, {"build": {"precision": "int8"}}) == "int8"
+    entry = EngineRecord(bucket=4, file="engines/b4.engine", sha256="0" * 64, onnx="model.fp16.onnx")
+    assert manifest.engine_precision(entry) == "fp16"
+    elsewhere = EngineRecord(bucket=1, file="engines/b1.engine", sha256="0" * 64, onnx="elsewhere.onnx")
+    assert Manifest.from_json({"build": {"precision": "int8"}}).engine_precision(elsewhere) == "int8"
 
 
 @pytest.mark.gpu
@@ -460,7 +461,7 @@ def test_one_tf32_policy_per_run(build: Path, tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(measure_module, "measure_bucket", watching)
     directory = _copy(build, tmp_path / "b")
-    manifest = read_manifest(directory)
+    manifest = manifest_json(directory)
     manifest.setdefault("build", {})["tf32"] = False
     (directory / "manifest.json").write_text(json.dumps(manifest))
     settings = BenchSettings(**FAST, backends=("torch", "onnxruntime"), buckets=(1,), plot=False)  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from compiler.pipeline.check import (
     tensorrt_can_run,
 )
 from tests.conftest import H200_ENV, fake_engine_build_step_for_tests
+from tests.manifests import manifest_json
 
 H200 = H200_ENV
 A100 = {**H200, "gpu": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}
@@ -50,9 +51,10 @@ def test_engines_built_here_are_fresh(exported_dir: Path) -> None:
     _built(exported_dir)
     result = check_directory(exported_dir, env=H200)
     assert result.exit_code == 0 and result.stale == []
-    assert [e["bucket"] for e in result.fresh] == [1, 4]
+    assert [e.bucket for e in result.fresh] == [1, 4]
     manifest = read_manifest(exported_dir)
-    assert manifest["environment"]["gpu"] == "NVIDIA H200" and manifest["build"]["buckets"] == [1, 4]
+    assert manifest.environment is not None and manifest.build is not None
+    assert manifest.environment["gpu"] == "NVIDIA H200" and manifest.build.buckets == (1, 4)
 
 
 def test_another_tensorrt_version_makes_every_engine_stale(exported_dir: Path) -> None:
@@ -102,7 +104,7 @@ def test_another_gpu_model_of_the_same_compute_capability_makes_engines_stale(ex
     _built(exported_dir, hardware_compat="same-compute-capability")
     assert stale_engines(exported_dir, env=H100) == [] and stale_engines(exported_dir, env=GH200) == []
     assert len(stale_engines(exported_dir, env=A100)) == 2
-    assert read_manifest(exported_dir)["build"]["hardware_compat"] == "same-compute-capability"
+    assert manifest_json(exported_dir)["build"]["hardware_compat"] == "same-compute-capability"
 
 
 def test_another_gpu_makes_engines_stale_unless_hardware_compatible(exported_dir: Path) -> None:
@@ -140,7 +142,7 @@ def test_a_bad_manifest_is_a_user_error_with_exit_code_2(exported_dir: Path, tmp
     with pytest.raises(TrtcError) as caught:
         check_directory(tmp_path / "nowhere", env=H200)
     assert caught.value.exit_code == 2
-    manifest = read_manifest(exported_dir)
+    manifest = manifest_json(exported_dir)
     (exported_dir / "manifest.json").write_text(json.dumps({**manifest, "engines": [{"bucket": 1}]}))
     with pytest.raises(InputError, match=r"engines\[0\] lacks bucket, file or sha256"):
         check_directory(exported_dir, env=H200)
@@ -159,9 +161,11 @@ def test_rebuild_if_stale_rebuilds_with_the_recorded_settings(exported_dir: Path
     result = rebuild_directory(exported_dir, if_stale=True, build_step=fake_engine_build_step_for_tests, env=A100)
     assert result.rebuilt and len(result.stale_before) == 3
     manifest = read_manifest(exported_dir)
-    assert manifest["environment"]["gpu"] == "NVIDIA A100-SXM4-80GB" and "engines_built" in manifest
-    assert manifest["build"]["multi_profile"] is True and manifest["build"]["opt_level"] == 4
-    assert {e["file"] for e in manifest["engines"]} == {"engines/profiles_b1_4_8.engine"}
+    assert manifest.environment is not None and manifest.build is not None
+    assert manifest.environment["gpu"] == "NVIDIA A100-SXM4-80GB" and manifest.engines_built is not None
+    assert manifest.build.multi_profile is True and manifest.build.opt_level == 4
+    assert {e.file for e in manifest.engines} == {"engines/profiles_b1_4_8.engine"}
+    assert "engines_built" in manifest_json(exported_dir)
     assert check_directory(exported_dir, env=A100).exit_code == 0
     assert not list(exported_dir.glob(".staging-*"))
 
@@ -171,7 +175,7 @@ def test_rebuild_with_fewer_buckets_removes_the_engines_no_longer_built(exported
     rebuild_directory(exported_dir, if_stale=False, settings_override=BuildSettings(buckets=(1,)),
                       build_step=fake_engine_build_step_for_tests, env=H200)
     assert sorted(p.name for p in (exported_dir / "engines").iterdir()) == ["b1.engine", "b1.layers.json"]
-    assert [e["bucket"] for e in read_manifest(exported_dir)["engines"]] == [1]
+    assert [e.bucket for e in read_manifest(exported_dir).engines] == [1]
 
 
 def test_rebuild_refuses_an_onnx_changed_after_export(exported_dir: Path) -> None:
@@ -218,10 +222,11 @@ def test_merge_combines_buckets_built_by_separate_jobs(exported_dir: Path, tmp_p
     _built(exported_dir, buckets=(1,))
     _built(job_b, buckets=(4,))
     merged = merge_manifests(exported_dir, [job_b])
-    assert [e["bucket"] for e in merged["engines"]] == [1, 4] and merged["build"]["buckets"] == [1, 4]
+    assert [e.bucket for e in merged.engines] == [1, 4] and merged.build is not None and merged.build.buckets == (1, 4)
     assert (exported_dir / "engines/b4.engine").read_bytes() == (job_b / "engines/b4.engine").read_bytes()
     assert (exported_dir / "engines/b4.layers.json").is_file()
-    assert read_json(exported_dir / "manifest.json") == merged
+    assert read_json(exported_dir / "manifest.json") == merged.to_json()
+    assert merged.merged_from == [str(job_b)]
     assert check_directory(exported_dir, env=H200).exit_code == 0
 
 
@@ -232,7 +237,7 @@ def test_merge_refuses_another_model_or_another_environment(exported_dir: Path, 
     _built(exported_dir, buckets=(1,))
     _built(other_gpu, env=A100, buckets=(4,))
     _built(other_model, buckets=(8,))
-    manifest = read_manifest(other_model)
+    manifest = manifest_json(other_model)
     manifest["onnx"]["fp32"]["sha256"] = "f" * 64  # as if exported from another model
     (other_model / "manifest.json").write_text(json.dumps(manifest))
     before = _snapshot(exported_dir)

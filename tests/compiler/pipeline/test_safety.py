@@ -25,10 +25,11 @@ import compiler
 from compiler.cli import cli
 from compiler.core.errors import DirectoryLocked, InputError
 from compiler.core.files import directory_lock, directory_transaction, file_mode
-from compiler.core.manifest import write_manifest
+from compiler.core.manifest import Manifest
 from compiler.core.settings import BuildSettings
 from compiler.pipeline.check import rebuild_directory
 from tests.conftest import H200_ENV, fake_engine_build_step_for_tests
+from tests.manifests import write_manifest_json
 
 FACTORY = "tests.compiler.pipeline.test_safety:random_mlp"
 
@@ -106,7 +107,7 @@ def test_merge_never_reads_or_writes_outside_the_directories(built: Path, tmp_pa
         name = "engines/b2.engine"
     manifest = manifest_of(job)
     manifest["engines"][0]["file"] = name
-    write_manifest(job / "manifest.json", manifest)
+    write_manifest_json(job / "manifest.json", manifest)
     around = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
     before = files_in(copy)
 
@@ -124,7 +125,7 @@ def test_every_command_and_load_refuse_an_onnx_outside_the_directory(copy: Path,
     shutil.copyfile(copy / "model.int8.onnx", outside / "model.int8.onnx")  # same bytes: the sha256 matches
     manifest = manifest_of(copy)
     manifest["onnx"]["int8"]["file"] = manifest["onnx"]["int8"]["files"][0] = "../elsewhere/model.int8.onnx"
-    write_manifest(copy / "manifest.json", manifest)
+    write_manifest_json(copy / "manifest.json", manifest)
     for args in (["rebuild", str(copy)], ["bench", str(copy), "--backends", "onnxruntime", "-n", "1"],
                  ["export-triton", str(copy), "--repo", str(tmp_path / "repo")]):
         result = trtc(*args)
@@ -138,7 +139,7 @@ def test_every_command_and_load_refuse_an_onnx_outside_the_directory(copy: Path,
 def test_check_refuses_an_absolute_engine_path(copy: Path, tmp_path: Path) -> None:
     manifest = manifest_of(copy)
     manifest["engines"][0]["file"] = str((copy / "engines/b1.engine").resolve())
-    write_manifest(copy / "manifest.json", manifest)
+    write_manifest_json(copy / "manifest.json", manifest)
     result = trtc("check", str(copy))
     assert result.exit_code == 2
     assert "is not a relative path inside the directory" in one_line_error(result)
@@ -149,7 +150,7 @@ def test_rebuild_never_deletes_a_file_outside_the_directory(copy: Path, tmp_path
     victim.write_text("keep me")
     manifest = manifest_of(copy)
     manifest["engines"][0]["layers"] = {"file": "../victim.json"}  # rebuild removes files of buckets it drops
-    write_manifest(copy / "manifest.json", manifest)
+    write_manifest_json(copy / "manifest.json", manifest)
     with pytest.raises(InputError, match="not a relative path inside the directory"):
         rebuild_directory(copy, if_stale=False, settings_override=BuildSettings(buckets=(2,), precision="int8"),
                           build_step=fake_engine_build_step_for_tests, env=H200_ENV)
@@ -176,7 +177,7 @@ def test_an_onnx_is_read_only_after_its_sha256_matches(copy: Path) -> None:
 
 
 def test_inside_accepts_plain_relative_paths_only(copy: Path) -> None:
-    from compiler.core.manifest import inside
+    from compiler.core.files import inside
 
     assert inside(copy, "engines/b1.engine") == copy / "engines/b1.engine"
     for bad in ("", "/etc/passwd", "../m/model.onnx", "engines/../../x", "a//b", "C:/x", "a\\..\\b", None, 3):
@@ -309,11 +310,11 @@ def test_torch_backend_and_bench_run_the_weights_the_build_exported(built: Path)
     manifest["precision"] = "fp32"  # compare with the FP32 ONNX, exactly
     fp32_dir = built.parent / "fp32-view"
     shutil.copytree(built, fp32_dir)
-    write_manifest(fp32_dir / "manifest.json", manifest)
+    write_manifest_json(fp32_dir / "manifest.json", manifest)
     with compiler.load(fp32_dir, backend="onnxruntime") as ort, compiler.load(built, backend="torch") as eager:
         onnx_out, torch_out = ort(x), eager(x)
     np.testing.assert_allclose(torch_out, onnx_out, rtol=1e-5, atol=1e-5)
-    module, _ = eager_model(manifest, directory=built)
+    module, _ = eager_model(Manifest.from_json(manifest), directory=built)
     with torch.no_grad():
         np.testing.assert_allclose(module(torch.from_numpy(x)).numpy(), onnx_out, rtol=1e-5, atol=1e-5)
     fresh = random_mlp()  # what calling the factory again gives: other weights

@@ -24,10 +24,11 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 from compiler.cli import cli
 from compiler.core.errors import InputError
 from compiler.core.files import sha256_file
-from compiler.core.manifest import write_manifest
+from compiler.core.manifest import read_manifest
 from compiler.core.onnx_io import ort_session
 from compiler.pipeline.triton import triton_repository
 from tests.builds import build_directory
+from tests.manifests import write_manifest_json
 
 F = descriptor_pb2.FieldDescriptorProto
 OPTIONAL, REPEATED = F.LABEL_OPTIONAL, F.LABEL_REPEATED
@@ -132,7 +133,7 @@ def with_engines(source: Path, target: Path, ranged: bool, one_file: bool = True
     manifest = json.loads((target / "manifest.json").read_text())
     manifest["engines"] = entries
     manifest["environment"] = {"tensorrt": "10.13.0.35"}
-    write_manifest(target / "manifest.json", manifest)
+    write_manifest_json(target / "manifest.json", manifest)
     return target
 
 
@@ -183,7 +184,7 @@ def test_plan_with_a_profile_per_bucket(dirs: dict[str, Path], tmp_path: Path) -
 def test_a_version_compatible_plan_names_the_triton_option(dirs: dict[str, Path], tmp_path: Path) -> None:
     directory = with_engines(dirs["mlp"], tmp_path / "m", ranged=True)
     manifest = json.loads((directory / "manifest.json").read_text())
-    write_manifest(directory / "manifest.json", {**manifest, "build": {"version_compatible": True}})
+    write_manifest_json(directory / "manifest.json", {**manifest, "build": {"version_compatible": True}})
     result = CliRunner().invoke(cli, ["export-triton", str(directory), "--repo", str(tmp_path / "repo")])
     assert result.exit_code == 0, result.output
     assert ("built version-compatible with TensorRT 10.13.0.35: Triton loads it with TensorRT 10.13.0.35 or a later "
@@ -249,10 +250,9 @@ def test_a_trtc_entry_holds_the_build_and_the_path_its_model_imports_from(dirs: 
     parameters = {key: value.string_value for key, value in config.parameters.items()}
     assert parameters == {"trtc_python_path": os.pathsep.join(default_python_path()), "trtc_backend": "auto"}
     assert (folder / "1" / "model.py").read_text() == MODEL_PY
-    manifest = json.loads((source / "manifest.json").read_text())
     copied = sorted(p.relative_to(folder / "1" / "build").as_posix() for p in (folder / "1" / "build").rglob("*")
                     if p.is_file())
-    assert copied == sorted(build_files(source, manifest)) and "engines/b16.engine" in copied
+    assert copied == sorted(build_files(source, read_manifest(source))) and "engines/b16.engine" in copied
     for name in copied:
         assert (folder / "1" / "build" / name).read_bytes() == (source / name).read_bytes()
 

@@ -23,11 +23,10 @@ import torch
 
 import compiler
 from compiler.backends.onnxrt import OrtCpuContext
-from compiler.backends.tensorrt.records import recorded_tf32
 from compiler.backends.tensorrt.runtime import EnginesNotRunnable
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import FeedError, InputError, TensorRTNotInstalled
-from compiler.core.manifest import write_manifest
+from compiler.core.manifest import Manifest, read_manifest, recorded_tf32, settings_from_dict
 from compiler.core.onnx_io import ort_session
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
 from compiler.serve import engines as runtime
@@ -35,6 +34,7 @@ from compiler.serve.batcher import DynamicBatcher
 from compiler.serve.load import engines_from_module, load
 from examples import models
 from tests.builds import BUCKETS, MODELS, build_directory
+from tests.manifests import write_manifest_json
 from tests.project import ROOT
 
 
@@ -119,11 +119,10 @@ def test_a_buffer_set_of_the_engines_is_a_runner(mlp_engines: runtime.Engines, d
     activate to release, checks the feed as ``engines(x)`` does, and matches ONNX Runtime's own run of the ONNX."""
     from compiler.backends.base import Runner
     from compiler.backends.onnxrt import OnnxRuntimeRunner
-    from compiler.core.manifest import onnx_for, read_manifest
     from compiler.frontend.verify import compare_outputs
 
     feed = {"x": np.random.default_rng(8).standard_normal((5, 64)).astype(np.float32)}
-    path = onnx_for(dirs["mlp"], read_manifest(dirs["mlp"]))
+    path = read_manifest(dirs["mlp"]).onnx_for(dirs["mlp"])
     with mlp_engines.runner() as runner, OnnxRuntimeRunner(path, ["CPUExecutionProvider"]) as reference:
         assert isinstance(runner, Runner) and runner.name == "onnxruntime" and runner.input_names == ["x"]
         assert mlp_engines._idle.qsize() == mlp_engines.buffer_sets - 1  # the set is the runner's until release
@@ -420,12 +419,12 @@ def test_onnxruntime_tf32_follows_the_manifest_or_the_argument(tmp_path: Path) -
 def test_serving_and_rebuild_read_a_build_without_tf32_alike() -> None:
     """A build section of an older trtc (no ``tf32``) was built with TF32 off: ``trtc rebuild`` and the serving
     backends both read it so; no build section at all (nothing built) takes the default."""
-    from compiler.backends.tensorrt.records import settings_from_dict
     from compiler.core import defaults
 
     older = {"buckets": [1, 4], "precision": "fp32", "engine": "tensorrt"}
     assert settings_from_dict(older).tf32 is False and recorded_tf32(older) is False
-    assert recorded_tf32(None) is defaults.TF32
+    assert Manifest.from_json({"build": older}).tf32 is False
+    assert recorded_tf32(None) is defaults.TF32 and Manifest().tf32 is defaults.TF32
 
 
 # --- backends and loading -----------------------------------------------------------------------------------------
@@ -452,7 +451,7 @@ def _with_engines(tmp_path: Path) -> Path:
                 "shapes": {"x": {"min": [b, 64], "opt": [b, 64], "max": [b, 64]}}} for b in (1, 4)]
     data = json.loads((directory / "manifest.json").read_text())
     data.update(engines=engines, environment={"tensorrt": "10.13.0.35", "compute_capability": "9.0"})
-    write_manifest(directory / "manifest.json", data)
+    write_manifest_json(directory / "manifest.json", data)
     return directory
 
 
@@ -928,10 +927,8 @@ def test_serving_sessions_do_not_spin(tmp_path: Path, monkeypatch: pytest.Monkey
     after each CPU node took the cores from the server's threads); ``spinning=False`` reaches ONNX Runtime."""
     from compiler.backends.onnxrt import OrtBackend
     from compiler.core import onnx_io
-    from compiler.core.manifest import onnx_for, read_manifest
-
     directory = build_directory(tmp_path / "mlp", "mlp")
-    path = onnx_for(directory, read_manifest(directory))
+    path = read_manifest(directory).onnx_for(directory)
     real = onnx_io.ort_session(path, ["CPUExecutionProvider"], threads=1, spinning=False)
     options = real.get_session_options()
     assert options.intra_op_num_threads == 1

@@ -51,13 +51,14 @@ def _spec(model: Model) -> ModelSpec:
 
 def _build(out: Path, model: Model, precision: str = "fp32",
            buckets: tuple[int, ...] = (1, 4, 8), **build: Any) -> dict[str, Any]:
-    """``trtc build`` of an example model into ``out``; the manifest. INT8/FP16 calibrate on seeded random data."""
+    """``trtc build`` of an example model into ``out``; the manifest as the JSON it writes. INT8/FP16 calibrate on
+    seeded random data."""
     from compiler.core.settings import CalibrationSettings
     from compiler.pipeline.build import build_directory
 
     calibration = None if precision == "fp32" else CalibrationSettings(precision, data="random", samples=64)
     export = ExportSettings(ModelSource(factory=model[0]), out, _spec(model), buckets)
-    return build_directory(export, calibration, BuildSettings(buckets=buckets, precision=precision, **build))
+    return build_directory(export, calibration, BuildSettings(buckets=buckets, precision=precision, **build)).to_json()
 
 
 def _fp32_reference(out: Path, feed: dict[str, np.ndarray]) -> np.ndarray:
@@ -284,9 +285,9 @@ def test_rebuild_if_stale_rebuilds_stale_engines_from_the_directory_and_its_timi
 
     from compiler.backends.tensorrt.timing_cache import timing_cache_keys
     from compiler.cli import cli
-    from compiler.core.manifest import read_manifest, write_manifest
     from compiler.pipeline.check import rebuild_directory
     from compiler.serve.load import load
+    from tests.manifests import manifest_json, write_manifest_json
 
     out, cnn = tmp_path / "m", tmp_path / "cnn"
     _build(out, MLP, buckets=(1, 4))
@@ -303,19 +304,19 @@ def test_rebuild_if_stale_rebuilds_stale_engines_from_the_directory_and_its_timi
     assert CliRunner().invoke(cli, ["check", str(out)]).exit_code == 1
     with _captured(caplog, "compiler.backends.tensorrt.timing_cache"):
         rebuilt = rebuild_directory(out, if_stale=True)
-    assert rebuilt.rebuilt and [e["bucket"] for e in rebuilt.engines] == [1, 4]
+    assert rebuilt.rebuilt and [e.bucket for e in rebuilt.engines] == [1, 4]
     assert foreign <= (timing_cache_keys(out / "timing.cache") or set())
     assert "not reusing" not in caplog.text
     assert CliRunner().invoke(cli, ["check", str(out)]).exit_code == 0
 
-    manifest = read_manifest(out)
+    manifest = manifest_json(out)
     manifest["environment"] = {**manifest["environment"], "tensorrt": "10.99.0.1"}
-    write_manifest(out / "manifest.json", manifest)
+    write_manifest_json(out / "manifest.json", manifest)
     assert CliRunner().invoke(cli, ["check", str(out)]).exit_code == 1
     caplog.clear()
     with _captured(caplog, "compiler.backends.tensorrt.timing_cache"):
         rebuilt = rebuild_directory(out, if_stale=True)
-    assert rebuilt.rebuilt and [e["bucket"] for e in rebuilt.engines] == [1, 4]
+    assert rebuilt.rebuilt and [e.bucket for e in rebuilt.engines] == [1, 4]
     assert "not reusing" in caplog.text and "10.99.0.1" in caplog.text
     assert CliRunner().invoke(cli, ["check", str(out)]).exit_code == 0
     assert not list(out.rglob("*.lock"))
@@ -334,7 +335,6 @@ def test_shared_timing_cache_is_keyed_grows_by_combining_and_an_unreadable_direc
     from dataclasses import replace
 
     from compiler.backends.tensorrt.environment import environment
-    from compiler.backends.tensorrt.records import settings_from_dict
     from compiler.backends.tensorrt.timing_cache import timing_cache_key, timing_cache_keys
     from compiler.core.manifest import read_manifest
     from compiler.pipeline.check import rebuild_directory
@@ -348,7 +348,7 @@ def test_shared_timing_cache_is_keyed_grows_by_combining_and_an_unreadable_direc
     _build(cnn, CNN, buckets=(1,))  # its own timing.cache: the CNN's timings, none of the MLP's
     own = timing_cache_keys(cnn / "timing.cache")
     assert own and first - own  # the MLP's timings are not in it
-    settings = replace(settings_from_dict(read_manifest(cnn)["build"]), timing_cache=shared)
+    settings = replace(read_manifest(cnn).rebuild_settings(), timing_cache=shared)
     assert rebuild_directory(cnn, if_stale=False, settings_override=settings).rebuilt
     second = timing_cache_keys(shared)
     assert second is not None and first | own <= second

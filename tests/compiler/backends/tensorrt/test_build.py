@@ -23,16 +23,16 @@ from compiler.backends.tensorrt.environment import environment
 from compiler.backends.tensorrt.layers import layer_summary
 from compiler.backends.tensorrt.loaders import StronglyTypedNetworkFromOnnxPath, TensorRTEnumOptions, engine_loader
 from compiler.backends.tensorrt.profiles import engine_profile_shapes, multi_profile_shapes, profile_shapes
-from compiler.backends.tensorrt.records import settings_from_dict, settings_to_dict
 from compiler.backends.tensorrt.timing_cache import shared_timing_cache_problem, timing_cache_key
 from compiler.backends.tensorrt.versions import NOT_INSTALLED, require_tensorrt, tensorrt_version_problem
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import BuildError, InputError, TensorRTNotInstalled
 from compiler.core.files import sha256_file, staging_dir
-from compiler.core.manifest import read_manifest, spec_from_manifest
+from compiler.core.manifest import read_manifest, settings_from_dict, settings_to_dict
 from compiler.core.settings import BuildSettings
 from compiler.core.specs import DimRange, ModelSpec, parse_input_spec
 from tests.conftest import FAKE_ENGINE_HEADER, H200_ENV, fake_engine_build_step_for_tests
+from tests.manifests import manifest_json
 from tests.project import ROOT
 
 ENV = H200_ENV
@@ -132,12 +132,13 @@ def test_the_loader_chain_asks_whether_to_type_strongly_only_when_its_network_is
 
 def _build(directory: Path, settings: BuildSettings, step: Any = fake_engine_build_step_for_tests,
            env: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
-    """Run build_engine_files into a staging folder; the entries and the staged files' bytes."""
-    spec = spec_from_manifest(read_manifest(directory))
+    """Run build_engine_files into a staging folder; the engine records as the manifest writes them, and the staged
+    files' bytes."""
+    spec = read_manifest(directory).spec
     with staging_dir(directory) as stage:
         entries = build_engine_files(directory, stage, "model.onnx", spec, settings, step, env=env or ENV)
         files = {p.relative_to(stage).as_posix(): p.read_bytes() for p in stage.rglob("*") if p.is_file()}
-    return entries, files
+    return [e.to_json() for e in entries], files
 
 
 def test_one_engine_per_bucket_with_layer_files_and_entries(exported_dir: Path) -> None:
@@ -145,7 +146,7 @@ def test_one_engine_per_bucket_with_layer_files_and_entries(exported_dir: Path) 
     assert sorted(files) == ["engines/b1.engine", "engines/b1.layers.json", "engines/b4.engine",
                              "engines/b4.layers.json", "timing.cache"]
     assert [e["bucket"] for e in entries] == [1, 4]
-    onnx_sha = read_manifest(exported_dir)["onnx"]["fp32"]["sha256"]
+    onnx_sha = read_manifest(exported_dir).onnx["fp32"].sha256
     for entry in entries:
         data = files[entry["file"]]
         assert data.startswith(FAKE_ENGINE_HEADER)
@@ -180,21 +181,19 @@ def test_engine_profile_shapes_is_the_one_plan_for_builder_and_manifest() -> Non
 
 
 def test_a_multi_profile_build_exports_to_triton_as_a_plan(exported_dir: Path, tmp_path: Path) -> None:
-    from compiler.backends.tensorrt.records import manifest_engine_keys
     from compiler.core.manifest import write_manifest
     from compiler.pipeline.triton import PLAN_VERSION_FILE, triton_repository
 
     settings = BuildSettings(buckets=(1, 4), multi_profile=True)
-    spec = spec_from_manifest(read_manifest(exported_dir))
+    manifest = read_manifest(exported_dir)
     with staging_dir(exported_dir) as stage:
-        entries = build_engine_files(exported_dir, stage, "model.onnx", spec, settings,
+        entries = build_engine_files(exported_dir, stage, "model.onnx", manifest.spec, settings,
                                      fake_engine_build_step_for_tests, env=ENV)
         (exported_dir / "engines").mkdir()
-        (exported_dir / entries[0]["file"]).write_bytes((stage / entries[0]["file"]).read_bytes())
-    write_manifest(exported_dir / "manifest.json",
-                   {**read_manifest(exported_dir), **manifest_engine_keys(settings, ENV, entries)})
+        (exported_dir / entries[0].file).write_bytes((stage / entries[0].file).read_bytes())
+    write_manifest(exported_dir / "manifest.json", manifest.with_engines(settings, ENV, entries))
     folder = triton_repository(exported_dir, tmp_path / "repo", platform="tensorrt_plan")  # the profiles cover 1..4
-    assert (folder / "1" / "model.plan").read_bytes() == (exported_dir / entries[0]["file"]).read_bytes()
+    assert (folder / "1" / "model.plan").read_bytes() == (exported_dir / entries[0].file).read_bytes()
     version, requirement = (folder / "1" / PLAN_VERSION_FILE).read_text().splitlines()
     assert version == ENV["tensorrt"] and f"exactly {ENV['tensorrt']}" in requirement
 
@@ -250,7 +249,7 @@ def test_timing_cache_comes_from_the_directory_else_the_shared_one(exported_dir:
     _, files = _build(exported_dir, settings)
     assert files["timing.cache"].startswith(b"shared timings\n")  # no DIR/timing.cache yet
 
-    manifest = read_manifest(exported_dir)
+    manifest = manifest_json(exported_dir)
     (exported_dir / "manifest.json").write_text(json.dumps({**manifest, "environment": ENV}))
     (exported_dir / "timing.cache").write_bytes(b"this directory's timings\n")
     _, files = _build(exported_dir, settings)
@@ -399,9 +398,9 @@ def test_real_engines_for_two_buckets_match_onnxruntime(tmp_path: Path) -> None:
                                     ModelSpec((parse_input_spec("x:Bx64"),)), buckets=(1, 4)))
     shared = tmp_path / "shared.cache"
     settings = BuildSettings(buckets=(1, 4), timing_cache=shared)
-    spec = spec_from_manifest(read_manifest(out))
+    spec = read_manifest(out).spec
     with staging_dir(out) as stage:
-        entries = build_engine_files(out, stage, "model.onnx", spec, settings)
+        entries = [e.to_json() for e in build_engine_files(out, stage, "model.onnx", spec, settings)]
         assert [e["file"] for e in entries] == ["engines/b1.engine", "engines/b4.engine"]
         assert (stage / "timing.cache").stat().st_size > 0 and shared.stat().st_size > 0
         reference = OnnxRuntimeRunner(out / "model.onnx", ["CPUExecutionProvider"])
@@ -424,7 +423,7 @@ def test_real_engines_for_two_buckets_match_onnxruntime(tmp_path: Path) -> None:
 def test_real_parser_error_names_the_rejected_node(tmp_path: Path) -> None:
     from onnx import helper
 
-    from compiler.core.manifest import MANIFEST, onnx_entry, write_manifest
+    from compiler.core.manifest import MANIFEST, FileRecord, Manifest, write_manifest
     from compiler.core.onnx_io import save_onnx
     from tests.onnx_helpers import make_model, tensor
 
@@ -433,10 +432,10 @@ def test_real_parser_error_names_the_rejected_node(tmp_path: Path) -> None:
                        [tensor("x", ["B", 4])], [tensor("y", ["B", 4])])
     model.opset_import.append(helper.make_opsetid("com.example", 1))
     save_onnx(model, out / "model.onnx")
-    write_manifest(out / MANIFEST, {"inputs": ["x:Bx4:float32"], "dims": {}, "buckets": [1],
-                                    "onnx": {"fp32": onnx_entry(out, out / "model.onnx")}})
+    write_manifest(out / MANIFEST, Manifest(inputs=("x:Bx4:float32",), buckets=(1,),
+                                            onnx={"fp32": FileRecord.for_onnx(out, out / "model.onnx")}))
     with pytest.raises(BuildError, match=r"node mystery \(NoSuchOp\)"), staging_dir(out) as stage:
-        build_engine_files(out, stage, "model.onnx", spec_from_manifest(read_manifest(out)),
+        build_engine_files(out, stage, "model.onnx", read_manifest(out).spec,
                            BuildSettings(buckets=(1,)))
 
 
@@ -497,7 +496,7 @@ def test_the_build_step_inspects_each_profile_at_the_shapes_the_engine_was_built
         given.append(profiles)
         return fake_engine_build_step_for_tests(loader, profiles)
 
-    spec = spec_from_manifest(read_manifest(exported_dir))
+    spec = read_manifest(exported_dir).spec
     _build(exported_dir, BuildSettings(buckets=(1, 4, 8), multi_profile=True), step=recording_step)
     assert given == [engine_profile_shapes(spec, (1, 4, 8), multi_profile=True)]  # opt shapes per profile from here
 

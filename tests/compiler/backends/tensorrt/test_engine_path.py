@@ -15,6 +15,7 @@ import logging
 import os
 import stat
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,11 @@ from compiler.backends.tensorrt.runtime import EnginesNotRunnable, tensorrt_back
 from compiler.backends.tensorrt.timing_cache import drop_unreadable_timing_cache, merge_timing_cache, timing_cache_key
 from compiler.core.errors import BuildError, InputError
 from compiler.core.files import staging_dir
-from compiler.core.manifest import read_manifest, spec_from_manifest, write_manifest
+from compiler.core.manifest import Manifest, read_manifest
 from compiler.core.settings import BuildSettings
 from compiler.pipeline.triton import plan_requirement
 from tests.conftest import H200_ENV, fake_engine_build_step_for_tests
+from tests.manifests import manifest_json, write_manifest_json
 from tests.project import ROOT
 
 # --- the engine inspector -----------------------------------------------------------------------------------------
@@ -307,14 +309,14 @@ def test_environment_asks_torch_about_the_device_asked_for(monkeypatch: pytest.M
     assert (here["gpu"], here["compute_capability"]) == ("NVIDIA L40S", "8.9")
 
 
-def _engines_dir(exported_dir: Path, inputs: list[str] | None = None) -> tuple[Path, dict[str, Any]]:
+def _engines_dir(exported_dir: Path, inputs: list[str] | None = None) -> tuple[Path, Manifest]:
     """``exported_dir`` with a manifest naming engines built on an H200 (their files absent: stale)."""
-    manifest = read_manifest(exported_dir)
+    manifest = manifest_json(exported_dir)
     manifest.update(engines=[{"bucket": b, "file": f"engines/b{b}.engine", "sha256": "0" * 64, "profile": 0}
                              for b in (1, 4)], environment=H200_ENV, build={"buckets": [1, 4]})
     if inputs is not None:
         manifest["inputs"] = inputs
-    write_manifest(exported_dir / "manifest.json", manifest)
+    write_manifest_json(exported_dir / "manifest.json", manifest)
     return exported_dir, read_manifest(exported_dir)
 
 
@@ -333,10 +335,10 @@ def test_the_runtime_checks_staleness_on_the_device_it_will_run_on(exported_dir:
     monkeypatch.setattr(runtime, "environment", environment)
     for device in ("cuda:1", None):
         with pytest.raises(EnginesNotRunnable, match="engine file missing"):
-            tensorrt_backend(directory, manifest, spec_from_manifest(manifest), device, cuda_graphs=True)
+            tensorrt_backend(directory, manifest, manifest.spec, device, cuda_graphs=True)
     assert asked == [1, 0]  # cuda:1; then the current device (0 where torch sees no GPU)
     with pytest.raises(InputError, match="device='cpu': TensorRT engines run on a CUDA device"):
-        tensorrt_backend(directory, manifest, spec_from_manifest(manifest), "cpu", cuda_graphs=True)
+        tensorrt_backend(directory, manifest, manifest.spec, "cpu", cuda_graphs=True)
 
 
 @pytest.mark.usefixtures("mixed_host")
@@ -345,7 +347,7 @@ def test_parallel_builds_refuse_a_worker_on_another_gpu_model(exported_dir: Path
     """The manifest records one environment (an H200's) and the engines share one timing cache: a worker pinned to
     the A100 of a mixed host stops the build, naming both GPUs and the fix."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    spec = spec_from_manifest(read_manifest(exported_dir))
+    spec = read_manifest(exported_dir).spec
     with pytest.raises(BuildError) as err, staging_dir(exported_dir) as stage:
         build_engine_files(exported_dir, stage, "model.onnx", spec, BuildSettings(buckets=(1, 4), jobs=2),
                            fake_engine_build_step_for_tests, env=H200_ENV)
@@ -355,7 +357,7 @@ def test_parallel_builds_refuse_a_worker_on_another_gpu_model(exported_dir: Path
     with staging_dir(exported_dir) as stage:
         entries = build_engine_files(exported_dir, stage, "model.onnx", spec, BuildSettings(buckets=(1, 4), jobs=2),
                                      fake_engine_build_step_for_tests, env=H200_ENV)
-    assert [e["bucket"] for e in entries] == [1, 4]
+    assert [e.bucket for e in entries] == [1, 4]
 
 
 # --- what the runtime refuses -----------------------------------------------------------------------------------------
@@ -406,10 +408,10 @@ def test_the_plan_message_names_the_tensorrt_releases_and_the_gpus_that_load_it(
     built = {**H200_ENV, "tensorrt": "10.13.0.35"}
     assert later_runtimes("10.13.0.35") == "TensorRT 10.13.0.35 or a later 10.x or 11.x"
     assert later_runtimes("11.4.0.106") == "TensorRT 11.4.0.106 or a later 11.x"
-    _, exact = plan_requirement({"environment": built, "build": {"hardware_compat": "none"}})
+    _, exact = plan_requirement(Manifest.from_json({"environment": built, "build": {"hardware_compat": "none"}}))
     assert "exactly 10.13.0.35" in exact and "only on the GPU model that built it, NVIDIA H200" in exact
-    _, compatible = plan_requirement({"environment": built, "build": {"version_compatible": True,
-                                                                      "hardware_compat": "same-compute-capability"}})
+    _, compatible = plan_requirement(Manifest.from_json({"environment": built, "build": {
+        "version_compatible": True, "hardware_compat": "same-compute-capability"}}))
     assert "or a later 10.x or 11.x when started with --backend-config=tensorrt,version-compatible=true" in compatible
     assert "any GPU of compute capability 9.0" in compatible
     assert "8.0 or later" in gpus_that_run(built, "ampere-plus") and "8.0 or later" in gpus_that_run(built, True)
@@ -420,7 +422,8 @@ def test_staleness_says_a_version_compatible_tensorrt_10_engine_runs_on_11_too(e
     from compiler.backends.tensorrt.compat import stale_in
 
     directory, manifest = _engines_dir(exported_dir)
-    manifest = {**manifest, "build": {**manifest["build"], "version_compatible": True}}
+    assert manifest.build is not None
+    manifest = replace(manifest, build=replace(manifest.build, version_compatible=True))
     older = stale_in(directory, manifest, {**H200_ENV, "tensorrt": "10.12.0.36"})
     assert "runs on TensorRT 10.13.0.35 or a later 10.x or 11.x" in older[0].reason
     later = stale_in(directory, manifest, {**H200_ENV, "tensorrt": "11.4.0.106"})
