@@ -183,6 +183,7 @@ class _InFlight:
         self.freed = threading.Condition(lock)
         self.forming = True  # False once the forming thread has stopped: the answering thread ends when all are out
         self.after_start: list[_Answers] = []  # asyncio answers the forming thread sends once it started the next batch
+        self.answered = float("-inf")  # monotonic time the last batch's place was freed (its answers out or going)
 
 
 class _NoSet:
@@ -429,8 +430,7 @@ class DynamicBatcher:
                     later = flight.forming and len(flight.running) >= self._most_in_flight
                     if later:
                         flight.after_start.append(answers)
-                    flight.running.popleft()
-                    flight.freed.notify()
+                    self._freed(flight)
                 if not later:
                     answers.send()
                 continue
@@ -442,8 +442,15 @@ class DynamicBatcher:
     def _free(self, flight: _InFlight) -> None:
         """Give the oldest started batch's place back (its answers are out, or go out after the next start)."""
         with self._lock:
-            flight.running.popleft()
-            flight.freed.notify()
+            self._freed(flight)
+
+    def _freed(self, flight: _InFlight) -> None:
+        """With the lock held: the oldest started batch is done. Wakes this worker's forming thread, waiting for a
+        place (``freed``) or for the batch to end before it takes a padded one (``_cond``: the batching policy)."""
+        flight.running.popleft()
+        flight.answered = time.monotonic()
+        flight.freed.notify()
+        self._cond.notify_all()
 
     def _next_batch(self, answers: _Answers, flight: _InFlight) -> list[_Request] | None:
         """Wait until the queue makes a batch (``BatchPolicy.ready``) and ``flight`` has a place for it, and take it;
@@ -472,11 +479,17 @@ class DynamicBatcher:
                 # one this worker waited for (a window then seemed over for a queue that had emptied)
                 first = (high[0] if high else normal[0]).submitted
                 now = time.monotonic()
-                if self._closed or self._policy.ready(self._queued, first, now):
+                running = bool(flight.running)
+                if self._closed or self._policy.ready(self._queued, first, now, running=running,
+                                                      answered=flight.answered):
                     return self._take(answers)
                 if flight.after_start:
                     return []
-                self._cond.wait(self._policy.window_end(first) - now)
+                padded = self._policy.padded(self._queued)
+                if padded and running:
+                    self._cond.wait()  # until the running batch's place is freed, or the queue fills a batch
+                else:
+                    self._cond.wait(self._policy.window_end(first, flight.answered, padded) - now)
 
     def _take(self, answers: _Answers) -> list[_Request]:
         """Pop the requests of one batch (``BatchPolicy.take``; the high lane first), failing the expired ones; with

@@ -2,8 +2,12 @@
 
 A batcher's queue holds its requests in the order they are served: high priority first (``DynamicBatcher``'s
 ``priority=True``), then oldest first. ``BatchPolicy.ready`` says when the queue makes a batch: once it holds
-``max_batch`` rows, or its first request has waited ``max_wait`` seconds (the window). ``BatchPolicy.take`` then
-picks the batch:
+``max_batch`` rows, or its first request has waited ``max_wait`` seconds (the window). A queue whose batch would be
+padded (its rows fill no bucket exactly, so it would cost the GPU what the next bucket's full batch costs) waits
+while the batcher's last batch runs, and its window counts from that batch's answers: started now it would only
+queue behind the running batch, while the callers that batch answers can still join it (64 client threads on one
+ONNX Runtime context with one bucket otherwise split into two halves that each paid a whole bucket).
+``BatchPolicy.take`` then picks the batch:
 
 1. requests past their deadline expire: they are answered with ``RequestTimeout`` and never run;
 2. of the rest, only those whose signature equals the first's share the batch (equal non-batch sizes: two
@@ -59,20 +63,34 @@ class BatchPolicy:
 
     max_batch: int
     max_wait: float
+    buckets: tuple[int, ...] = ()  # the engines' batch sizes: a queue of other sizes is padded (none: never)
 
     @staticmethod
     def of(buckets: Sequence[int], max_batch: int | None, max_wait_ms: float, timeout: float | None) -> BatchPolicy:
         """The policy of a batcher's settings, checked (``check_settings``); ``max_batch`` None: the largest bucket."""
         check_settings(max_batch, max_wait_ms, timeout)
-        return BatchPolicy(max_batch or max(buckets), max_wait_ms / 1000.0)
+        return BatchPolicy(max_batch or max(buckets), max_wait_ms / 1000.0, tuple(sorted(buckets)))
 
-    def window_end(self, first_submitted: float) -> float:
-        """When the window of a queue whose first request came at ``first_submitted`` (monotonic seconds) ends."""
-        return first_submitted + self.max_wait
+    def padded(self, queued_rows: int) -> bool:
+        """Whether a batch of ``queued_rows`` rows would be padded: below ``max_batch`` and no bucket's size."""
+        return bool(self.buckets) and queued_rows < self.max_batch and queued_rows not in self.buckets
 
-    def ready(self, queued_rows: int, first_submitted: float, now: float) -> bool:
-        """Whether a queue of ``queued_rows`` rows makes a batch at ``now``: it is full, or its window is over."""
-        return queued_rows >= self.max_batch or now >= first_submitted + self.max_wait
+    def window_end(self, first_submitted: float, answered: float = float("-inf"), padded: bool = False) -> float:
+        """When the window of a queue whose first request came at ``first_submitted`` (monotonic seconds) ends; for a
+        padded queue, counted from the last batch's answers (``answered``) when those came later."""
+        return (max(first_submitted, answered) if padded else first_submitted) + self.max_wait
+
+    def ready(self, queued_rows: int, first_submitted: float, now: float, *, running: bool = False,
+              answered: float = float("-inf")) -> bool:
+        """Whether a queue of ``queued_rows`` rows makes a batch at ``now``: it is full, or its window is over; a
+        padded queue not while a batch is ``running``, its window from the last batch's ``answered`` time (the
+        module docstring). Without ``running`` and ``answered``: full, or its window over."""
+        if queued_rows >= self.max_batch:
+            return True
+        padded = self.padded(queued_rows)
+        if padded and running:
+            return False
+        return now >= self.window_end(first_submitted, answered, padded)
 
     def take(self, rows: np.ndarray, signatures: np.ndarray, deadlines: np.ndarray, now: float) -> Taken:
         """Choose one batch from a queue: ``rows`` (int64 per request), ``signatures`` (int64, one row per request:

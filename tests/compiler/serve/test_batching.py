@@ -26,6 +26,21 @@ def test_a_batch_is_ready_when_full_or_when_its_window_is_over() -> None:
     assert policy.window_end(10.0) == pytest.approx(10.005)
 
 
+def test_a_padded_queue_waits_while_a_batch_runs_and_counts_its_window_from_the_answers() -> None:
+    """With buckets 16 and 64, a queue of 34 rows would run padded to 64: while a batch runs it is not ready, even with
+    its window over; once that batch is answered its window counts from the answers (the callers answered can join
+    it); a queue of 16 (a bucket's size) or 64 (full) is ready as before, running or not."""
+    policy = BatchPolicy(max_batch=64, max_wait=0.005, buckets=(16, 64))
+    assert policy.padded(34) and not policy.padded(16) and not policy.padded(64)
+    assert not policy.ready(34, first_submitted=10.0, now=10.1, running=True)
+    assert not policy.ready(34, first_submitted=10.0, now=10.103, answered=10.1)
+    assert policy.ready(34, first_submitted=10.0, now=10.105, answered=10.1)
+    assert policy.window_end(10.0, answered=10.1, padded=True) == pytest.approx(10.105)
+    assert policy.ready(16, first_submitted=10.0, now=10.1, running=True, answered=10.1)
+    assert policy.ready(64, first_submitted=10.0, now=10.0, running=True)
+    assert BatchPolicy(64, 0.005).ready(34, first_submitted=10.0, now=10.1, running=True)  # no buckets: never padded
+
+
 def test_single_rows_fill_the_batch_in_queue_order() -> None:
     taken = BatchPolicy(4, 0.0).take(*queue([1] * 6), now=0.0)
     assert taken.batch.tolist() == [0, 1, 2, 3] and taken.rows == 4
@@ -77,4 +92,4 @@ def test_bad_settings_are_refused_with_what_to_change() -> None:
         BatchPolicy.of((1, 8), max_batch=None, max_wait_ms=-1, timeout=1.0)
     with pytest.raises(InputError, match="timeout=0"):
         BatchPolicy.of((1, 8), max_batch=None, max_wait_ms=1.0, timeout=0)
-    assert BatchPolicy.of((1, 8), max_batch=None, max_wait_ms=5.0, timeout=None) == BatchPolicy(8, 0.005)
+    assert BatchPolicy.of((1, 8), max_batch=None, max_wait_ms=5.0, timeout=None) == BatchPolicy(8, 0.005, (1, 8))

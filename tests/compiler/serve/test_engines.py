@@ -700,8 +700,8 @@ def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without CUDA graphs (a dynamic sequence length), ``start_parts`` hands ONNX Runtime's run to the context's
     launcher thread: two batches of other lengths in flight on one context's two sets, answered in either order;
-    threads calling ``engines(x)`` while a batch is in flight there; ``map`` pipelined; a batcher keeping two in
-    flight; a run that fails there fails its batch, and the set serves again."""
+    threads calling ``engines(x)`` while a batch is in flight there; ``map`` as the plain loop (one context whose
+    runs launch every kernel has nothing to overlap); a batcher keeping two in flight; a run that fails there fails its batch, and the set serves again."""
     monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
     directory = build_directory(tmp_path / "per_position", "per_position")
     rng = np.random.default_rng(5)
@@ -732,7 +732,7 @@ def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_
         np.testing.assert_allclose(got_a, eager("per_position", {"x": a}), rtol=1e-3, atol=1e-3)
         for answer, x in zip(got, inputs):
             np.testing.assert_allclose(answer, eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
-        assert engines._map_mode() == "run"  # map pipelines on the one context's two sets, shapes changing
+        assert engines._map_mode() == "loop"  # one context launching every kernel: map is the plain loop
         for answer, x in zip(engines.map(inputs), inputs, strict=True):
             np.testing.assert_allclose(answer, eager("per_position", {"x": x}), rtol=1e-3, atol=1e-3)
         with DynamicBatcher(engines, max_wait_ms=2, workers=1, timeout=30) as batcher:  # two in flight
@@ -898,7 +898,7 @@ def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, mo
     import compiler.backends.onnxrt as onnxrt
 
     with monkeypatch.context() as patch:  # a capture that fails: a session made without graph capture, no graphs
-        patch.setattr(onnxrt, "_capture", lambda stream, launch, what: None)
+        patch.setattr(onnxrt, "capture_graph", lambda stream, launch, what: None)
         with load(mlp, backend="onnxruntime", device="cuda", contexts=1) as engines:
             context = engines._contexts[0]
             assert engines.launches_on_host and not context._graphs  # type: ignore[attr-defined]
