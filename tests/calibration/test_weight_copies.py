@@ -71,7 +71,7 @@ if what == "write":
 elif what == "model":
     save_onnx(mlp(2048, 16), folder / "model.onnx")
 elif what == "fold":
-    from compiler.frontend.passes import fold_constants
+    from compiler.frontend.folding import fold_constants
     model = load_onnx(folder / "model.onnx")
     loaded = peak()
     folded = fold_constants(model)[0]

@@ -10,7 +10,8 @@ import pytest
 from onnx import helper
 
 from compiler.core.onnx_io import ort_session
-from compiler.frontend.passes import cleanup, fold_batchnorm, fold_constants, run_passes
+from compiler.frontend.folding import fold_constants
+from compiler.frontend.passes import cleanup, fold_batchnorm, run_passes
 from tests.onnx_helpers import make_model, tensor
 
 rng = np.random.default_rng(0)
