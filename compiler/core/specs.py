@@ -4,7 +4,9 @@
 dynamic batch ``B``; any other letter (``S`` for a sequence length, say) is a dynamic
 dimension whose range comes from ``--dim S=1:128:512`` (min:opt:max). An integer input may
 carry the range of values its example inputs take, ``token_type_ids:BxS:int64[0,2)``
-(low inclusive, high exclusive); without one its example values are zeros.
+(low inclusive, high exclusive); without one its example values are zeros. A name is any
+text, as ONNX allows (``0``, ``input:0``: the spec is read from the right, so a name with a
+colon needs the DTYPE); an empty SHAPE is a rank-0 (scalar) input, ``steps::int64``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ __all__ = ["DimRange", "InputSpec", "ModelSpec", "parse_input_spec", "parse_dim_
 
 BATCH_DIM = "B"
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_./\-]*$")
+_DTYPE_TEXT = re.compile(r"^[a-z]+[0-9]*(\[.*)?$")  # what the last part of a spec looks like when it is a DTYPE
 _DIM = re.compile(r"^([0-9]+|[A-Za-z][A-Za-z0-9_]*)$")
 _VALUES = re.compile(r"^([a-z0-9]+)\[(-?[0-9]+),(-?[0-9]+)\)$")
 INTEGER_DTYPES = ("int64", "int32", "int8", "uint8")
@@ -124,12 +126,13 @@ class ModelSpec:
         for spec in self.inputs:
             shape = spec.shape(values)
             if spec.dtype in ("float32", "float16", "bfloat16"):
-                feed[spec.name] = rng.standard_normal(shape).astype(np.float32 if spec.dtype == "bfloat16"
-                                                                    else spec.dtype)
+                feed[spec.name] = np.asarray(rng.standard_normal(shape)).astype(np.float32 if spec.dtype == "bfloat16"
+                                                                                else spec.dtype)
             elif spec.dtype == "bool":
                 feed[spec.name] = np.ones(shape, dtype=bool)
             elif spec.values is not None:
-                feed[spec.name] = rng.integers(spec.values[0], spec.values[1], size=shape).astype(spec.dtype)
+                feed[spec.name] = np.asarray(rng.integers(spec.values[0], spec.values[1], size=shape)).astype(
+                    spec.dtype)
             elif spec._is_mask:
                 feed[spec.name] = np.ones(shape, dtype=spec.dtype)
             else:
@@ -138,16 +141,22 @@ class ModelSpec:
 
 
 def parse_input_spec(text: str) -> InputSpec:
-    """Parse ``NAME:SHAPE[:DTYPE[[LOW,HIGH)]]``, e.g. ``images:Bx3x224x224:float32`` or ``ids:BxS:int64[0,2)``."""
+    """Parse ``NAME:SHAPE[:DTYPE[[LOW,HIGH)]]``, e.g. ``images:Bx3x224x224:float32`` or ``ids:BxS:int64[0,2)``.
+
+    Read from the right: the last part is the DTYPE when it looks like one (lower-case letters, then digits), the
+    part before it the SHAPE (empty for rank 0), and the rest, colons included, the name. ``str(InputSpec)`` always
+    writes the DTYPE, so it parses back whatever the name.
+    """
     how = "write NAME:SHAPE[:DTYPE], e.g. images:Bx3x224x224:float32 or token_type_ids:BxS:int64[0,2)"
     parts = text.split(":")
-    if len(parts) not in (2, 3):
+    if len(parts) < 2:
         raise InputError(f"input spec {text!r} does not parse: {how}")
-    name, shape_text, dtype = parts[0], parts[1], parts[2] if len(parts) == 3 else "float32"
-    if not name or not shape_text:
-        raise InputError(f"input spec {text!r} does not parse: {how}")
-    if not _NAME.match(name):
-        raise InputError(f"input spec {text!r}: {name!r} is not a valid input name; {how}")
+    if len(parts) >= 3 and _DTYPE_TEXT.match(parts[-1]):
+        name, shape_text, dtype = ":".join(parts[:-2]), parts[-2], parts[-1]
+    else:
+        name, shape_text, dtype = ":".join(parts[:-1]), parts[-1], "float32"
+    if not name:
+        raise InputError(f"input spec {text!r} has no name: {how}")
     values: tuple[int, int] | None = None
     ranged = _VALUES.match(dtype)
     if ranged:
@@ -165,7 +174,7 @@ def parse_input_spec(text: str) -> InputSpec:
     if dtype not in DTYPES:
         raise InputError(f"input spec {text!r}: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     dims: list[int | str] = []
-    for part in shape_text.split("x"):
+    for part in shape_text.split("x") if shape_text else []:  # an empty SHAPE: rank 0
         if not _DIM.match(part):
             raise InputError(f"input spec {text!r}: dimension {part!r} is neither a positive integer nor a "
                              f"letter; {how}")

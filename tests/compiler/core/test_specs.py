@@ -15,11 +15,31 @@ def test_input_spec_parses_dynamic_and_fixed_dims() -> None:
     assert spec.shape({"B": 4}) == (4, 3, 224, 224)
 
 
-@pytest.mark.parametrize("text", ["images", "images:", "images:Bx0x3", "images:Bx3:float99", "1x:B", "a:b:c:d",
-                                  "images:Bx-3"])
+@pytest.mark.parametrize("text", ["images", ":Bx3", "images:Bx0x3", "images:Bx3:float99", "a:b:c:d", "images:Bx-3",
+                                  "images:Bx3:float64"])
 def test_bad_input_specs_are_rejected_with_the_fix(text: str) -> None:
     with pytest.raises(InputError, match="input spec"):
         parse_input_spec(text)
+
+
+NAMES_AND_RANK_0 = [("0:3x4:float32", "0", (3, 4)), ("input:0:Bx3:int64", "input:0", ("B", 3)), ("1x:B", "1x", ("B",)),
+                    ("steps::int64", "steps", ()), ("x:", "x", ()), ("/enc/in.0:2", "/enc/in.0", (2,))]
+
+
+@pytest.mark.parametrize(("text", "name", "dims"), NAMES_AND_RANK_0)
+def test_any_onnx_name_and_rank_0_parse_and_round_trip(text: str, name: str, dims: tuple[int | str, ...]) -> None:
+    """ONNX names are any text (PyTorch exports number them) and inputs may be scalars: each parses to that name and
+    those dims, and ``str`` of the spec (what the manifest stores) parses back to the same spec."""
+    spec = parse_input_spec(text)
+    assert (spec.name, spec.dims) == (name, dims)
+    assert parse_input_spec(str(spec)) == spec
+
+
+def test_a_rank_0_input_gets_a_0_d_example_array() -> None:
+    """A scalar input's example value is a 0-d array of its dtype (what ONNX Runtime takes for a rank-0 input)."""
+    feed = ModelSpec((parse_input_spec("steps::int64"), parse_input_spec("scale::float32"))).example_feed(1)
+    assert feed["steps"].shape == () and feed["steps"].dtype == np.int64
+    assert isinstance(feed["scale"], np.ndarray) and feed["scale"].shape == () and feed["scale"].dtype == np.float32
 
 
 def test_dim_ranges() -> None:
