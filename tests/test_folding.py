@@ -143,3 +143,17 @@ def test_an_ir3_model_comes_back_valid() -> None:
     folded, _ = fold_constants(model)
     assert folded.ir_version >= 4 and [i.name for i in folded.graph.input] == ["x"]
     onnx.checker.check_model(folded)
+
+
+def test_castlike_of_a_constant_folds() -> None:
+    """CastLike(constant, x) takes only x's type, so it folds with its constant (the dynamo exporter writes a Conv's
+    zero bias so, which kept that bias, and the BatchNorm after the Conv, from folding): no CastLike is left and the
+    result is the same."""
+    value = helper.make_tensor("v", TensorProto.DOUBLE, [2], [0.5, 1.5])
+    nodes = [helper.make_node("Constant", [], ["c"], value=value), helper.make_node("CastLike", ["c", "x"], ["d"]),
+             helper.make_node("Add", ["x", "d"], ["y"])]
+    model = make_model(nodes, [tensor("x", ["B", 2])], [tensor("y", ["B", 2])])
+    folded, _ = fold_constants(infer_shapes(model)[0])
+    assert ops(folded) == Counter({"Add": 1})
+    x = np.ones((3, 2), np.float32)
+    np.testing.assert_array_equal(ort_session(folded).run(None, {"x": x})[0], x + np.array([0.5, 1.5]))

@@ -111,6 +111,8 @@ def _guarded(graph: Any) -> _Guards:
         for node in list(g.nodes):
             if node.op == "Constant":
                 _typed_constant(node)
+            elif node.op == "CastLike":
+                _cast_of_constant(node)
             elif node.op == "Shape" and ("start" in node.attrs or "end" in node.attrs) and node.outputs:
                 # onnx-graphsurgeon's fold_shapes reads the input's whole shape and ignores Shape-15's start/end
                 dims = _sliced_dims(node)
@@ -136,6 +138,24 @@ def _typed_constant(node: Any) -> None:
         key, value = next(iter(node.attrs.items()))
         if not isinstance(value, gs.Node.AttributeRef):
             node.attrs = {"value": gs.Constant(f"{node.outputs[0].name}_value", np.array(value, dtype=dtypes[key]))}
+
+
+def _cast_of_constant(node: Any) -> None:
+    """``CastLike(constant, x)`` as ``Cast(constant, to=x's type)`` where that type is known: the same by definition,
+    and foldable (onnx-graphsurgeon folds only nodes whose inputs are all constant, and ``x`` is not)."""
+    import onnx_graphsurgeon as gs
+
+    source, like = node.inputs[0], node.inputs[1]
+    constant = isinstance(source, gs.Constant) or (len(source.inputs) == 1 and source.inputs[0].op == "Constant")
+    if not constant or not isinstance(like.dtype, (np.dtype, type)):
+        return
+    try:
+        to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(like.dtype))
+    except (KeyError, TypeError, ValueError):  # a dtype numpy names but ONNX does not
+        return
+    node.op = "Cast"
+    node.attrs = {"to": to, **({"saturate": node.attrs["saturate"]} if "saturate" in node.attrs else {})}
+    node.inputs.pop()
 
 
 def _sliced_dims(node: Any) -> list[int] | None:
