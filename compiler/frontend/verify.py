@@ -30,11 +30,12 @@ from compiler.backends.base import Runner
 from compiler.backends.onnxrt import OnnxRuntimeRunner
 from compiler.backends.registry import check_runner
 from compiler.core.capabilities import checking_providers
-from compiler.core.errors import VerificationError, first_line
+from compiler.core.errors import InputError, VerificationError, first_line
 from compiler.core.settings import Tolerance
 from compiler.core.specs import ModelSpec
 
-__all__ = ["Comparison", "Tolerance", "compare_outputs", "verify_runners",
+__all__ = ["Comparison", "Tolerance", "compare_outputs", "checked", "verify_runners", "onnxruntime_errors",
+           "ort_message",
            "FeedSource", "CheckingDevices", "checking_devices", "EagerReference", "fp32_math",
            "ExportChecks"]
 
@@ -79,24 +80,34 @@ def cosine_similarity(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a64, b64) / (na * nb))
 
 
-def compare_outputs(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], batch: int,
+def compare_outputs(got: Mapping[str, Any], ref: Mapping[str, Any], batch: int,
                     tol: Tolerance | None = None) -> Comparison:
-    """Compare every output of ``got`` against ``ref`` (same names); ``tol`` defaults to ``Tolerance()``."""
+    """Compare every output of ``got`` against ``ref`` (same names); ``tol`` defaults to ``Tolerance()``.
+
+    Integer, boolean and string outputs must be equal; reduced floats (bfloat16, float8) are compared as float32. A
+    sequence output (a list of arrays) is compared element by element, an empty optional (None) must be empty in
+    both.
+    """
     tol = tol or Tolerance()
+    got, ref = _flattened(got, ref)
     max_abs, max_rel, cos = 0.0, 0.0, 1.0
     mismatched, elements, worst, worst_excess = 0, 0, "", -1.0
     for name, r in ref.items():
         g = got[name]
+        if r.dtype.kind == "V" or r.dtype.name.startswith(("bfloat16", "float8", "float4")):  # ml_dtypes' floats
+            g, r = g.astype(np.float32), r.astype(np.float32)
         if g.shape != r.shape:
             raise VerificationError(f"output {name}: shape {g.shape} differs from the reference's {r.shape}")
         elements += r.size
         if not r.size:
             continue
-        if g.dtype == bool or r.dtype == bool or np.issubdtype(r.dtype, np.integer):
+        if g.dtype == bool or r.dtype == bool or r.dtype.kind != "f":
             differ = int(np.count_nonzero(g != r))
             if differ:
                 mismatched += differ
-                max_abs = max(max_abs, float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64)))))
+                numeric = r.dtype.kind in "iub" and g.dtype.kind in "iub"
+                max_abs = max(max_abs, float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64))))
+                              if numeric else float("inf"))
                 worst, worst_excess = name, float("inf")
             continue
         if not np.all(np.isfinite(g)) and not np.array_equal(np.isfinite(g), np.isfinite(r)):
@@ -122,6 +133,65 @@ def compare_outputs(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], batc
     return Comparison(batch, max_abs, max_rel, cos, mismatched, elements, worst, max(worst_excess, 0.0))
 
 
+def _flattened(got: Mapping[str, Any], ref: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Both sides with each sequence output as one entry per element (``name[i]``) and empty optionals left out;
+    VerificationError when a sequence's length or an optional's presence differs."""
+    flat_got: dict[str, np.ndarray] = {}
+    flat_ref: dict[str, np.ndarray] = {}
+    for name, r in ref.items():
+        g = got[name]
+        if (g is None) != (r is None):
+            raise VerificationError(f"output {name}: {'empty' if g is None else 'a value'} where the reference has "
+                                    f"{'none' if r is None else 'one'}")
+        if r is None:
+            continue
+        if isinstance(r, (list, tuple)) or isinstance(g, (list, tuple)):
+            lengths = [len(v) if isinstance(v, (list, tuple)) else "no sequence" for v in (r, g)]
+            if isinstance(lengths[0], str) or lengths[0] != lengths[1]:
+                raise VerificationError(f"output {name}: a sequence of {lengths[0]} elements in the reference, of "
+                                        f"{lengths[1]} here")
+            inner_got, inner_ref = _flattened({f"{name}[{i}]": v for i, v in enumerate(g)},
+                                              {f"{name}[{i}]": v for i, v in enumerate(r)})
+            flat_got.update(inner_got)
+            flat_ref.update(inner_ref)
+            continue
+        flat_got[name], flat_ref[name] = np.asarray(g), np.asarray(r)
+    return flat_got, flat_ref
+
+
+def ort_message(err: BaseException) -> str:
+    """ONNX Runtime's message without its prefix (``[ONNXRuntimeError] : 1 : FAIL : ``), on one line."""
+    text = " ".join(str(err).split())
+    return text.split(" : ", 3)[-1][:300] if text.startswith("[ONNXRuntimeError]") else text[:300]
+
+
+def onnxruntime_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions ONNX Runtime raises for a model it cannot load or a run it cannot do (its own types, which
+    derive from Exception only)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    names = ("Fail", "InvalidArgument", "RuntimeException", "InvalidGraph", "NotImplemented", "InvalidProtobuf",
+             "NoSuchFile", "EPFail", "ModelLoadCanceled", "ModelRequiresCompilation", "NotFound")
+    return tuple(getattr(state, n) for n in names if isinstance(getattr(state, n, None), type))
+
+
+def checked(got: Mapping[str, Any], ref: Mapping[str, Any], batch: int, tol: Tolerance, what: str,
+            candidate: str, reference: str) -> Comparison:
+    """``compare_outputs`` of one run; VerificationError (naming ``what``, both sides and the worst output) past
+    ``tol``. Outputs are matched in order: the names may differ."""
+    got = {r: got[c] for r, c in zip(ref, got)}  # outputs in graph order; names may differ
+    cmp = compare_outputs(got, ref, batch, tol)
+    log.debug("%s at batch %d: max abs %.3g, max rel %.3g, cosine %.6f, %d of %d elements outside", what, batch,
+              cmp.max_abs, cmp.max_rel, cmp.cosine, cmp.mismatched, cmp.elements)
+    if not cmp.passes(tol):
+        raise VerificationError(
+            f"{what}: {candidate} differs from {reference} at batch {batch}, output "
+            f"{cmp.worst_output!r}: {cmp.mismatched} of {cmp.elements} elements outside {tol} (max abs error "
+            f"{cmp.max_abs:.3g}, {cmp.max_rel:.3g} of the output's scale, cosine {cmp.cosine:.6f}); raise --atol "
+            "or --rtol if that is expected, or report the model")
+    return cmp
+
+
 def verify_runners(candidate: Runner, reference: Runner, spec: ModelSpec, batches: list[int],
                    tol: Tolerance | None, what: str, seed: int = 0, feeds: FeedSource | None = None,
                    ) -> list[Comparison]:
@@ -136,17 +206,7 @@ def verify_runners(candidate: Runner, reference: Runner, spec: ModelSpec, batche
         feed = feeds(batch) if feeds is not None else spec.example_feed(batch, seed=seed + batch)
         ref = reference.infer(feed)
         got = candidate.infer(feed)
-        got = {r: got[c] for r, c in zip(ref, got)}  # outputs in graph order; names may differ
-        cmp = compare_outputs(got, ref, batch, tol)
-        log.debug("%s at batch %d: max abs %.3g, max rel %.3g, cosine %.6f, %d of %d elements outside", what, batch,
-                  cmp.max_abs, cmp.max_rel, cmp.cosine, cmp.mismatched, cmp.elements)
-        results.append(cmp)
-        if not cmp.passes(tol):
-            raise VerificationError(
-                f"{what}: {candidate.name} differs from {reference.name} at batch {batch}, output "
-                f"{cmp.worst_output!r}: {cmp.mismatched} of {cmp.elements} elements outside {tol} (max abs error "
-                f"{cmp.max_abs:.3g}, {cmp.max_rel:.3g} of the output's scale, cosine {cmp.cosine:.6f}); raise --atol "
-                "or --rtol if that is expected, or report the model")
+        results.append(checked(got, ref, batch, tol, what, candidate.name, reference.name))
     return results
 
 
@@ -300,11 +360,14 @@ class ExportChecks:
         return self.eager.name if self.eager is not None else "onnxruntime[original ONNX]"
 
     def run(self, candidate: Any, original: Any, spec: ModelSpec, batches: list[int], tol: Tolerance | None,
-            what: str, feeds: FeedSource | None = None) -> list[Comparison]:
+            what: str, feeds: FeedSource | None = None, feeds_from: str = "") -> list[Comparison]:
         """``verify_runners`` of ``candidate`` (an ONNX path or proto) against the eager model, or against
-        ``original`` (ONNX) where there is none."""
+        ``original`` (ONNX) where there is none; ``feeds_from`` says where ``feeds`` come from, for messages.
+
+        InputError when ONNX Runtime cannot load ``original`` or run it on the inputs (``--example-data`` gives real
+        ones); VerificationError when it cannot load or run ``candidate`` while the reference runs."""
         try:
-            return self._run(candidate, original, spec, batches, tol, what, feeds)
+            return self._run(candidate, original, spec, batches, tol, what, feeds, feeds_from)
         except VerificationError as err:
             if self.devices.torch_device == "cpu" and self.devices.ort_provider == "CPUExecutionProvider":
                 raise
@@ -313,21 +376,51 @@ class ExportChecks:
             self.devices = checking_devices(["CPUExecutionProvider"])
             if self.eager is not None:
                 self.eager.move_to("cpu")
-            return self._run(candidate, original, spec, batches, tol, what, feeds)
+            return self._run(candidate, original, spec, batches, tol, what, feeds, feeds_from)
 
     def _run(self, candidate: Any, original: Any, spec: ModelSpec, batches: list[int], tol: Tolerance | None,
-             what: str, feeds: FeedSource | None) -> list[Comparison]:
+             what: str, feeds: FeedSource | None, feeds_from: str) -> list[Comparison]:
+        errors = onnxruntime_errors()
+        inputs = f"the example inputs ({feeds_from})" if feeds is not None else \
+            "the values trtc generated for its inputs (" + ", ".join(
+                f"{i.name}: {i.describe_values()}" for i in spec.inputs) + ")"
+        hint = "check those inputs" if feeds is not None else \
+            "pass --example-data FILE.npz with real inputs (one array per input name)"
         with contextlib.ExitStack() as stack:
-            runner = self.devices.ort_runner(candidate)
-            stack.enter_context(runner)
-            self.provider = runner.provider
             reference: Runner
             if self.eager is not None:
                 reference = self.eager
             else:
-                reference = stack.enter_context(self.devices.ort_runner(original))
+                try:
+                    reference = stack.enter_context(self.devices.ort_runner(original))
+                except errors as err:
+                    raise InputError(f"ONNX Runtime cannot load the ONNX model ({ort_message(err)}); fix or re-export "
+                                     "the model") from err
                 reference.name = self.reference_name
-            return verify_runners(runner, reference, spec, batches, tol, what, feeds=feeds)
+            runner = self.devices.ort_runner(candidate)
+            try:
+                stack.enter_context(runner)
+            except errors as err:
+                raise VerificationError(f"{what}: ONNX Runtime cannot load the model to check ({ort_message(err)}); "
+                                        "report the model") from err
+            self.provider = runner.provider
+            tol = tol or Tolerance()
+            results = []
+            for batch in batches:
+                feed = feeds(batch) if feeds is not None else spec.example_feed(batch, seed=batch)
+                try:
+                    ref = reference.infer(feed)
+                except errors as err:
+                    raise InputError(f"ONNX Runtime cannot run the original model on {inputs}: {ort_message(err)}; "
+                                     f"{hint}") from err
+                try:
+                    got = runner.infer(feed)
+                except errors as err:
+                    raise VerificationError(f"{what}: ONNX Runtime cannot run the model to check at batch {batch}, "
+                                            f"while it runs {reference.name} ({ort_message(err)}); report the model"
+                                            ) from err
+                results.append(checked(got, ref, batch, tol, what, runner.name, reference.name))
+            return results
 
     def record(self) -> dict[str, Any]:
         """Where the checks ran, for the manifest's ``verification.devices``."""

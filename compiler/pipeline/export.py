@@ -133,7 +133,7 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         with stage_timer("export check"):
             verification["export"] = [c.to_dict() for c in checks.run(
                 raw, None, spec, settings.verify_batches, tol, "export check (ONNX Runtime vs eager PyTorch)",
-                feeds=feeds)]
+                feeds=feeds, feeds_from=feeds_from)]
     original: Path | None = None
     if checks.eager is None:  # the original ONNX checks the passes: from its file (ONNX Runtime reads the weights)
         original = loaded.onnx_path if loaded.is_onnx and loaded.onnx_path else work / "original.onnx"
@@ -151,7 +151,7 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     with stage_timer("pass check"):
         verification["passes"] = [c.to_dict() for c in checks.run(
             onnx_path, original, spec, settings.verify_batches, tol, "pass check (folded ONNX vs reference)",
-            feeds=feeds)]
+            feeds=feeds, feeds_from=feeds_from)]
     verification["reference"] = checks.reference_name
     verification["devices"] = checks.record()  # where the checks ran, as calibration records its provider
     checks.close()

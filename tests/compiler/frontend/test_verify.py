@@ -266,3 +266,19 @@ def test_export_checks_run_on_cuda_with_tf32_off_and_pass_fp32_noise(caplog: pyt
     assert checks.record() == {"onnxruntime": "CUDAExecutionProvider", "torch": "cuda", "tf32": False}
     checks.close()
     assert next(module.parameters()).device.type == "cpu"
+
+
+def test_sequence_string_and_empty_outputs_are_compared() -> None:
+    """ONNX Runtime's outputs that are not tensors: a sequence is compared element by element (a changed element or
+    length fails), strings must be equal, an empty optional (None) matches only None."""
+    seq = [np.ones(3, np.float32), np.zeros(2, np.float32)]
+    same = compare_outputs({"s": [a.copy() for a in seq], "t": np.array(["a", "b"]), "o": None},
+                           {"s": seq, "t": np.array(["a", "b"]), "o": None}, batch=1)
+    assert same.passes(Tolerance()) and same.elements == 7
+    changed = compare_outputs({"s": [seq[0], seq[1] + 1]}, {"s": seq}, batch=1)
+    assert not changed.passes(Tolerance()) and changed.worst_output == "s[1]"
+    assert not compare_outputs({"t": np.array(["a", "c"])}, {"t": np.array(["a", "b"])}, batch=1).passes(Tolerance())
+    with pytest.raises(VerificationError, match="a sequence of 2 elements in the reference, of 1 here"):
+        compare_outputs({"s": seq[:1]}, {"s": seq}, batch=1)
+    with pytest.raises(VerificationError, match="output o: empty"):
+        compare_outputs({"o": None}, {"o": np.ones(2)}, batch=1)
