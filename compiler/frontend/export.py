@@ -21,7 +21,7 @@ import onnx
 from compiler.core.errors import ExportError, InputError
 from compiler.core.onnx_io import load_onnx
 from compiler.core.specs import BATCH_DIM, INTEGER_DTYPES, ModelSpec
-from compiler.frontend.loading import LoadedModel
+from compiler.frontend.loading import LoadedModel, onnx_input_spec
 from compiler.frontend.verify import FeedSource
 
 __all__ = ["ExportResult", "onnx_from_torch", "example_inputs"]
@@ -70,7 +70,7 @@ def onnx_from_torch(loaded: LoadedModel, spec: ModelSpec, max_batch: int, opset:
     if loaded.is_onnx:
         assert loaded.onnx_path is not None
         model = load_onnx(loaded.onnx_path)
-        _check_onnx_inputs(model, spec)
+        onnx_input_spec(model, spec)  # InputError where the spec contradicts the file
         return ExportResult(model, "onnx-input", _opset(model), time.perf_counter() - start)
     assert workdir is not None
     args = example_inputs(spec, max_batch, feeds)
@@ -210,26 +210,6 @@ def _rename_dims(model: onnx.ModelProto, spec: ModelSpec) -> onnx.ModelProto:
                 if dim.dim_param in renames:
                     dim.dim_param = renames[dim.dim_param]
     return model
-
-
-def _check_onnx_inputs(model: onnx.ModelProto, spec: ModelSpec) -> None:
-    initializers = {i.name for i in model.graph.initializer}
-    graph_inputs = {i.name: i for i in model.graph.input if i.name not in initializers}
-    missing = [n for n in spec.input_names if n not in graph_inputs]
-    if missing:
-        raise InputError(f"the ONNX model has no input named {missing[0]!r}; its inputs are "
-                         f"{', '.join(graph_inputs)}: fix --input")
-    for spec_input in spec.inputs:
-        dims = graph_inputs[spec_input.name].type.tensor_type.shape.dim
-        if len(dims) != len(spec_input.dims):
-            raise InputError(f"--input {spec_input}: the ONNX input has rank {len(dims)}, the spec has rank "
-                             f"{len(spec_input.dims)}")
-        for axis, (dim, want) in enumerate(zip(dims, spec_input.dims)):
-            if dim.dim_value and isinstance(want, int) and dim.dim_value != want:
-                raise InputError(f"--input {spec_input}: dimension {axis} is {dim.dim_value} in the ONNX model")
-            if dim.dim_value and isinstance(want, str):
-                raise InputError(f"--input {spec_input}: dimension {axis} is fixed at {dim.dim_value} in the ONNX "
-                                 f"model and cannot be the dynamic {want}; re-export with a dynamic axis")
 
 
 def _opset(model: onnx.ModelProto) -> int:

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from compiler.core.errors import InputError
-from compiler.core.specs import BATCH_DIM, DimRange, InputSpec
+from compiler.core.specs import BATCH_DIM, DTYPES, DimRange, InputSpec, ModelSpec
 
 if TYPE_CHECKING:
     from compiler.core.manifest import FileRecord, Manifest
 
 __all__ = ["LoadedModel", "load_model", "detect_format", "specs_from_exported_program", "snapshot_into",
-           "load_snapshot", "SNAPSHOT_DIR"]
+           "load_snapshot", "SNAPSHOT_DIR", "onnx_inputs", "onnx_input_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +297,122 @@ def specs_from_exported_program(program: Any) -> tuple[list[InputSpec], dict[str
             dims.append(symbols[sym])
         specs.append(InputSpec(name, tuple(dims), str(val.dtype).removeprefix("torch.")))
     return specs, ranges
+
+
+# ONNX element types trtc serves (TensorRT takes them as inputs), by their names in compiler.core.specs.DTYPES
+_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32", 3: "int8", 2: "uint8", 9: "bool"}
+
+
+def onnx_inputs(model: Any) -> list[Any]:
+    """The graph inputs of an ONNX model that its caller feeds: those that are not initializers (IR 3 lists every
+    initializer among the graph inputs too)."""
+    initializers = {t.name for t in model.graph.initializer}
+    return [i for i in model.graph.input if i.name not in initializers]
+
+
+def onnx_input_spec(model: Any, given: ModelSpec | None = None) -> ModelSpec:
+    """The input spec of an ONNX model: each input as ``given`` (``--input``) has it, the others as the file declares
+    them, after the given ones in the file's order; names as the file has them (any string), rank 0 included, and a
+    model without inputs has an empty spec.
+
+    InputError naming the input and why: a type trtc cannot serve (a sequence, map or optional; an element type
+    TensorRT does not take, such as float64; a zero-size dimension), a shape the file leaves open that no ``--input``
+    gives, or a given spec that contradicts the file (an unknown name, another rank, fixed size or dtype).
+    """
+    declared = onnx_inputs(model)
+    given_inputs = {i.name: i for i in given.inputs} if given is not None else {}
+    names = [i.name for i in declared]
+    unknown = [n for n in given_inputs if n not in names]
+    if unknown:
+        raise InputError(f"the ONNX model has no input named {unknown[0]!r}; its inputs are "
+                         f"{', '.join(repr(n) for n in names) or 'none'}: fix --input")
+    from_file = []
+    for info in declared:
+        dtype = _served_dtype(info)
+        if info.name in given_inputs:
+            _check_given(info, given_inputs[info.name], dtype)
+        else:
+            from_file.append(_declared_spec(info, dtype))
+    return ModelSpec((*given_inputs.values(), *from_file), dict(given.dims) if given is not None else {})
+
+
+def _served_dtype(info: Any) -> str:
+    """The DTYPES name of an ONNX input's element type; InputError for a value trtc cannot serve."""
+    import onnx
+
+    kind = info.type.WhichOneof("value")
+    if kind != "tensor_type":
+        raise InputError(f"the ONNX input {info.name!r} is {_type_text(info.type)}: trtc serves tensor inputs only; "
+                         "re-export the model with tensor inputs")
+    elem = info.type.tensor_type.elem_type
+    if elem not in _ONNX_DTYPES:
+        name = onnx.TensorProto.DataType.Name(elem) if elem in onnx.TensorProto.DataType.values() else str(elem)
+        raise InputError(f"the ONNX input {info.name!r} is {name.lower()}, which TensorRT does not take as an input "
+                         f"(it takes {', '.join(DTYPES)}); cast it in the model or re-export it with one of those")
+    shape = info.type.tensor_type.shape
+    if info.type.tensor_type.HasField("shape") and any(d.HasField("dim_value") and d.dim_value == 0
+                                                         for d in shape.dim):
+        raise InputError(f"the ONNX input {info.name!r} has a zero-size dimension ({_dims_text(info)}): TensorRT "
+                         "takes no empty inputs; re-export the model with sizes of at least 1")
+    return _ONNX_DTYPES[elem]
+
+
+def _type_text(type_proto: Any) -> str:
+    """An ONNX value type in words: ``a sequence of float tensors``, ``an optional sequence of ...``, ``a map``."""
+    import onnx
+
+    kind = type_proto.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        elem = getattr(type_proto, kind).elem_type
+        name = onnx.TensorProto.DataType.Name(elem).lower() if elem in onnx.TensorProto.DataType.values() else "?"
+        return f"a {name} {'sparse tensor' if kind == 'sparse_tensor_type' else 'tensor'}"
+    if kind == "sequence_type":
+        return "a sequence of " + _type_text(type_proto.sequence_type.elem_type).removeprefix("a ") + "s"
+    if kind == "optional_type":
+        return "an optional " + _type_text(type_proto.optional_type.elem_type).removeprefix("a ").removeprefix("an ")
+    if kind == "map_type":
+        return "a map"
+    return "of no type"
+
+
+def _dims_text(info: Any) -> str:
+    dims = info.type.tensor_type.shape.dim
+    return "x".join(str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?") for d in dims) or "rank 0"
+
+
+def _declared_spec(info: Any, dtype: str) -> InputSpec:
+    """The spec of an input whose shape the file declares in fixed sizes; InputError naming ``--input`` otherwise."""
+    tensor_type = info.type.tensor_type
+    if tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in tensor_type.shape.dim):
+        return InputSpec(info.name, tuple(int(d.dim_value) for d in tensor_type.shape.dim), dtype)
+    letters = iter("STUVWXYZ")
+    if tensor_type.HasField("shape"):
+        dims = [str(d.dim_value) if d.HasField("dim_value") else (BATCH_DIM if k == 0 else next(letters, "S"))
+                for k, d in enumerate(tensor_type.shape.dim)]
+        shape, declared = "x".join(dims), f" ({_dims_text(info)})"
+    else:
+        shape, declared = "SHAPE", " (not even its rank)"
+    raise InputError(f"the ONNX input {info.name!r} has no fixed shape in the file{declared}; pass --input "
+                     f"'{info.name}:{shape}:{dtype}' (B is the batch; another letter a dynamic dimension, with --dim)")
+
+
+def _check_given(info: Any, spec: InputSpec, dtype: str) -> None:
+    """``--input`` must agree with the ONNX input: rank, fixed sizes (a dynamic one only where the file's is), dtype."""
+    tensor_type = info.type.tensor_type
+    if spec.dtype != dtype:
+        raise InputError(f"--input {spec}: the ONNX input is {dtype}; write {spec.name}:"
+                         f"{'x'.join(map(str, spec.dims))}:{dtype}")
+    if not tensor_type.HasField("shape"):
+        return
+    dims = tensor_type.shape.dim
+    if len(dims) != len(spec.dims):
+        raise InputError(f"--input {spec}: the ONNX input has rank {len(dims)}, the spec has rank {len(spec.dims)}")
+    for axis, (dim, want) in enumerate(zip(dims, spec.dims)):
+        if dim.dim_value and isinstance(want, int) and dim.dim_value != want:
+            raise InputError(f"--input {spec}: dimension {axis} is {dim.dim_value} in the ONNX model")
+        if dim.dim_value and isinstance(want, str):
+            raise InputError(f"--input {spec}: dimension {axis} is fixed at {dim.dim_value} in the ONNX "
+                             f"model and cannot be the dynamic {want}; re-export with a dynamic axis")
 
 
 def _first_line(err: BaseException) -> str:

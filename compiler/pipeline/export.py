@@ -32,7 +32,13 @@ from compiler.core.progress import stage_timer
 from compiler.core.settings import ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.frontend.export import ExportResult, onnx_from_torch
-from compiler.frontend.loading import LoadedModel, load_model, snapshot_into, specs_from_exported_program
+from compiler.frontend.loading import (
+    LoadedModel,
+    load_model,
+    onnx_input_spec,
+    snapshot_into,
+    specs_from_exported_program,
+)
 from compiler.frontend.passes import run_passes
 from compiler.frontend.verify import ExportChecks, FeedSource
 
@@ -56,6 +62,12 @@ def source_fingerprint(loaded: LoadedModel) -> str:
 
 
 def resolve_spec(loaded: LoadedModel, spec: ModelSpec | None) -> ModelSpec:
+    """The model's input spec: ``spec`` (``--input``) for a PyTorch model, read off an ExportedProgram without one;
+    for an ONNX file, ``spec``'s inputs and the others as the file declares them (``onnx_input_spec``)."""
+    if loaded.is_onnx and loaded.onnx_path is not None:
+        from compiler.core.onnx_io import load_onnx
+
+        return onnx_input_spec(load_onnx(loaded.onnx_path, load_weights=False), spec)
     if spec is not None:
         return spec
     if loaded.exported_program is not None:
