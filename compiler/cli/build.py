@@ -27,6 +27,9 @@ from compiler.core.errors import InputError, TrtcError
 @click.option("--buckets", type=BucketsType(), help="Batch buckets; the largest bounds the dynamic batch and is "
               f"verified (default {buckets_text(defaults.BUCKETS)}).")
 @click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
+@click.option("--example-data", type=click.Path(path_type=Path), metavar="FILE.npz",
+              help="Real inputs for the export and pass checks: one array per input name, as --calib-data "
+              "(default: generated values).")
 @tolerance_options
 @click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
 @common_options
@@ -37,6 +40,7 @@ def export_cmd(**kw: Any) -> None:
     Examples:
       trtc export model.pt2 --out build/m
       trtc export model.ts --input images:Bx3x224x224 --out build/m
+      trtc export model.onnx --example-data inputs.npz --out build/m
       trtc export --model-factory examples.models:transformer_encoder \\
           --input input_ids:BxS:int64 --input attention_mask:BxS:int64 --dim S=1:128:512 --out build/tr
       trtc export --profile profiles/resnet_digits.toml
@@ -88,6 +92,9 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
 @click.option("--engine", type=click.Choice(["tensorrt", "none"]),
               help="'none' stops after the ONNX and calibration artifacts, on purpose (exit 0).")
 @click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
+@click.option("--example-data", type=click.Path(path_type=Path), metavar="FILE.npz",
+              help="Real inputs for the export and pass checks: one array per input name, as --calib-data "
+              "(default: generated values).")
 @tolerance_options
 @click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
 @calibration_options

@@ -140,6 +140,8 @@ class ExportSettings:
         ("model", "output_names", LIST, "names for the ONNX outputs"), convert=_strings))
     force: bool = field(default=False, metadata=profiled())
     extra_verify_batches: tuple[int, ...] = ()
+    # --example-data: the inputs of the export and pass checks (compiler.frontend.example_data); command line only
+    example_data: Path | None = field(default=None, metadata=profiled(convert=_path))
 
     def __post_init__(self) -> None:
         Tolerance(atol=self.atol, rtol=self.rtol)  # raises on bad values

@@ -41,7 +41,7 @@ class ExportResult:
 def example_inputs(spec: ModelSpec, max_batch: int, feeds: FeedSource | None = None) -> tuple[Any, ...]:
     """Tensors to trace with: batch 2 (not 0 or 1, which exporters specialise) and dims at opt.
 
-    With ``feeds`` (the user's calibration data), its first samples at batch 2 instead, so that
+    With ``feeds`` (the user's example or calibration data), its first samples at batch 2 instead, so that
     integer inputs hold values the model accepts.
     """
     import torch
@@ -114,12 +114,12 @@ def _check_model_accepts(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, 
             raise InputError(f"the model rejects the example values of input {culprit.name!r} "
                              f"({culprit.describe_values()}): {_first_line(err)}; give the values it accepts as "
                              f"--input '{culprit.name}:{'x'.join(map(str, culprit.dims))}:{culprit.dtype}[LOW,HIGH)' "
-                             "or pass --calib-data with real inputs") from err
+                             "or pass --example-data with real inputs") from err
         shapes = ", ".join(f"{i.name}={tuple(a.shape)}" for i, a in zip(spec.inputs, args))
-        where = "the first samples of the calibration data" if from_data else "inputs shaped like --input " + \
+        where = "the first samples of the given data" if from_data else "inputs shaped like --input " + \
             " ".join(str(i) for i in spec.inputs)
         values = "; ".join(f"{i.name}: {i.describe_values()}" for i in spec.inputs if i.dtype in INTEGER_DTYPES)
-        hint = "fix the calibration data" if from_data else \
+        hint = "fix that data (--example-data, or --calib-data without it)" if from_data else \
             "fix the --input shapes" + (f" or the integer inputs' value ranges ({values})" if values else "")
         raise InputError(f"the model rejects {where} ({shapes}): {_first_line(err)}; {hint}") from err
 

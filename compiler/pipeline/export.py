@@ -31,6 +31,7 @@ from compiler.core.onnx_io import save_onnx
 from compiler.core.progress import stage_timer
 from compiler.core.settings import ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
+from compiler.frontend.example_data import example_feeds
 from compiler.frontend.export import ExportResult, onnx_from_torch
 from compiler.frontend.loading import (
     LoadedModel,
@@ -103,7 +104,10 @@ def export_step(transaction: Transaction, model: ModelToExport, settings: Export
                 feeds: FeedSource | None = None, feeds_from: str = "") -> Manifest:
     """The export step of ``trtc export`` and ``trtc build``: refuse a directory that holds another model's build
     (unless ``settings.force``), then export, fold and verify into the transaction's stage. Returns the manifest
-    (not yet written); ``feeds``/``feeds_from`` as for ``exported_into``."""
+    (not yet written); ``feeds``/``feeds_from`` as for ``exported_into``, replaced by ``settings.example_data``
+    where that is given."""
+    if settings.example_data is not None:
+        feeds, feeds_from = example_feeds(settings.example_data, model.spec)
     refuse_other_model(transaction.directory, model.fingerprint, settings.force)
     return exported_into(transaction.stage, model.loaded, model.spec, settings, model.fingerprint, feeds, feeds_from)
 
