@@ -30,7 +30,7 @@ from compiler.backends.pytorch import TorchRunner  # noqa: E402
 from compiler.core.specs import ModelSpec, parse_input_spec  # noqa: E402
 from compiler.frontend.export import onnx_from_torch  # noqa: E402
 from compiler.frontend.loading import LoadedModel  # noqa: E402
-from compiler.frontend.passes import DEFAULT_PASSES, run_passes  # noqa: E402
+from compiler.frontend.passes import DEFAULT_PASSES, run_passes_unchecked  # noqa: E402
 from compiler.frontend.verify import Tolerance, verify_runners  # noqa: E402
 from examples.models import resnet50_like  # noqa: E402
 
@@ -51,7 +51,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             result = onnx_from_torch(LoadedModel("factory", None, module=model), spec, max_batch=16, workdir=Path(tmp))
         rows.setdefault("export (dynamo)", []).append(result.seconds)
-        folded, passes = run_passes(result.model, DEFAULT_PASSES)
+        folded, passes = run_passes_unchecked(result.model, DEFAULT_PASSES)
         for p in passes:
             rows.setdefault(f"pass {p.name}", []).append(p.seconds)
             nodes[f"pass {p.name}"] = f"{p.nodes_before} -> {p.nodes_after}"
@@ -66,7 +66,7 @@ def main() -> None:
                           training=torch.onnx.TrainingMode.PRESERVE, input_names=["images"],
                           dynamic_axes={"images": {0: "B"}})
         rows.setdefault("export (torchscript, BN kept)", []).append(time.perf_counter() - start)
-        _, passes = run_passes(onnx.load_from_string(buf.getvalue()), DEFAULT_PASSES)
+        _, passes = run_passes_unchecked(onnx.load_from_string(buf.getvalue()), DEFAULT_PASSES)
         for p in passes:
             rows.setdefault(f"  ts: pass {p.name}", []).append(p.seconds)
             nodes[f"  ts: pass {p.name}"] = f"{p.nodes_before} -> {p.nodes_after}"

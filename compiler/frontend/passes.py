@@ -2,7 +2,8 @@
 ``compiler.frontend.folding``).
 
 Each pass takes a model and returns ``(model, changes)`` where ``changes`` says what it did.
-``run_passes`` times each one and records node and initializer counts before and after.
+``run_passes`` times each one, records node and initializer counts before and after, and checks in ONNX Runtime
+that the result computes what the model did; ``run_passes_unchecked`` leaves the check to its caller.
 The passes work on any ONNX input (dynamo or TorchScript exporter, other tools, onnx.helper).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,10 +19,14 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from compiler.core.errors import InputError, VerificationError
 from compiler.core.onnx_io import weightless_copy
+from compiler.core.settings import Tolerance
+from compiler.core.specs import ModelSpec
 from compiler.frontend.folding import fold_constants
 
-__all__ = ["PassResult", "run_passes", "DEFAULT_PASSES", "infer_shapes", "fold_batchnorm", "cleanup"]
+__all__ = ["PassResult", "run_passes", "run_passes_unchecked", "DEFAULT_PASSES", "infer_shapes", "fold_batchnorm",
+           "cleanup"]
 
 log = logging.getLogger(__name__)
 
@@ -294,9 +299,55 @@ DEFAULT_PASSES: list[tuple[str, Pass]] = [
 ]
 
 
-def run_passes(model: onnx.ModelProto, passes: list[tuple[str, Pass]] | None = None,
+def run_passes(model: onnx.ModelProto, feeds: Mapping[str, Any] | None = None, *, spec: ModelSpec | None = None,
+               passes: list[tuple[str, Pass]] | None = None, tolerance: Tolerance | None = None,
                ) -> tuple[onnx.ModelProto, list[PassResult]]:
-    """Run the passes in order; a failing pass is reported with the passes that ran before it."""
+    """Run the passes (``DEFAULT_PASSES``) and check their result, as ``trtc export``'s pass check does: ONNX Runtime
+    (CPU) runs ``model`` as it came and as the passes left it on the same inputs, and a result past ``tolerance``
+    (default ``Tolerance()``) raises VerificationError. So the graph returned computes what ``model`` did on them.
+
+    ``feeds``: the inputs by name (arrays; a list for a sequence input); without them ``spec.example_feed(1)`` when
+    ``spec`` is given, else the values ``trtc export`` generates for the shapes the model declares. InputError when
+    the model leaves a shape open and neither is given, or when ONNX Runtime cannot load ``model`` or run it on the
+    inputs (give real ones). ONNX Runtime holds one copy of ``model`` while the passes run. ``model`` is changed in
+    place (value_info, folded weights): pass a copy to keep it. ``run_passes_unchecked`` is the same without the
+    check.
+    """
+    from compiler.backends.registry import check_runner
+    from compiler.frontend.loading import onnx_input_spec
+    from compiler.frontend.verify import checked, onnxruntime_errors, ort_message
+
+    errors = onnxruntime_errors()
+    if feeds is None:
+        spec = spec or onnx_input_spec(model)
+        feeds, inputs = spec.example_feed(1), "generated values"
+    else:
+        inputs = "the given feeds"
+    tol = tolerance or Tolerance()
+    reference = check_runner("onnxruntime", model, ["CPUExecutionProvider"])
+    try:
+        with reference:
+            want = reference.infer(feeds)
+    except errors as err:
+        raise InputError(f"ONNX Runtime cannot run the model on {inputs}: {ort_message(err)}; give feeds that it "
+                         "accepts") from err
+    folded, results = run_passes_unchecked(model, passes)
+    candidate = check_runner("onnxruntime", folded, ["CPUExecutionProvider"])
+    try:
+        with candidate:
+            got = candidate.infer(feeds)
+    except errors as err:
+        raise VerificationError(f"pass check: ONNX Runtime cannot run the model the passes made, while it runs the "
+                                f"original ({ort_message(err)}); report the model") from err
+    checked(got, want, 1, tol, "pass check (folded ONNX vs the original)", "the passes' result", "the original")
+    return folded, results
+
+
+def run_passes_unchecked(model: onnx.ModelProto, passes: list[tuple[str, Pass]] | None = None,
+                         ) -> tuple[onnx.ModelProto, list[PassResult]]:
+    """Run the passes in order, unchecked: nothing here runs the result (``run_passes`` does). For callers that
+    check it themselves, as ``trtc export`` does against eager PyTorch or the original ONNX, on the GPU where there is
+    one. A failing pass is reported with the passes that ran before it."""
     results: list[PassResult] = []
     for name, fn in passes or DEFAULT_PASSES:
         nodes, inits = len(model.graph.node), len(model.graph.initializer)

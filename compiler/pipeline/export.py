@@ -40,7 +40,7 @@ from compiler.frontend.loading import (
     snapshot_into,
     specs_from_exported_program,
 )
-from compiler.frontend.passes import run_passes
+from compiler.frontend.passes import run_passes_unchecked
 from compiler.frontend.verify import ExportChecks, FeedSource
 
 __all__ = ["export_directory", "ModelToExport", "model_to_export", "export_step", "exported_into",
@@ -157,7 +157,7 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
             save_onnx(raw, original)
     start = time.perf_counter()
     with stage_timer("graph passes"):
-        folded, passes = run_passes(raw)
+        folded, passes = run_passes_unchecked(raw)  # checked below, as the export check is
     del raw  # from here on the model lives in files: each copy held in memory was the weights once more
     passes_seconds = time.perf_counter() - start
     onnx_path = stage / FP32_ONNX

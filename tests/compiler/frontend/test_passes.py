@@ -122,12 +122,12 @@ def test_torchscript_exporter_output_keeps_batchnorm_until_our_pass() -> None:
                       dynamic_axes={"images": {0: "B"}})
     exported = onnx.load_from_string(buf.getvalue())
     assert ops(exported)["BatchNormalization"] == 9
-    folded, results = run_passes(exported)
+    x = np.random.default_rng(1).normal(size=(5, 1, 8, 8)).astype(np.float32)
+    folded, results = run_passes(exported, {"images": x})
     assert ops(folded)["BatchNormalization"] == 0
     assert [r.name for r in results] == ["shape_inference", "constant_folding", "batchnorm_folding", "cleanup",
                                          "final_shape_inference"]
     assert folded.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "B"
-    x = np.random.default_rng(1).normal(size=(5, 1, 8, 8)).astype(np.float32)
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(run(folded, {"images": x})[0], want, rtol=1e-4, atol=1e-5)
