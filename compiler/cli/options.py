@@ -84,7 +84,8 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--input", "inputs", multiple=True, type=InputSpecType(),
                      help="An input as NAME:SHAPE[:DTYPE]; a letter marks a dynamic dim (B = batch). An integer "
                      "DTYPE may end in [LOW,HIGH), the values example inputs take (default zeros), e.g. "
-                     "'token_type_ids:BxS:int64[0,2)'. Repeat it."),
+                     "'token_type_ids:BxS:int64[0,2)'; an empty SHAPE is rank 0. Repeat it. An ONNX file's "
+                     "inputs of fixed declared shapes need none."),
         click.option("--dim", "dims", multiple=True, type=DimType(),
                      help="Range of a non-batch dynamic dim, NAME=MIN:OPT:MAX (e.g. S=1:128:512)."),
         click.option("--profile", type=click.Path(path_type=Path),

@@ -180,7 +180,8 @@ def parse_input_spec(text: str) -> InputSpec:
                              f"letter; {how}")
         if part.isdigit():
             if int(part) < 1:
-                raise InputError(f"input spec {text!r}: dimension {part} must be at least 1")
+                raise InputError(f"input spec {text!r}: a zero-size dimension; TensorRT takes no empty inputs, so each "
+                                 "size must be at least 1")
             dims.append(int(part))
         else:
             dims.append(part)

@@ -1,14 +1,18 @@
 """Constant folding: onnx-graphsurgeon's ``fold_constants`` (ONNX Runtime evaluates what is constant), exported back
 to ONNX with the weights copied once, without the rewrites of onnx-graphsurgeon's that change what a graph computes.
 
-onnx-graphsurgeon 0.6 gets two things wrong, and trtc keeps them from it:
+What onnx-graphsurgeon 0.6 gets wrong, and what trtc does instead:
 
 * its shape folding (``fold_shapes=True``) replaces a ``Shape`` by its input's whole static shape, ignoring
   Shape-15's ``start``/``end`` (``Shape(x, start=1)`` of a 3x4x5 ``x`` became [3, 4, 5], not [4, 5]), and reads a
-  ``Gather`` or ``Slice`` of such a Shape off the whole shape too;
+  ``Gather`` or ``Slice`` of such a Shape off the whole shape too: trtc folds the sliced Shapes it can itself and
+  hides the others from it;
 * its shape-tensor cast elision runs ``Cast(int -> float) -> op -> Cast(-> int)`` in integers, casting the op's
   float constants to integers (``int(size * 0.5)`` became ``size * 0``) and giving a comparison's bool output to a
-  tensor its readers take as an int.
+  tensor its readers take as an int: trtc hides the nodes where that is not exact;
+* it lowers ``Constant(value_float=...)`` to a float64 array: trtc makes it a float32 tensor first;
+* it stores ONNX Runtime's list for a foldable sequence-valued node as one array, and its exporter cannot write
+  optional or map values at all: such nodes are not evaluated, and a model with such values is not folded.
 """
 
 from __future__ import annotations
@@ -104,8 +108,9 @@ class _Guards:
 
 
 def _guarded(graph: Any) -> _Guards:
-    """Fold the static sliced Shapes of ``graph`` (subgraphs included) and put a guard Identity after each node
-    that onnx-graphsurgeon's shape folding or cast elision would rewrite wrongly."""
+    """``graph`` (subgraphs included) made safe for onnx-graphsurgeon's folding, in place: Constants typed, CastLikes
+    of constants made Casts, static sliced Shapes folded, and a guard Identity after each node that its shape
+    folding or cast elision would rewrite wrongly."""
     guards = _Guards()
     for g in [graph, *graph.subgraphs(recursive=True)]:
         for node in list(g.nodes):

@@ -184,6 +184,20 @@ def test_build_exports_and_verifies_on_the_calibration_data(tmp_path: Path) -> N
     assert [c["batch"] for c in verification["export"]] == [1, 4]
 
 
+def test_export_traces_and_verifies_on_example_data(tmp_path: Path) -> None:
+    """Ids that start at 1, which the generated zeros break: with --example-data (one batch of samples) trtc export
+    traces on them and runs the export and pass checks on them at batches 1 and 4 (the 3 samples repeated)."""
+    ids = np.random.default_rng(0).integers(1, 1000, (3, 8)).astype(np.int64)
+    np.savez(tmp_path / "ids.npz", input_ids=ids)
+    args = ["--model-factory", "tests.zoo_models:one_based_ids", "--input", "input_ids:BxS:int64", "--dim", "S=1:8:16",
+            "--buckets", "1,4", "--example-data", str(tmp_path / "ids.npz"), "--out", str(tmp_path / "e")]
+    code, output = export(args)
+    assert code == 0, output
+    verification = json.loads((tmp_path / "e" / "manifest.json").read_text())["verification"]
+    assert verification["inputs"] == f"--example-data 3 sample(s) of {tmp_path / 'ids.npz'}"
+    assert [c["batch"] for c in verification["export"]] == [1, 4]
+
+
 def test_a_forward_with_varargs_goes_through_the_dynamo_exporter(tmp_path: Path) -> None:
     code, output = export(["--model-factory", "tests.zoo_models:varargs", "--input", "x:Bx8", "--input", "y:Bx6",
                            "--input", "z:Bx4", "--buckets", "1,4", "--out", str(tmp_path / "v")])
