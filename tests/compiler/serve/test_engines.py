@@ -701,7 +701,8 @@ def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_
     """Without CUDA graphs (a dynamic sequence length), ``start_parts`` hands ONNX Runtime's run to the context's
     launcher thread: two batches of other lengths in flight on one context's two sets, answered in either order;
     threads calling ``engines(x)`` while a batch is in flight there; ``map`` as the plain loop (one context whose
-    runs launch every kernel has nothing to overlap); a batcher keeping two in flight; a run that fails there fails its batch, and the set serves again."""
+    runs launch every kernel has nothing to overlap); a batcher keeping two in flight; a run that fails there fails
+    its batch, and the set serves again."""
     monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
     directory = build_directory(tmp_path / "per_position", "per_position")
     rng = np.random.default_rng(5)
