@@ -30,7 +30,7 @@ test-all: install
 # `make install`, then `.venv/bin/pip install '.[tensorrt]'`, then this. Elsewhere every test skips with the reason;
 # the target fails when none ran, so a CI job on a machine without TensorRT cannot pass it by skipping.
 test-tensorrt: install
-	$(PY) -m pytest -q -m tensorrt -rs tests/compiler/backends/tensorrt tests/compiler/serve/test_engines.py \
+	$(PY) -m pytest -q -m tensorrt -rs tests/compiler/backends/tensorrt tests/compiler/serve/test_engines_gpu.py \
 		--junitxml=build/test-tensorrt.xml
 	@$(PY) -c "import sys, xml.etree.ElementTree as E; s = E.parse('build/test-tensorrt.xml').getroot().find('testsuite'); \
 		ran = int(s.get('tests')) - int(s.get('skipped')); print(f'test-tensorrt: {ran} real-TensorRT tests ran'); \

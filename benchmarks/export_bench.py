@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from compiler.backends.onnxrt import OnnxRuntimeRunner  # noqa: E402
+from compiler.backends.onnxrt_runner import OnnxRuntimeRunner  # noqa: E402
 from compiler.backends.pytorch import TorchRunner  # noqa: E402
 from compiler.core.specs import ModelSpec, parse_input_spec  # noqa: E402
 from compiler.frontend.export import onnx_from_torch  # noqa: E402

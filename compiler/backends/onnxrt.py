@@ -1,6 +1,5 @@
-"""ONNX Runtime: the check runner (``OnnxRuntimeRunner``: export verification, the accuracy gate, bench's
-reference without a PyTorch model) and the ``onnxruntime`` serving backend: the build's ONNX for the
-manifest's precision (``model.int8.onnx`` for ``precision: int8``), CUDA or CPU, through an IOBinding on
+"""ONNX Runtime's serving backend (its check runner is ``compiler.backends.onnxrt_runner``): the build's ONNX for
+the manifest's precision (``model.int8.onnx`` for ``precision: int8``), CUDA or CPU, through an IOBinding on
 the preallocated buffers of each context.
 
 On CUDA every context has its own session, created with the context's CUDA stream as ONNX
@@ -52,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from compiler.backends.base import Context, Runner, call_sizes, largest_sizes, remember
+from compiler.backends.base import Context, call_sizes, largest_sizes, remember
 from compiler.backends.feeds import NUMPY_DTYPES, CheckedFeed
 from compiler.backends.gpu import ComputeOrder, GpuContext, capture_graph
 from compiler.backends.host import HostContext
@@ -62,7 +61,7 @@ from compiler.core.specs import BATCH_DIM, ModelSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OnnxRuntimeRunner", "OrtBackend", "OrtCpuContext", "OrtCudaContext", "CUDA_OPTIONS", "ORDER_RUNS"]
+__all__ = ["OrtBackend", "OrtCpuContext", "OrtCudaContext", "CUDA_OPTIONS", "ORDER_RUNS"]
 
 log = logging.getLogger(__name__)
 
@@ -78,57 +77,6 @@ CUDA_OPTIONS = {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv_use_max_works
 # one).
 ORDER_RUNS = False
 
-
-
-class OnnxRuntimeRunner(Runner):
-    """ONNX Runtime on an ONNX file or in-memory proto (external data beside it), with the given providers: what
-    trtc's checks run. ``providers``: names or (name, options) pairs (default ``ort_providers()``); ``outputs``: the
-    outputs to fetch (default all); the other options are ``compiler.core.onnx_io.ort_session``'s.
-    """
-
-    def __init__(self, model: str | Path | Any, providers: Sequence[Any] | None = None, *, threads: int = 0,
-                 exact_qdq: bool = False, memory_arena: bool = True, outputs: Sequence[str] | None = None) -> None:
-        super().__init__()
-        self.model = model
-        self.providers = list(providers) if providers else None
-        self.threads, self.exact_qdq, self.memory_arena = threads, exact_qdq, memory_arena
-        self._wanted = list(outputs) if outputs is not None else None
-        self.name = "onnxruntime"
-        self.provider = ""
-        self.session: Any = None
-        self._feed: Mapping[str, np.ndarray] = {}
-        self._outputs: list[np.ndarray] = []
-
-    def _activate(self) -> None:
-        from compiler.core.capabilities import ort_providers
-        from compiler.core.onnx_io import ort_session
-
-        self.providers = self.providers or ort_providers()
-        self.session = ort_session(self.model, self.providers, threads=self.threads, exact_qdq=self.exact_qdq,
-                                   memory_arena=self.memory_arena)
-        self.provider = provider = self.session.get_providers()[0]  # what it runs on
-        self.name = f"onnxruntime[{provider}]"
-        self.device = "cuda" if provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"
-        self.input_names = [i.name for i in self.session.get_inputs()]
-        self.output_names = self._wanted or [o.name for o in self.session.get_outputs()]
-
-    def input_metadata(self) -> dict[str, tuple[str | None, tuple[int | str | None, ...] | None]]:
-        """(ONNX Runtime's type, shape) by input name; a shape's dynamic dims are names or None."""
-        return {i.name: (i.type, tuple(i.shape)) for i in self.session.get_inputs()}
-
-    def _upload(self, feed: Mapping[str, np.ndarray]) -> None:
-        self._feed = feed
-
-    def _execute(self) -> None:
-        self._outputs = self.session.run(self.output_names, dict(self._feed))
-
-    def _download(self) -> dict[str, np.ndarray]:
-        outputs, self._outputs, self._feed = self._outputs, [], {}
-        return dict(zip(self.output_names, outputs))
-
-    def _release(self) -> None:
-        self.session = None
-        self._feed, self._outputs = {}, []
 
 
 class OrtBackend:

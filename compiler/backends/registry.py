@@ -82,7 +82,7 @@ def _torch_serving(source: ServingSource, settings: ServeSettings) -> Backend:
 
 
 def _ort_runner(*args: Any, **kwargs: Any) -> Runner:
-    from compiler.backends.onnxrt import OnnxRuntimeRunner
+    from compiler.backends.onnxrt_runner import OnnxRuntimeRunner
 
     return OnnxRuntimeRunner(*args, **kwargs)
 

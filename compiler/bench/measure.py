@@ -24,7 +24,7 @@ from compiler.bench.report import BenchResult, Skipped
 from compiler.bench.timing import Latency, time_runner
 from compiler.core.errors import TrtcError
 from compiler.core.settings import BenchSettings
-from compiler.serve.engines import BatchTooLarge
+from compiler.serve.runner import BatchTooLarge
 
 __all__ = ["RunContext", "measure_bucket", "measure_plan"]
 

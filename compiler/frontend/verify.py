@@ -27,7 +27,7 @@ from typing import Any, cast
 import numpy as np
 
 from compiler.backends.base import Runner
-from compiler.backends.onnxrt import OnnxRuntimeRunner
+from compiler.backends.onnxrt_runner import OnnxRuntimeRunner
 from compiler.backends.registry import check_runner
 from compiler.core.capabilities import checking_providers
 from compiler.core.errors import InputError, VerificationError, first_line

@@ -59,8 +59,9 @@ from compiler.backends.feeds import CheckedFeed, FeedChecker, as_kind
 from compiler.core import defaults
 from compiler.core.errors import FeedError, InputError
 from compiler.core.specs import InputSpec, ModelSpec
+from compiler.serve.runner import ContextRunner
 
-__all__ = ["Engines", "Started", "ContextRunner", "BatchTooLarge"]
+__all__ = ["Engines", "Started"]
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +139,10 @@ class Engines:
     def inputs(self) -> tuple[InputSpec, ...]:
         return self.spec.inputs
 
-    def runner(self, name: str | None = None, *, closing: bool = False) -> ContextRunner:
-        """One buffer set of the pool as a ``Runner`` (``compiler.backends.base``), held by the caller from
-        ``activate`` to ``release``: what ``trtc bench`` times, stage by stage. ``closing``: releasing the runner
-        closes these engines too (a runner that owns them)."""
+    def runner(self, name: str | None = None, *, closing: bool = False) -> Runner:
+        """One buffer set of the pool as a ``Runner`` (``compiler.backends.base``; ``compiler.serve.runner``), held
+        by the caller from ``activate`` to ``release``: what ``trtc bench`` times, stage by stage. ``closing``:
+        releasing the runner closes these engines too (a runner that owns them)."""
         return ContextRunner(self, name or self.backend, closing)
 
     def __repr__(self) -> str:
@@ -506,65 +507,6 @@ class Engines:
             hands_off = all(getattr(c, "start_hands_off", False) for c in self._contexts)
             return "start" if hands_off and len(self._contexts) > 1 else "loop"
         return "run"
-
-
-class BatchTooLarge(FeedError):
-    """A runner over one buffer set runs at most the largest bucket's rows (``Engines`` itself runs more in
-    chunks)."""
-
-
-class ContextRunner(Runner):
-    """A ``Runner`` over one buffer set of an ``Engines`` (``Engines.runner``): ``upload`` checks the feed as
-    ``engines(x)`` does and queues its copy into the bucket's buffers, ``execute`` queues the model run,
-    ``download`` queues the outputs' copy to pinned host memory, waits, and returns copies of them. The set is
-    borrowed (``Engines.borrow``) from ``activate`` to ``release``; batches up to the largest bucket only."""
-
-    def __init__(self, engines: Engines, name: str, closing: bool = False) -> None:
-        super().__init__()
-        self.engines = engines
-        self.name = name
-        self.closing = closing
-        self.device = "cuda" if str(engines.device).startswith("cuda") else "cpu"
-        self.input_names = list(engines.input_names)
-        self.output_names = list(engines.output_names)
-        self._borrowed: contextlib.ExitStack | None = None
-        self._context: Context | None = None
-        self._call: CheckedFeed | None = None
-        self._bucket = 0
-
-    def _activate(self) -> None:
-        self._borrowed = contextlib.ExitStack()
-        self._context = self._borrowed.enter_context(self.engines.borrow())
-        self.stream = self._context.stream
-
-    def check(self, feed: Mapping[str, np.ndarray]) -> CheckedFeed:
-        """``engines.check``: every input against the spec; at most the largest bucket's rows."""
-        call = self.engines.check(dict(feed))
-        if call.rows > self.engines.buckets[-1]:
-            raise BatchTooLarge(f"batch {call.rows} is larger than the largest bucket {self.engines.buckets[-1]}")
-        return call
-
-    def _upload(self, call: CheckedFeed) -> None:
-        assert self._context is not None
-        self._call, self._bucket = call, self.engines.bucket_for(call.rows)
-        self._context.upload(self._bucket, call, 0, call.rows)
-
-    def _execute(self) -> None:
-        assert self._context is not None and self._call is not None
-        self._context.compute(self._bucket, self._call)
-
-    def _download(self) -> dict[str, np.ndarray]:
-        assert self._context is not None
-        self._context.download(True)
-        self._context.wait()
-        return self._context.copy_outputs()
-
-    def _release(self) -> None:
-        if self._borrowed is not None:
-            self._borrowed.close()
-        self._borrowed = self._context = self._call = None
-        if self.closing:
-            self.engines.close()
 
 
 class _Stopped(Exception):

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler.backends.onnxrt import OnnxRuntimeRunner
+from compiler.backends.onnxrt_runner import OnnxRuntimeRunner
 from compiler.backends.pytorch import TorchRunner
 from compiler.core.errors import InputError, VerificationError
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec

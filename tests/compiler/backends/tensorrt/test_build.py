@@ -389,7 +389,7 @@ def _sha(data: bytes) -> str:
 def test_real_engines_for_two_buckets_match_onnxruntime(tmp_path: Path) -> None:
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
-    from compiler.backends.onnxrt import OnnxRuntimeRunner
+    from compiler.backends.onnxrt_runner import OnnxRuntimeRunner
     from compiler.core.settings import ExportSettings, ModelSource
     from compiler.pipeline.export import export_directory
 
