@@ -13,9 +13,9 @@ from compiler.cli.options import (
     buckets_text,
     build_options,
     calibration_options,
+    export_options,
     model_options,
     profile_of,
-    tolerance_options,
 )
 from compiler.core import defaults
 from compiler.core.errors import InputError, TrtcError
@@ -26,12 +26,7 @@ from compiler.core.errors import InputError, TrtcError
 @click.option("--out", type=click.Path(path_type=Path), help="Output directory (model.onnx, manifest.json).")
 @click.option("--buckets", type=BucketsType(), help="Batch buckets; the largest bounds the dynamic batch and is "
               f"verified (default {buckets_text(defaults.BUCKETS)}).")
-@click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
-@click.option("--example-data", type=click.Path(path_type=Path), metavar="FILE.npz",
-              help="Real inputs for the export and pass checks: one array per input name, as --calib-data "
-              "(default: generated values).")
-@tolerance_options
-@click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
+@export_options
 @common_options
 def export_cmd(**kw: Any) -> None:
     """Export a PyTorch model to folded, verified ONNX.
@@ -91,12 +86,7 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
 @click.option("--fp32", "precision", flag_value="fp32", help="FP32 (the default).")
 @click.option("--engine", type=click.Choice(["tensorrt", "none"]),
               help="'none' stops after the ONNX and calibration artifacts, on purpose (exit 0).")
-@click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")
-@click.option("--example-data", type=click.Path(path_type=Path), metavar="FILE.npz",
-              help="Real inputs for the export and pass checks: one array per input name, as --calib-data "
-              "(default: generated values).")
-@tolerance_options
-@click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")
+@export_options
 @calibration_options
 @build_options
 @common_options

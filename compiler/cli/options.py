@@ -14,7 +14,7 @@ from compiler.core.settings import HARDWARE_COMPAT_LEVELS
 from compiler.core.specs import DimRange, InputSpec, parse_buckets, parse_dim_range, parse_input_spec
 
 __all__ = ["InputSpecType", "DimType", "BucketsType", "PercentType", "model_options", "tolerance_options",
-           "calibration_options", "build_options", "buckets_text", "profile_of"]
+           "calibration_options", "build_options", "export_options", "buckets_text", "profile_of"]
 
 
 class InputSpecType(click.ParamType):
@@ -102,6 +102,16 @@ def tolerance_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                       f"max(1, output scale) + rtol x |reference| (default {defaults.RTOL:g}).")(fn)
     return click.option("--atol", type=float, help="Export check, absolute part (default "
                         f"{defaults.ATOL:g}; see --rtol).")(fn)
+
+
+def export_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """How the export is made and checked (shared by export and build): opset, example data, tolerance, --force."""
+    fn = click.option("--force", is_flag=True, help="Replace a directory that holds another model's build.")(fn)
+    fn = tolerance_options(fn)
+    fn = click.option("--example-data", type=click.Path(path_type=Path), metavar="FILE.npz",
+                      help="Real inputs for the export and pass checks: one array per input name, as --calib-data "
+                      "(default: generated values).")(fn)
+    return click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")(fn)
 
 
 def buckets_text(buckets: tuple[int, ...]) -> str:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -14,6 +16,21 @@ from compiler.core import defaults
 PLATFORMS = ["auto", "tensorrt_plan", "onnxruntime_onnx", "trtc"]
 
 
+def batching_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Triton's instances and dynamic batcher (shared by export-triton and serve)."""
+    options = [
+        click.option("--instances", type=int, default=1, show_default=True, help="Model instances (per GPU)."),
+        click.option("--max-wait-ms", type=float, default=defaults.MAX_WAIT_MS, show_default=True,
+                     help="How long Triton's dynamic batcher holds a request for company."),
+        click.option("--preferred-batch-sizes", type=BucketsType(), help="Batch sizes Triton's dynamic batcher "
+                     "runs at once when it can form them (default: the buckets; without 1, a lone request waits "
+                     "--max-wait-ms)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
 @cli.command("export-triton")
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--repo", required=True, type=click.Path(path_type=Path), help="Triton model repository to write into.")
@@ -22,11 +39,7 @@ PLATFORMS = ["auto", "tensorrt_plan", "onnxruntime_onnx", "trtc"]
               help="tensorrt_plan: the engine as model.plan; onnxruntime_onnx: the ONNX; trtc: Triton's Python backend "
               "running trtc's runtime on the build (pads batches to the buckets); auto: the plan where Triton can use "
               "it, else trtc for engines it cannot, else onnxruntime_onnx.")
-@click.option("--instances", type=int, default=1, show_default=True, help="Model instances (per GPU).")
-@click.option("--max-wait-ms", type=float, default=defaults.MAX_WAIT_MS, show_default=True,
-              help="How long Triton's dynamic batcher holds a request for company.")
-@click.option("--preferred-batch-sizes", type=BucketsType(), help="Batch sizes Triton's dynamic batcher runs at "
-              "once when it can form them (default: the buckets; without 1, a lone request waits --max-wait-ms).")
+@batching_options
 @click.option("--force", is_flag=True, help="Replace the model's folder when it exists.")
 @common_options
 def export_triton_cmd(directory: Path, repo: Path, name: str | None, platform: str, instances: int,
@@ -56,11 +69,7 @@ def export_triton_cmd(directory: Path, repo: Path, name: str | None, platform: s
 @click.option("--metrics-port", type=int, default=8002, show_default=True, help="Prometheus metrics port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address every endpoint binds to (0.0.0.0: "
               "all interfaces).")
-@click.option("--instances", type=int, default=1, show_default=True, help="Model instances (per GPU).")
-@click.option("--max-wait-ms", type=float, default=defaults.MAX_WAIT_MS, show_default=True,
-              help="How long Triton's dynamic batcher holds a request for company.")
-@click.option("--preferred-batch-sizes", type=BucketsType(), help="Batch sizes Triton's dynamic batcher runs at "
-              "once when it can form them (default: the buckets; without 1, a lone request waits --max-wait-ms).")
+@batching_options
 @click.option("--name", help="Model name (default: the directory's name).")
 @common_options
 def serve_cmd(directory: Path, port: int, grpc_port: int, metrics_port: int, host: str, instances: int,
