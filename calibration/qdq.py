@@ -59,7 +59,7 @@ from calibration.weights import (
 from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, tensor_array
 
 __all__ = ["PLACEMENT", "OpRule", "WeightChannels", "QDQ_PRECISIONS", "QdqPolicy", "QdqReport", "tensors_to_calibrate",
-           "quantizable_nodes", "qdq_model_from"]
+           "quantizable_nodes", "placement", "node_names", "qdq_model_from"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,9 @@ class OpRule:
       quantized.
 
     FP8 (``QdqPolicy.precision == "fp8"``) applies the same rule where ``fp8`` is True; elsewhere ``not_fp8`` says
-    why the op stays out of FP8 (TensorRT runs FP8 in its convolution and GEMM kernels only).
+    why the op stays out of FP8 (TensorRT runs FP8 in its convolution and GEMM kernels only). INT4 weight-only
+    (``calibration/int4.py``) takes the weighted layers whose ``int4`` is True, with the same exclusions;
+    ``not_int4`` says why the others keep their weights.
     """
 
     kind: Literal["weighted", "residual", "pool", "concat"]
@@ -98,30 +100,35 @@ class OpRule:
     source_through: frozenset[str] = frozenset()
     fp8: bool = False
     not_fp8: str = ""
+    int4: bool = False
+    not_int4: str = ""
 
 
 _FEW_CHANNELS = ("{inputs} input / {outputs} output channels: under {limit}, {precision} gains nothing and only adds "
                  "error")
 _GEMV = "weight {inputs}x{outputs}: a dimension under {limit} (a GEMV in effect), {precision} gains nothing"
 _NO_FP8_POOL = "TensorRT pools in FP16, not FP8: a Q/DQ here would only add a reformat"
+_NO_INT4_CONV = "TensorRT's INT4 weight-only kernels are GEMMs: convolutions keep FP16 weights"
 
 # The placement policy: every operator type that can get Q/DQ, all its rules and why. Anything else gets none.
 # Not quantized, by design: Relu, Softmax, LayerNormalization, Gelu, bias adds and other element-wise ops
 # (TensorRT fuses Q/DQ into them or cannot use INT8 there, and would run reformat kernels); graph outputs.
 PLACEMENT: dict[str, OpRule] = {
     "Conv": OpRule("weighted", (0, 1), "TensorRT runs INT8 convolutions with the Q/DQ pair fused in",
-                   weight=conv_weight, min_channels=16, too_small=_FEW_CHANNELS, fp8=True),
+                   weight=conv_weight, min_channels=16, too_small=_FEW_CHANNELS, fp8=True,
+                   not_int4=_NO_INT4_CONV),
     "ConvTranspose": OpRule("weighted", (0, 1), "INT8 deconvolution, as Conv",
-                            weight=conv_transpose_weight, min_channels=16, too_small=_FEW_CHANNELS, fp8=True),
+                            weight=conv_transpose_weight, min_channels=16, too_small=_FEW_CHANNELS, fp8=True,
+                            not_int4=_NO_INT4_CONV),
     "Gemm": OpRule("weighted", (0, 1), "INT8 GEMM; weight channels along transB",
                    weight=gemm_weight, min_channels=16, too_small=_GEMV, two_activations=True,
                    head_through=frozenset({"Add", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity",
-                                           "Transpose"}), fp8=True),
+                                           "Transpose"}), fp8=True, int4=True),
     "MatMul": OpRule("weighted", (0, 1), "INT8 GEMM with a constant weight [..., K, N]; attention score "
                      "products only with quantize_attention_matmuls",
                      weight=matmul_weight, min_channels=16, too_small=_GEMV, two_activations=True,
                      head_through=frozenset({"Add", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity",
-                                             "Transpose"}), fp8=True),
+                                             "Transpose"}), fp8=True, int4=True),
     "Add": OpRule("residual", (0, 1), "a residual add fused into its convolution's epilogue (INT8 shortcut), "
                   "as ModelOpt; bias and transformer residual adds stay unquantized",
                   fuses_into=frozenset({"Conv", "ConvTranspose"}),
@@ -210,7 +217,7 @@ class _Plan:
     scale_groups: dict[str, frozenset[str]] = field(default_factory=dict)  # tensors that share one scale
 
 
-def _node_names(graph: onnx.GraphProto) -> list[str]:
+def node_names(graph: onnx.GraphProto) -> list[str]:
     """Node names, with a stable stand-in for unnamed nodes so policies can still name them."""
     return [node.name or f"{node.op_type}_{i}" for i, node in enumerate(graph.node)]
 
@@ -304,7 +311,7 @@ def _residual_shortcut(node: onnx.NodeProto, producers: Mapping[str, onnx.NodePr
 
 def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] | None) -> _Plan:
     """Decide the Q/DQ placement. ``amax`` None: assume every activation will have one."""
-    names = _node_names(graph)
+    names = node_names(graph)
     constants = _constants(graph)
     unknown = sorted(policy.exclude_nodes - set(names))
     if unknown:
@@ -432,6 +439,13 @@ def quantizable_nodes(model: onnx.ModelProto, policy: QdqPolicy | None = None) -
     return list(_plan(model.graph, policy or QdqPolicy(), None).inputs)
 
 
+def placement(model: onnx.ModelProto, policy: QdqPolicy | None = None) -> tuple[list[str], dict[str, str]]:
+    """The nodes that would get Q/DQ under ``policy`` (graph order) and, for the others ``PLACEMENT`` has a rule
+    for, why not (a head, too few channels, a weight that is not a constant, an exclusion)."""
+    plan = _plan(model.graph, policy or QdqPolicy(), None)
+    return list(plan.inputs), dict(plan.skipped)
+
+
 def _check_amax(plan: _Plan, amax: Mapping[str, float]) -> dict[str, float]:
     missing = [t for t in plan.activations if t not in amax]
     if missing:
@@ -548,7 +562,7 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
     for i in source.input:
         nodes += pair_nodes.get(i.name, [])
     emitted: set[tuple[str, int | None]] = set()
-    for original, name in zip(source.node, _node_names(source)):
+    for original, name in zip(source.node, node_names(source)):
         node = onnx.NodeProto()
         node.CopyFrom(original)
         for q in plan.inputs.get(name, ()):
