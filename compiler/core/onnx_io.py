@@ -226,9 +226,11 @@ class SessionRule:
 # MatMul groups into ONNX Runtime's own quantized kernels; without it the Q/DQ run as written, every other
 # optimization (constant folding, layout, fusions of the float graph) stays on.
 SESSION_POLICY: dict[str, SessionRule] = {
-    "fp8": SessionRule("FP8 Q/DQ", ("QDQSelectorActionTransformer",),
-                       "it rewrites an FP8 DequantizeLinear -> MatMul into MatMulIntegerToFloat, which takes no FP8 "
-                       "input: the session fails to load (optimization level extended or all)"),
+    "fp8": SessionRule("FP8 Q/DQ", ("QDQSelectorActionTransformer", "WeightBiasQuantization"),
+                       "QDQSelectorActionTransformer rewrites an FP8 DequantizeLinear -> MatMul into "
+                       "MatMulIntegerToFloat, which takes no FP8 input: the session fails to load (level extended or "
+                       "all); WeightBiasQuantization stores a Conv's bias as INT32 at the FP8 input and weight "
+                       "scales, which changes its outputs (the digits CNN lost 11 points of top-1; level basic up)"),
     "int4": SessionRule("INT4 block-quantized weights", ("QDQSelectorActionTransformer",),
                         "it rewrites an INT4 DequantizeLinear(block_size) -> MatMul into MatMulNBits, which at its "
                         "accuracy level 4 quantizes the activations to INT8 on the fly: the results change"),
