@@ -31,11 +31,12 @@ import onnx
 from onnx import helper, numpy_helper
 
 from calibration.qdq import PLACEMENT, QdqPolicy, node_names, placement
-from calibration.weights import WeightChannels, dequantized_int4, int4_weight, raise_opset
+from calibration.weights import INT4_MAX, WeightChannels, int4_weight, raise_opset
 from compiler.core import defaults
 from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, tensor_array
 
-__all__ = ["INT4_OPSET", "Int4Policy", "Int4Report", "Int4Layer", "int4_layers", "awq_inputs", "awq_scales",
+__all__ = ["INT4_OPSET", "Int4Policy", "Int4Report", "Int4Layer", "AwqSearch", "int4_layers", "awq_inputs",
+           "awq_scales",
            "int4_model_from"]
 
 log = logging.getLogger(__name__)
@@ -121,65 +122,108 @@ def _as_kn(weight: np.ndarray, channels: WeightChannels) -> np.ndarray:
     return weight if channels.reduction == 0 else weight.T
 
 
-def _awq_error(rows: np.ndarray, weights: list[np.ndarray], wanted: list[np.ndarray], s: np.ndarray,
-               block: int) -> float:
+def _fake_int4(w: np.ndarray, block: int, clip: np.ndarray | None = None) -> np.ndarray:
+    """``w`` [K, N] rounded to INT4 blocks along K and back to float32 (``int4_weight`` then ``dequantized_int4``,
+    without the INT4 storage type); ``clip`` [blocks, N] scales each block's range (AWQ's clip search)."""
+    k, n = w.shape
+    blocks = -(-k // block)
+    padded = w if k == blocks * block else np.concatenate([w, np.zeros((blocks * block - k, n), np.float32)])
+    grouped = padded.reshape(blocks, block, n)
+    amax = np.abs(grouped).max(axis=1)
+    if clip is not None:
+        amax = amax * clip
+    scale = np.where(amax > 0, amax / INT4_MAX, 1.0).astype(np.float32)[:, None, :]
+    q = np.clip(np.rint(grouped / scale), -INT4_MAX - 1, INT4_MAX) * scale
+    return q.reshape(blocks * block, n)[:k]
+
+
+def _awq_error(rows: np.ndarray, weights: list[np.ndarray], s: np.ndarray, block: int) -> float:
+    """The summed squared error of the layers' outputs on ``rows`` with input scales ``s``, against FP32."""
     total = 0.0
-    for w, want in zip(weights, wanted):
-        q, scale = int4_weight(w * s[:, None], 0, block)
-        approx = dequantized_int4(q, scale, 0, block)
-        approx /= s[:, None]
-        total += float(np.square(rows @ approx - want).sum())
+    for w in weights:
+        approx = _fake_int4(w * s[:, None], block) / s[:, None]
+        approx -= w
+        total += float(np.square(rows @ approx).sum())
     return total
 
 
+def _clip_ratios(rows: np.ndarray, w: np.ndarray, block: int, steps: int = 10, shrink: float = 0.5) -> np.ndarray:
+    """AWQ's clip search: per block and output channel, the fraction of the block's max |w| that rounds with the
+    least output error on ``rows`` (1.0, 0.95, ..., 0.5), each block scored on its own input channels."""
+    k, n = w.shape
+    blocks = -(-k // block)
+    best = np.ones((blocks, n), dtype=np.float32)
+    for g in range(blocks):
+        part, x = w[g * block:(g + 1) * block], rows[:, g * block:(g + 1) * block]
+        errors = []
+        for i in range(steps + 1):
+            ratio = np.full((1, n), 1.0 - shrink * i / steps, dtype=np.float32)
+            errors.append(np.square(x @ (_fake_int4(part, block, ratio) - part)).sum(axis=0))
+        best[g] = 1.0 - shrink * np.argmin(np.stack(errors), axis=0) / steps
+    return best
+
+
+@dataclass
+class AwqSearch:
+    """What AWQ chose: per activation tensor the exponent and input-channel scales ``s`` of the layers reading it,
+    and per layer the clip ratio of each block and output channel ([blocks, output channels])."""
+
+    alpha: dict[str, float] = field(default_factory=dict)
+    scales: dict[str, np.ndarray] = field(default_factory=dict)
+    clips: dict[str, np.ndarray] = field(default_factory=dict)
+
+
 def awq_scales(model: onnx.ModelProto, layers: list[Int4Layer], samples: Mapping[str, Any], block: int,
-               grid: int = defaults.AWQ_GRID) -> dict[str, tuple[float, np.ndarray]]:
-    """Per activation tensor: AWQ's exponent and the input-channel scales ``s`` (float32) of the layers reading it.
+               grid: int = defaults.AWQ_GRID) -> AwqSearch:
+    """AWQ's two searches on calibration rows: the scale exponent per input tensor, then the clip per block.
 
     ``samples`` maps each tensor of :func:`awq_inputs` to its ``ChannelSamples`` (``calibration.observe``): the
-    mean |x| per channel and a sample of rows. The error of a candidate is the summed squared error of every
+    mean |x| per channel and a sample of rows. A scale candidate's error is the summed squared error of every
     layer reading the tensor, on those rows, against the FP32 layer; ``s = 1`` (alpha 0) is among the candidates,
-    so AWQ never scores worse than round-to-nearest on them.
+    so the scales never score worse than round-to-nearest there. The clip search then shrinks each block's
+    range where that lowers the error of its share of the output, as the paper's ``auto_clip``.
     """
     constants = {t.name: t for t in model.graph.initializer}
     groups: dict[str, list[Int4Layer]] = {}
     for layer in layers:
-        groups.setdefault(layer.activation, []).append(layer)
-    chosen: dict[str, tuple[float, np.ndarray]] = {}
+        groups.setdefault(layer.node, []).append(layer)
+    found = AwqSearch()
     for tensor, members in groups.items():
-        stats = samples.get(tensor)
+        stats = samples.get(members[0].activation)
         if stats is None or not len(stats.rows):
             continue
         rows = stats.rows.astype(np.float32)
         weights = [_as_kn(tensor_array(constants[m.weight]).astype(np.float32), m.channels) for m in members]
-        wanted = [rows @ w for w in weights]
         magnitude = np.maximum(stats.mean_abs.astype(np.float64), 1e-8)
-        best = (0.0, np.ones(len(magnitude), dtype=np.float32), _awq_error(rows, weights, wanted,
-                                                                            np.ones(len(magnitude), np.float32), block))
+        ones = np.ones(len(magnitude), dtype=np.float32)
+        best = (0.0, ones, _awq_error(rows, weights, ones, block))
         for step in range(1, grid):
             alpha = step / grid
             s = magnitude ** alpha
             s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
-            error = _awq_error(rows, weights, wanted, s, block)
+            error = _awq_error(rows, weights, s, block)
             if error < best[2]:
                 best = (alpha, s, error)
-        chosen[tensor] = (best[0], best[1])
-        log.debug("AWQ %s (%d layer(s)): alpha %.2f", tensor, len(members), best[0])
-    return chosen
+        alpha, s = best[0], best[1]
+        if alpha > 0:
+            found.alpha[tensor], found.scales[tensor] = alpha, s
+        for member, w in zip(members, weights):
+            found.clips[member.node] = _clip_ratios(rows / s[None, :], w * s[:, None], block)
+        log.debug("AWQ %s (%d layer(s)): alpha %.2f", tensor, len(members), alpha)
+    return found
 
 
-def int4_model_from(model: onnx.ModelProto, policy: Int4Policy | None = None,
-                    scales: Mapping[str, tuple[float, np.ndarray]] | None = None,
+def int4_model_from(model: onnx.ModelProto, policy: Int4Policy | None = None, awq: AwqSearch | None = None,
                     ) -> tuple[onnx.ModelProto, Int4Report]:
     """A new FP32 model whose INT4 layers read block-quantized INT4 weights, and a report.
 
-    ``scales`` are :func:`awq_scales`' (None or missing tensors: round-to-nearest). The model moves to opset 21
+    ``awq`` is :func:`awq_scales`' search (None, or layers it lacks: round-to-nearest). The model moves to opset 21
     where it is lower (``raise_opset``). Weights must be loaded or referenced (``load_onnx_by_reference``);
     ``model`` is not modified. The FP16 rest is the caller's next step (``int8_fp16_model_from``, which gives
     the scales FP16 as it does INT8's).
     """
     policy = policy or Int4Policy()
-    scales = scales or {}
+    awq = awq or AwqSearch()
     model = raise_opset(model, INT4_OPSET)
     layers, skipped = int4_layers(model, policy)
     report = Int4Report(skipped_nodes=skipped)
@@ -209,17 +253,18 @@ def int4_model_from(model: onnx.ModelProto, policy: Int4Policy | None = None,
         node = onnx.NodeProto()
         node.CopyFrom(original)
         if layer is not None:
-            alpha, s = scales.get(layer.activation, (0.0, np.ones(layer.channels.inputs, dtype=np.float32)))
-            use_scale = alpha > 0
-            if use_scale and layer.activation not in scaled_inputs:
+            use_scale = layer.node in awq.scales
+            alpha = awq.alpha.get(layer.node, 0.0)
+            s = awq.scales.get(layer.node, np.ones(layer.channels.inputs, dtype=np.float32))
+            if use_scale and layer.node not in scaled_inputs:
                 inverse = fresh(f"{layer.activation}_awq_inverse_scale")
                 new_inits.append(numpy_helper.from_array(np.float32(1.0) / np.asarray(s, dtype=np.float32), inverse))
                 scaled = fresh(f"{layer.activation}_awq_scaled")
-                scaled_inputs[layer.activation] = (scaled, helper.make_node(
+                scaled_inputs[layer.node] = (scaled, helper.make_node(
                     "Mul", [layer.activation, inverse], [scaled], name=fresh(f"{layer.activation}_awq_Mul")))
-                nodes.append(scaled_inputs[layer.activation][1])
-                report.awq_alpha[layer.activation] = alpha
-            key = (layer.weight, layer.activation if use_scale else "")
+                nodes.append(scaled_inputs[layer.node][1])
+                report.awq_alpha[layer.node] = alpha
+            key = (layer.weight, layer.node if layer.node in awq.clips else "")
             if key not in weight_outputs:
                 weight = tensor_array(constants[layer.weight]).astype(np.float32)
                 axis = layer.channels.reduction
@@ -228,7 +273,8 @@ def int4_model_from(model: onnx.ModelProto, policy: Int4Policy | None = None,
                     shape = [1, 1]
                     shape[axis] = -1
                     weight = weight * np.asarray(s, dtype=np.float32).reshape(shape)
-                q, scale = int4_weight(weight, axis, policy.block)
+                clip = awq.clips.get(layer.node)
+                q, scale = int4_weight(weight, axis, policy.block, clip if axis == 0 or clip is None else clip.T)
                 q_name, scale_name = fresh(f"{layer.weight}_int4"), fresh(f"{layer.weight}_int4_scale")
                 new_inits += [numpy_helper.from_array(q, q_name), numpy_helper.from_array(scale, scale_name)]
                 dq_out = fresh(f"{layer.weight}_dequantized")
@@ -240,7 +286,7 @@ def int4_model_from(model: onnx.ModelProto, policy: Int4Policy | None = None,
                 report.int4_weight_bytes += (q.size + 1) // 2 + scale.size * 2  # scales end up FP16
             node.input[1] = weight_outputs[key][0]
             if use_scale:
-                node.input[0] = scaled_inputs[layer.activation][0]
+                node.input[0] = scaled_inputs[layer.node][0]
             replaced.add(layer.weight)
             report.quantized_nodes.append(name)
         nodes.append(node)
@@ -277,7 +323,7 @@ def int4_stage(model: onnx.ModelProto, fp32_path: Any, data: Any, evaluator: Any
     policy = Int4Policy(block=settings.int4_block, method=settings.int4_method, exclude_nodes=keep & names,
                         exclude_op_types=keep - names)
     layers, _ = int4_layers(model, policy)
-    scales: dict[str, tuple[float, np.ndarray]] = {}
+    awq: AwqSearch | None = None
     max_abs: dict[str, float] | None = None
     if policy.method == "awq":
         if data is None:
@@ -289,7 +335,7 @@ def int4_stage(model: onnx.ModelProto, fp32_path: Any, data: Any, evaluator: Any
             samples = collect_channel_samples(fp32_path, inputs, data.batches(), providers=checking_providers(),
                                               budget_bytes=settings.memory_budget, progress=advance)
         with stage_timer("AWQ scale search"):
-            scales = awq_scales(model, layers, samples, policy.block)
+            awq = awq_scales(model, layers, samples, policy.block)
         del samples
     if data is not None:
         floats = float_tensors(model)
@@ -304,7 +350,7 @@ def int4_stage(model: onnx.ModelProto, fp32_path: Any, data: Any, evaluator: Any
         mark(f"INT4 accuracy gate: the INT4 model{kept}")
         p = Int4Policy(block=policy.block, method=policy.method, exclude_nodes=policy.exclude_nodes | excluded,
                        exclude_op_types=policy.exclude_op_types)
-        quantized, report = int4_model_from(model, p, scales)
+        quantized, report = int4_model_from(model, p, awq)
         combined, fp16_report = int8_fp16_model_from(quantized, fp16_policy, max_abs)
         reports[excluded] = (report, fp16_report)
         return combined

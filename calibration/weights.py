@@ -126,12 +126,14 @@ def fp8_weight(weight: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.nda
     return q.astype(FP8), scale
 
 
-def int4_weight(weight: np.ndarray, axis: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+def int4_weight(weight: np.ndarray, axis: int, block: int, clip: np.ndarray | None = None,
+                ) -> tuple[np.ndarray, np.ndarray]:
     """Block-wise symmetric INT4 weights (``ml_dtypes.int4``) and float32 scales, ``amax / 7`` per block.
 
     Blocks of ``block`` weights run along ``axis`` (the reduction axis); the scales have ``weight``'s shape with
     that axis ``ceil(size / block)`` long, as DequantizeLinear's ``block_size`` reads them. A last, shorter block
-    is scaled by its own values.
+    is scaled by its own values. ``clip`` (the scales' shape) multiplies each block's amax: values beyond the
+    shrunk range saturate at -8 / 7.
     """
     w = np.moveaxis(weight.astype(np.float32, copy=False), axis, -1)
     size = w.shape[-1]
@@ -139,7 +141,10 @@ def int4_weight(weight: np.ndarray, axis: int, block: int) -> tuple[np.ndarray, 
     padded = np.zeros((*w.shape[:-1], blocks * block), dtype=np.float32)
     padded[..., :size] = w
     grouped = padded.reshape(*w.shape[:-1], blocks, block)
-    scale = _scale(np.abs(grouped).max(axis=-1), INT4_MAX)
+    amax = np.abs(grouped).max(axis=-1)
+    if clip is not None:
+        amax = amax * np.moveaxis(np.asarray(clip, dtype=np.float32), axis, -1)
+    scale = _scale(amax, INT4_MAX)
     q = grouped / scale[..., None]
     np.rint(q, out=q)
     np.clip(q, -INT4_MAX - 1, INT4_MAX, out=q)
