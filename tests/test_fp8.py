@@ -70,7 +70,7 @@ def test_fp8_places_qdq_on_convolutions_and_gemms_only_with_fp8_values() -> None
     x_scale = next(onnx.numpy_helper.to_array(inits[n.input[1]]) for n in quantized.graph.node
                    if n.op_type == "QuantizeLinear" and n.input[0] == "x")
     assert np.isclose(float(x_scale), amax["x"] / 448, rtol=1e-6)
-    w1_q, w1_scale = fp8_weight(onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w1")),
+    w1_q, _ = fp8_weight(onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w1")),
                                 1)
     stored = next(t for t in quantized.graph.initializer if t.name.startswith("w1_quantized"))
     assert stored.data_type == TensorProto.FLOAT8E4M3FN
