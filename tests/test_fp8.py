@@ -102,11 +102,12 @@ def _unoptimized(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 
 def test_fp8_sessions_run_without_the_fusion_that_rejects_fp8_and_match_unoptimized_runs() -> None:
     """In this ONNX Runtime the default optimizations turn an FP8 DQ -> MatMul into MatMulIntegerToFloat and the
-    session fails; ``ort_session`` (SESSION_POLICY, by what the graph holds) loads it, names the one transformer
-    it disables, and gives exactly the outputs of the same graph with every optimization off."""
+    session fails; ``ort_session`` (SESSION_POLICY, by what the graph holds) loads it, names the transformers it
+    disables, and gives exactly the outputs of the same graph with every optimization off."""
     model = _fp8_matmul()
     assert graph_holds(model) == {"fp8"}
-    assert [r.disabled_optimizers for r in session_rules(model)] == [("QDQSelectorActionTransformer",)]
+    assert [r.disabled_optimizers for r in session_rules(model)] == [("QDQSelectorActionTransformer",
+                                                                      "WeightBiasQuantization")]
     with pytest.raises(Exception, match="MatMulIntegerToFloat"):
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     x = RNG.standard_normal((4, 64)).astype(np.float32)
