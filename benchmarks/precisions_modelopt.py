@@ -161,7 +161,8 @@ def run_row(model: str, data: dict[str, Any], label: str, tool: str, precision: 
     row: dict[str, Any] = {"model": model, "row": label, "tool": tool, "precision": precision}
     if tool == "trtc":
         flag = "--fp8" if precision == "fp8" else "--int4-weights"
-        cmd = trtc("calibrate", str(run), flag, "--calib-data", str(data["calib"]), "--eval-data", str(data["eval"]))
+        cmd = trtc("calibrate", str(run), flag, "--calib-data", str(data["calib"]), "--eval-data", str(data["eval"]),
+                   "--calib-batch", "8")  # the batch of the gate's and ModelOpt's runs too
         graph = run / f"model.{precision}.onnx"
     else:
         args = []

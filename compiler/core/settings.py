@@ -267,6 +267,8 @@ class CalibrationSettings:
             raise InputError(f"--percentile {self.percentile}: use a value in (50, 100], e.g. 99.99")
         if self.fp32_rest and self.precision != "int8":
             raise InputError("--fp32-rest applies to --int8 only (it keeps what INT8 leaves in FP32); drop it")
+        if self.precision == "int4" and self.gate.max_fallback == defaults.MAX_FALLBACK:
+            object.__setattr__(self, "gate", dataclasses.replace(self.gate, max_fallback=defaults.INT4_MAX_FALLBACK))
         if self.int4_method not in defaults.INT4_METHODS:
             raise InputError(f"--int4-method {self.int4_method!r}: use one of {', '.join(defaults.INT4_METHODS)}")
         if self.int4_block < 16 or self.int4_block & (self.int4_block - 1):
