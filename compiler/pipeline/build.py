@@ -49,9 +49,9 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
 
     start = time.perf_counter()
     out = export.out
-    if build.engine != "none" and build.precision in MIN_COMPUTE_CAPABILITY:  # before hours of export and calibration
-        if tensorrt_version() is not None:
-            refuse_unsupported_precision(build.precision, environment(build))
+    # before the export and the calibration, which take hours on a large model
+    if build.engine != "none" and build.precision in MIN_COMPUTE_CAPABILITY and tensorrt_version() is not None:
+        refuse_unsupported_precision(build.precision, environment(build))
     model = model_to_export(export, build.buckets)
     spec = model.spec
     with directory_transaction(out, command) as transaction:
