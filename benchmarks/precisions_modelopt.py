@@ -54,7 +54,7 @@ ROWS: dict[str, list[tuple[str, str, str, list[str]]]] = {
             ("ModelOpt fp8 --calibration_method max", "modelopt", "fp8", ["--calibration_method", "max"]),
             ("ModelOpt fp8 max, score+mask Adds excluded by hand", "modelopt", "fp8",
              ["--calibration_method", "max", "exclude-mask-adds"])],
-    "int4": [("trtc --int4-weights (defaults: awq, block 128)", "trtc", "int4", []),
+    "int4": [("trtc --int4-weights (defaults: awq, block 32)", "trtc", "int4", []),
              ("ModelOpt int4 (default awq_clip, block 128)", "modelopt", "int4", []),
              ("ModelOpt int4 --calibration_method rtn_dq", "modelopt", "int4", ["--calibration_method", "rtn_dq"])],
 }
