@@ -165,11 +165,12 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
                   "provider": result.result.provider if result else None},
         # the data behind each precision (FP16 too): what it was, how many samples, whether it was random
         data={"calibration": report["calibration_data"], "eval": report["eval_data"]})
-    if settings.precision in CALIBRATION_FILES:  # int8's section is "calibration" (it predates the others)
+    if settings.precision in CALIBRATION_FILES:  # int8's section is "calibration" (it predates fp8's)
         section = {"calibration_data": report["calibration_data"], **details["calibration"],
                    "remainder": details["remainder"], "node_precisions": report["node_precisions"]["counts"]}
-        key = "calibration" if settings.precision == "int8" else settings.precision
-        return CalibrationOutcome(replace(record, **{key: section}))
+        if settings.precision == "int8":
+            return CalibrationOutcome(replace(record, calibration=section))
+        return CalibrationOutcome(replace(record, fp8=section))
     if settings.precision == "int4":
         fp32_bytes = sum(f.stat().st_size for f in onnx_files(fp32_path))
         size = onnx_record.bytes or 0

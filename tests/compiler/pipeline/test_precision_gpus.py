@@ -5,12 +5,13 @@ no TensorRT is needed."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from compiler.core.errors import InputError
-from compiler.core.manifest import MANIFEST, onnx_entry, read_manifest, write_manifest
+from compiler.core.manifest import MANIFEST, FileRecord, read_manifest, write_manifest
 from compiler.core.settings import BuildSettings
 from compiler.pipeline.build import refuse_unsupported_precision
 from compiler.pipeline.check import check_directory, rebuild_directory
@@ -26,10 +27,9 @@ def _fp8_directory(exported_dir: Path) -> Path:
     shutil.copy2(exported_dir / "model.onnx", exported_dir / "model.fp8.onnx")
     shutil.copy2(exported_dir / "model.onnx.data", exported_dir / "model.fp8.onnx.data")
     manifest = read_manifest(exported_dir)
-    entry = onnx_entry(exported_dir, exported_dir / "model.fp8.onnx")
-    entry["requires_compute_capability"] = "8.9"
-    write_manifest(exported_dir / MANIFEST, {**manifest, "onnx": {**manifest["onnx"], "fp8": entry},
-                                             "precision": "fp8"})
+    entry = replace(FileRecord.for_onnx(exported_dir, exported_dir / "model.fp8.onnx"),
+                    extra={"requires_compute_capability": "8.9"})
+    write_manifest(exported_dir / MANIFEST, replace(manifest, onnx={**manifest.onnx, "fp8": entry}, precision="fp8"))
     rebuild_directory(exported_dir, if_stale=False, build_step=fake_engine_build_step_for_tests, env=H200_ENV,
                       settings_override=BuildSettings(buckets=(1, 4), precision="fp8", hardware_compat="ampere-plus"))
     return exported_dir
@@ -51,11 +51,11 @@ def test_fp8_builds_and_rebuilds_stop_in_one_line_on_an_older_gpu(exported_dir: 
     before building anything (the engines of the H200 stay); the build's own check passes on 8.9 and says
     nothing where the capability is unknown (no GPU seen)."""
     directory = _fp8_directory(exported_dir)
-    before = read_manifest(directory)["engines"]
+    before = read_manifest(directory).engines
     with pytest.raises(InputError, match=r"FP8 engines need a GPU of compute capability 8\.9\+ .*this one, NVIDIA "
                                          r"A100-SXM4-80GB, is 8\.0: build --int8 or --fp16"):
         rebuild_directory(directory, if_stale=False, build_step=fake_engine_build_step_for_tests, env=A100)
-    assert read_manifest(directory)["engines"] == before
+    assert read_manifest(directory).engines == before
     refuse_unsupported_precision("fp8", L4)
     refuse_unsupported_precision("fp8", {"compute_capability": None})
     refuse_unsupported_precision("int8", A100)
