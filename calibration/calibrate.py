@@ -1,4 +1,4 @@
-"""INT8 and FP16 graphs from a directory's folded FP32 ONNX, proven with ONNX Runtime.
+"""INT8, FP8, INT4 weight-only and FP16 graphs from a directory's folded FP32 ONNX, proven with ONNX Runtime.
 
 ``calibrated_into`` does the work inside a staging folder (``trtc build`` chains it after
 export); ``calibrate_directory`` is ``trtc calibrate DIR``: it stages, runs, and commits the
@@ -23,8 +23,10 @@ from calibration.accuracy import Evaluator, GateOutcome, gate_with_fallback
 from calibration.data import RANDOM, CalibrationData, calibration_data
 from calibration.fp16 import Fp16Report, float_tensors, fp16_model_from, int8_fp16_model_from, node_precisions
 from calibration.fp16_policy import Fp16Policy
+from calibration.int4 import int4_stage
 from calibration.observe import collect_histograms, collect_max_abs
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
+from calibration.weights import raise_opset
 from compiler.core.capabilities import checking_providers
 from compiler.core.errors import AccuracyGateError, CalibrationError
 from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file
@@ -38,9 +40,9 @@ from compiler.core.manifest import (
     verified_onnx,
     write_manifest,
 )
-from compiler.core.onnx_io import load_onnx_by_reference, save_onnx
+from compiler.core.onnx_io import load_onnx_by_reference, onnx_files, save_onnx
 from compiler.core.progress import progress, stage_timer
-from compiler.core.settings import CalibrationSettings
+from compiler.core.settings import MIN_COMPUTE_CAPABILITY, CalibrationSettings
 from compiler.core.specs import ModelSpec
 from compiler.core.worker import in_worker, isolated, mark
 
@@ -48,8 +50,11 @@ __all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "cali
 
 log = logging.getLogger(__name__)
 
-ONNX_NAMES = {"int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
+ONNX_NAMES = {"int8": "model.int8.onnx", "fp16": "model.fp16.onnx", "fp8": "model.fp8.onnx", "int4": "model.int4.onnx"}
 CALIBRATION_JSON = "calibration.json"
+# the activation ranges of each Q/DQ precision, reused while model, data and method stay the same
+CALIBRATION_FILES = {"int8": CALIBRATION_JSON, "fp8": "calibration.fp8.json"}
+FP8_OPSET = 19  # QuantizeLinear/DequantizeLinear with FP8 types
 ACCURACY_JSON = "report/accuracy.json"
 ALL_SAMPLES = 1 << 62  # the gate evaluates every sample of --eval-data; --calib-samples bounds calibration only
 
@@ -72,7 +77,7 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> Manif
     manifest = read_manifest(directory)
     with directory_transaction(directory, f"trtc calibrate --{settings.precision}") as transaction:
         stage = transaction.stage
-        for name in (CALIBRATION_JSON, ACCURACY_JSON):  # calibration.json is reused when nothing changed
+        for name in (*CALIBRATION_FILES.values(), ACCURACY_JSON):  # calibration.json is reused when nothing changed
             if (directory / name).is_file():
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(directory / name, stage / name)
@@ -82,10 +87,12 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> Manif
         if outcome.record is not None:
             manifest = manifest.with_calibration(outcome.record)
             write_manifest(stage / MANIFEST, manifest)
-        elif "int8" in manifest.onnx and (stage / CALIBRATION_JSON).is_file():
+        elif settings.precision in manifest.onnx and settings.precision in CALIBRATION_FILES \
+                and (stage / CALIBRATION_FILES[settings.precision]).is_file():
             # calibration.json must keep describing the model.int8.onnx that is there; the failed attempt's
             # ranges go beside its report
-            os.replace(stage / CALIBRATION_JSON, stage / "report" / "calibration.failed.json")
+            failed = CALIBRATION_FILES[settings.precision].replace(".json", ".failed.json")
+            os.replace(stage / CALIBRATION_FILES[settings.precision], stage / "report" / failed)
         # a failed gate commits its report too, then raises below
     if not outcome.passed:
         raise AccuracyGateError(f"{outcome.message}; see {directory / ACCURACY_JSON}")
@@ -113,8 +120,11 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
     data = _open_data(settings.data, settings, spec) if (settings.data or settings.loader) else None
     eval_data = _open_data(settings.eval_data, settings, spec, for_eval=True) if settings.eval_data else data
     model_sha = sha256_file(fp32_path)
-    if settings.precision == "int8":
-        result, details = _int8(stage, model, fp32_path, model_sha, data, eval_data, settings)
+    if settings.precision in CALIBRATION_FILES:
+        result, details = _qdq(stage, model, fp32_path, model_sha, data, eval_data, settings)
+    elif settings.precision == "int4":
+        evaluator = _evaluator(fp32_path, eval_data, settings)
+        result, details = int4_stage(model, fp32_path, data, evaluator, settings)
     else:
         result, details = _fp16(model, fp32_path, data, eval_data, settings)
     ungated_model = details.pop("_model")
@@ -143,18 +153,33 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
     out = stage / ONNX_NAMES[settings.precision]
     final = result.model if result is not None else ungated_model
     save_onnx(final, out)
+    onnx_record = FileRecord.for_onnx(stage, out)
+    if settings.precision in MIN_COMPUTE_CAPABILITY:  # what engines built from this graph need
+        needed = ".".join(map(str, MIN_COMPUTE_CAPABILITY[settings.precision][0]))
+        onnx_record = replace(onnx_record, extra={**onnx_record.extra, "requires_compute_capability": needed})
     record = CalibrationRecord(
-        precision=settings.precision, onnx=FileRecord.for_onnx(stage, out),
+        precision=settings.precision, onnx=onnx_record,
         accuracy={"metric": report["accuracy"]["metric"] if report["accuracy"] else None,
                   "summary": result.result.summary() if result else "gate not run",
                   "kept_in_fp32": sorted(result.kept) if result else [],
                   "provider": result.result.provider if result else None},
         # the data behind each precision (FP16 too): what it was, how many samples, whether it was random
         data={"calibration": report["calibration_data"], "eval": report["eval_data"]})
-    if settings.precision == "int8":
-        return CalibrationOutcome(replace(record, calibration={
-            "calibration_data": report["calibration_data"], **details["calibration"],
-            "remainder": details["remainder"], "node_precisions": report["node_precisions"]["counts"]}))
+    if settings.precision in CALIBRATION_FILES:  # int8's section is "calibration" (it predates fp8's)
+        section = {"calibration_data": report["calibration_data"], **details["calibration"],
+                   "remainder": details["remainder"], "node_precisions": report["node_precisions"]["counts"]}
+        if settings.precision == "int8":
+            return CalibrationOutcome(replace(record, calibration=section))
+        return CalibrationOutcome(replace(record, fp8=section))
+    if settings.precision == "int4":
+        fp32_bytes = sum(f.stat().st_size for f in onnx_files(fp32_path))
+        size = onnx_record.bytes or 0
+        log.info("INT4 model: %.1f MB, %.2f of the FP32 model's %.1f MB", size / 1e6, size / max(1, fp32_bytes),
+                 fp32_bytes / 1e6)
+        return CalibrationOutcome(replace(record, int4={
+            **details["int4"], "bytes": size, "fp32_bytes": fp32_bytes,
+            "size_ratio": round(size / fp32_bytes, 4) if fp32_bytes else None,
+            "kept_in_fp16": sorted(result.kept) if result is not None else []}))
     return CalibrationOutcome(replace(record, fp16={
         "fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"],
         "range_provider": details["fp16_range_provider"]}))
@@ -192,26 +217,33 @@ def _evaluator(model: Path, eval_data: CalibrationData | None, settings: Calibra
                                 budget_bytes=settings.memory_budget)
 
 
-def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, data: CalibrationData | None,
-          eval_data: CalibrationData | None, settings: CalibrationSettings,
-          ) -> tuple[GateOutcome | None, dict[str, Any]]:
-    policy = QdqPolicy(quantize_attention_matmuls=settings.quantize_attention,
+def _qdq(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, data: CalibrationData | None,
+         eval_data: CalibrationData | None, settings: CalibrationSettings,
+         ) -> tuple[GateOutcome | None, dict[str, Any]]:
+    """INT8 or FP8 (``settings.precision``) Q/DQ with the FP16 rest, calibrated, gated, with the fallback."""
+    precision, what = settings.precision, settings.precision.upper()
+    if precision == "fp8":
+        model = raise_opset(model, FP8_OPSET)
+    policy = QdqPolicy(precision=precision, quantize_attention_matmuls=settings.quantize_attention,
                        exclude_nodes=frozenset(settings.keep_fp32) & set(quantizable_nodes(model)),
                        exclude_op_types=frozenset(settings.keep_fp32) - set(quantizable_nodes(model)))
-    tensors = tensors_to_calibrate(model, QdqPolicy(quantize_attention_matmuls=settings.quantize_attention))
-    cache = _usable_cache(stage / CALIBRATION_JSON, model_sha, data, settings, tensors)
+    tensors = tensors_to_calibrate(model, QdqPolicy(precision=precision,
+                                                    quantize_attention_matmuls=settings.quantize_attention))
+    cache_file = CALIBRATION_FILES[precision]
+    cache = _usable_cache(stage / cache_file, model_sha, data, settings, tensors)
     if cache is not None:
         amax = {k: float(v) for k, v in cache["amax"].items()}
-        log.info("reusing %s: %d tensors, calibrated on %s", CALIBRATION_JSON, len(amax), cache["data"]["source"])
+        log.info("reusing %s: %d tensors, calibrated on %s", cache_file, len(amax), cache["data"]["source"])
         record = cache
     else:
         if data is None:
-            raise CalibrationError("INT8 needs calibration data: pass --calib-data PATH or --calib-loader, or "
-                                   "--calib-cache with a calibration.json from an earlier build")
+            raise CalibrationError(f"{what} needs calibration data: pass --calib-data PATH or --calib-loader, or "
+                                   f"--calib-cache with a {cache_file} from an earlier build")
         start = time.perf_counter()
         # the FP16 remainder's max |x| of every float tensor comes from the same pass (scalars reduced in-graph)
         floats = [] if settings.fp32_rest else float_tensors(model)
-        mark(f"INT8 calibration: histograms of {len(tensors)} tensors and max |x| of {len(floats)} of the FP32 model")
+        mark(f"{what} calibration: histograms of {len(tensors)} tensors and max |x| of {len(floats)} of the FP32 "
+             "model")
         with progress(f"calibrating {len(tensors)} tensors", data.samples) as advance:
             stats = collect_histograms(fp32_path, tensors, data.batches(), progress=advance,
                                        providers=checking_providers(), budget_bytes=settings.memory_budget,
@@ -227,13 +259,13 @@ def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, 
         log.info("calibrated %d tensors on %d samples in %.1f s (%s)", len(amax), data.samples,
                  record["seconds"], settings.method)
     max_abs = None if settings.fp32_rest else _float_ranges(model, fp32_path, record, data, settings)
-    atomic_write_json(stage / CALIBRATION_JSON, record)
+    atomic_write_json(stage / cache_file, record)
     fp16_policy = Fp16Policy(keep_fp32=frozenset(settings.keep_fp32))
 
     def reduced(excluded: frozenset[str]) -> tuple[onnx.ModelProto, QdqReport, Fp16Report | None]:
-        """The INT8 model with ``excluded`` layers out of INT8, and what the Q/DQ and FP16 passes did."""
-        mark(_candidate("INT8", excluded))
-        p = QdqPolicy(quantize_attention_matmuls=policy.quantize_attention_matmuls,
+        """The model with ``excluded`` layers out of the Q/DQ precision, and what the Q/DQ and FP16 passes did."""
+        mark(_candidate(what, excluded))
+        p = QdqPolicy(precision=precision, quantize_attention_matmuls=policy.quantize_attention_matmuls,
                       exclude_nodes=policy.exclude_nodes | excluded, exclude_op_types=policy.exclude_op_types)
         qdq, qdq_report = qdq_model_from(model, amax, p)
         if settings.fp32_rest:
@@ -259,33 +291,45 @@ def _int8(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, 
         "_model": qmodel,
     }
     evaluator = _evaluator(fp32_path, eval_data, settings)
-    details["node_precisions"] = node_precisions(model, qreport.quantized_nodes, freport)
+    details["node_precisions"] = _precisions(model, qreport.quantized_nodes, freport, precision)
     if evaluator is None:
-        _log_precisions(details["node_precisions"])
+        _log_precisions(details["node_precisions"], precision)
         return None, details
     # residual adds, pools and concats follow the layers around them, so only weighted layers are ranked
     op_types = {n.name: n.op_type for n in model.graph.node}
     candidates = [n for n in quantizable_nodes(model, policy) if PLACEMENT[op_types[n]].kind == "weighted"]
     gate_start = time.perf_counter()
-    with stage_timer("INT8 accuracy gate"):
-        outcome = gate_with_fallback(build, candidates, evaluator, "INT8", initial=qmodel, reference=model,
+    with stage_timer(f"{what} accuracy gate"):
+        outcome = gate_with_fallback(build, candidates, evaluator, what, initial=qmodel, reference=model,
                                      kept_as=_kept_as(settings))
     details["gate_seconds"] = round(time.perf_counter() - gate_start, 2)
     if outcome.kept:  # the gate's last candidate: its reports, not a second build of it
         qreport, freport = reports[frozenset(outcome.kept)]
-        details["node_precisions"] = node_precisions(model, qreport.quantized_nodes, freport)
-    _log_precisions(details["node_precisions"])
+        details["node_precisions"] = _precisions(model, qreport.quantized_nodes, freport, precision)
+    _log_precisions(details["node_precisions"], precision)
     return outcome, details
 
 
+def _precisions(model: onnx.ModelProto, quantized: list[str], report: Fp16Report | None, precision: str,
+                ) -> dict[str, Any]:
+    """``node_precisions`` with the quantized nodes under ``precision`` (int8 or fp8)."""
+    counts = node_precisions(model, quantized, report)
+    if precision != "int8":
+        counts["counts"] = {precision if k == "int8" else k: v for k, v in counts["counts"].items()}
+        counts[precision] = counts.pop("int8")
+    return counts
+
+
 def _kept_as(settings: CalibrationSettings) -> str:
-    """The precision of a layer the gate keeps out of the reduced one: FP16 under INT8 with an FP16 rest."""
-    return "FP16" if settings.precision == "int8" and not settings.fp32_rest else "FP32"
+    """The precision of a layer the gate keeps out of the reduced one: FP16 where the rest is FP16."""
+    return "FP16" if settings.precision in ("int8", "fp8", "int4") and not settings.fp32_rest else "FP32"
 
 
-def _log_precisions(precisions: dict[str, Any]) -> None:
+def _log_precisions(precisions: dict[str, Any], precision: str = "int8") -> None:
     counts = precisions["counts"]
-    log.info("INT8 model: %d nodes in INT8, %d in FP16, %d in FP32", counts["int8"], counts["fp16"], counts["fp32"])
+    what = precision.upper()
+    log.info("%s model: %d nodes in %s, %d in FP16, %d in FP32", what, counts[precision], what, counts["fp16"],
+             counts["fp32"])
     if counts["fp16"]:  # with an FP32 remainder every other node is FP32: no list
         for name, why in precisions["fp32"].items():
             log.info("kept %s in FP32: %s", name, why)

@@ -88,7 +88,8 @@ def fp16_rounding_emulation(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _dequantized_weights(graph: onnx.GraphProto, types: dict[str, int]) -> dict[str, onnx.NodeProto]:
-    """Each DequantizeLinear of constants (an INT8 weight) that :func:`_write_dequantized` can compute, by output."""
+    """Each DequantizeLinear of constants (an INT8 or FP8 weight) that :func:`_write_dequantized` can compute, by
+    output; blocked ones (INT4 weights) stay nodes, their outputs rounded to FP16 as any other FP16 tensor."""
     constants = {t.name for t in graph.initializer}
     return {node.output[0]: node for node in graph.node
             if node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx") and len(node.output) == 1
@@ -114,10 +115,13 @@ def _write_dequantized(graph: onnx.GraphProto, node: onnx.NodeProto, dtype: int,
         shape = [1] * q.ndim
         shape[axis] = -1
         scale, zero = scale.reshape(shape), zero.reshape(shape)
-    values = q.astype(np.int32)
-    values -= zero.astype(np.int32)
-    weight = values.astype(np.float32)
-    del values
+    if np.issubdtype(q.dtype, np.integer):
+        values = q.astype(np.int32)
+        values -= zero.astype(np.int32)
+        weight = values.astype(np.float32)
+        del values
+    else:  # an FP8 weight: its zero point is an FP8 zero
+        weight = q.astype(np.float32) - zero.astype(np.float32)
     weight *= scale
     if dtype == FLOAT16:
         weight = weight.astype(np.float16).astype(np.float32)

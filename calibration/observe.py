@@ -42,7 +42,7 @@ from compiler.core.errors import CalibrationError
 from compiler.core.onnx_io import load_onnx, ort_session, save_onnx, weightless_copy
 from compiler.core.worker import mark_step
 
-__all__ = ["collect_histograms", "collect_max_abs"]
+__all__ = ["collect_histograms", "collect_max_abs", "ChannelSamples", "collect_channel_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,50 @@ def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_name
         if progress is not None:
             progress(observed.samples)
     return maxima
+
+
+@dataclass
+class ChannelSamples:
+    """Per input channel (the last axis) of one tensor: the mean |x| over every kept row, a uniform sample of at
+    most ``collect_channel_samples``' ``rows`` rows (float32), and how many rows there were."""
+
+    mean_abs: np.ndarray
+    rows: np.ndarray
+    count: int
+
+
+def collect_channel_samples(model: onnx.ModelProto | str | os.PathLike[str], channels: dict[str, int],
+                            batches: Iterable[dict[str, np.ndarray]], *, rows: int = defaults.AWQ_ROWS,
+                            providers: list[str] | None = None, budget_bytes: int = defaults.CALIB_MEMORY_BUDGET,
+                            progress: Callable[[int], None] | None = None, seed: int = 0) -> dict[str, ChannelSamples]:
+    """For each tensor of ``channels`` (name -> channels of its last axis): the mean |x| per channel and a uniform
+    sample of ``rows`` rows (reservoir sampling, seeded), over the calibration ``batches``; what AWQ needs.
+
+    Runs as ``collect_histograms`` does (slices within ``budget_bytes``, padding left out as calibration/masks.py
+    says), so memory is one slice of the tensors plus ``rows x channels`` floats per tensor, whatever the data.
+    Raises as ``collect_histograms``.
+    """
+    rng = np.random.default_rng(seed)
+    sums = {name: np.zeros(width, dtype=np.float64) for name, width in channels.items()}
+    kept = {name: np.zeros((0, width), dtype=np.float32) for name, width in channels.items()}
+    seen = dict.fromkeys(channels, 0)
+    for observed in _observed_batches(model, list(channels), batches, providers, True, DEFAULT_MASK_BIAS_THRESHOLD,
+                                      budget_bytes):
+        for name, values in observed.values.items():
+            block = np.asarray(values, dtype=np.float32).reshape(-1, channels[name])
+            sums[name] += np.abs(block).sum(axis=0, dtype=np.float64)
+            room = max(0, rows - len(kept[name]))
+            if room:
+                kept[name] = np.concatenate([kept[name], block[:room]])
+            rest = block[room:]
+            if len(rest):  # each later row replaces a kept one with probability rows / rows seen so far
+                index = rng.integers(0, seen[name] + room + np.arange(1, len(rest) + 1))
+                hit = index < rows
+                kept[name][index[hit]] = rest[hit]
+            seen[name] += len(block)
+        if progress is not None:
+            progress(observed.samples)
+    return {name: ChannelSamples(sums[name] / max(1, seen[name]), kept[name], seen[name]) for name in channels}
 
 
 def _add_max_abs_reductions(graph: onnx.GraphProto, names: Iterable[str], types: dict[str, int]) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Insert INT8 QuantizeLinear/DequantizeLinear (Q/DQ) pairs where TensorRT can fuse them.
+"""Insert INT8 or FP8 QuantizeLinear/DequantizeLinear (Q/DQ) pairs where TensorRT can fuse them.
 
 TensorRT 11 is strongly typed: INT8 exists only where the ONNX graph says so with explicit Q/DQ nodes. This
 stage turns a folded FP32 graph plus one calibrated ``amax`` per activation tensor into such a graph.
@@ -24,6 +24,10 @@ smaller than with FP32 weights plus a Q/DQ pair, and no rounding happens later a
 weights that are constant initializers are quantized; a folding pass upstream turns Constant nodes into
 initializers.
 
+FP8 (``QdqPolicy(precision="fp8")``, TensorRT's E4M3 on GPUs of compute capability 8.9+): the same placement
+where ``PLACEMENT`` marks an op ``fp8`` (the convolutions and GEMMs), ``float8e4m3fn`` zero points,
+``scale = amax / 448``, weights stored as FP8 behind their DequantizeLinear (``calibration/weights.py``); opset 19.
+
 What this module will not do: choose amax values (calibration/statistics.py does), quantize
 inside subgraphs (If/Loop bodies), or quantize operators whose weight is not an initializer.
 """
@@ -39,56 +43,25 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from calibration.weights import (
+    FP8,
+    FP8_MAX,
+    INT8_MAX,
+    WeightChannels,
+    conv_transpose_weight,
+    conv_weight,
+    fp8_weight,
+    gemm_weight,
+    int8_weight,
+    matmul_weight,
+    scale_for,
+)
 from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, tensor_array
 
-__all__ = ["PLACEMENT", "OpRule", "WeightChannels", "QdqPolicy", "QdqReport", "tensors_to_calibrate",
-           "quantizable_nodes", "qdq_model_from"]
+__all__ = ["PLACEMENT", "OpRule", "WeightChannels", "QDQ_PRECISIONS", "QdqPolicy", "QdqReport", "tensors_to_calibrate",
+           "quantizable_nodes", "placement", "node_names", "qdq_model_from"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WeightChannels:
-    """A constant weight read as a linear layer's: its input and output channels, and the axis of its scales.
-
-    ``axis``: the output-channel axis, along which the weight gets one scale per channel; None where one
-    scale serves the whole weight.
-    """
-
-    inputs: int
-    outputs: int
-    axis: int | None
-
-
-def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
-    for a in node.attribute:
-        if a.name == name:
-            return int(a.i)
-    return default
-
-
-def _conv_weight(node: onnx.NodeProto, dims: Sequence[int]) -> WeightChannels:
-    """Conv's weight [K, C/g, kh, kw]: C input and K output channels, one scale per output channel (axis 0)."""
-    return WeightChannels(dims[1] * _attr(node, "group", 1), dims[0], 0)
-
-
-def _conv_transpose_weight(node: onnx.NodeProto, dims: Sequence[int]) -> WeightChannels:
-    """ConvTranspose's weight [C, K/g, kh, kw]: C input and K output channels, one scale per output channel
-    (axis 1); with groups one scale for the whole weight, as axis 1 then indexes channels of every group."""
-    group = _attr(node, "group", 1)
-    return WeightChannels(dims[0], dims[1] * group, 1 if group == 1 else None)
-
-
-def _gemm_weight(node: onnx.NodeProto, dims: Sequence[int]) -> WeightChannels:
-    """Gemm's B: [K, N], or [N, K] with transB=1; one scale per output channel N."""
-    if _attr(node, "transB", 0):
-        return WeightChannels(dims[1], dims[0], 0)
-    return WeightChannels(dims[0], dims[1], 1)
-
-
-def _matmul_weight(node: onnx.NodeProto, dims: Sequence[int]) -> WeightChannels:
-    """MatMul's constant weight [..., K, N]: one scale per output channel N (the last axis)."""
-    return WeightChannels(dims[-2], dims[-1], len(dims) - 1)
 
 
 @dataclass(frozen=True)
@@ -108,6 +81,11 @@ class OpRule:
     * ``"pool"``: the input, only where it comes from a quantized layer (through ``source_through`` ops).
     * ``"concat"``: every input, with one scale shared by the inputs and the output, only where the output is
       quantized.
+
+    FP8 (``QdqPolicy.precision == "fp8"``) applies the same rule where ``fp8`` is True; elsewhere ``not_fp8`` says
+    why the op stays out of FP8 (TensorRT runs FP8 in its convolution and GEMM kernels only). INT4 weight-only
+    (``calibration/int4.py``) takes the weighted layers whose ``int4`` is True, with the same exclusions;
+    ``not_int4`` says why the others keep their weights.
     """
 
     kind: Literal["weighted", "residual", "pool", "concat"]
@@ -120,43 +98,55 @@ class OpRule:
     head_through: frozenset[str] = frozenset()
     fuses_into: frozenset[str] = frozenset()
     source_through: frozenset[str] = frozenset()
+    fp8: bool = False
+    not_fp8: str = ""
+    int4: bool = False
+    not_int4: str = ""
 
 
-_FEW_CHANNELS = "{inputs} input / {outputs} output channels: under {limit}, INT8 gains nothing and only adds error"
-_GEMV = "weight {inputs}x{outputs}: a dimension under {limit} (a GEMV in effect), INT8 gains nothing"
+_FEW_CHANNELS = ("{inputs} input / {outputs} output channels: under {limit}, {precision} gains nothing and only adds "
+                 "error")
+_GEMV = "weight {inputs}x{outputs}: a dimension under {limit} (a GEMV in effect), {precision} gains nothing"
+_NO_FP8_POOL = "TensorRT pools in FP16, not FP8: a Q/DQ here would only add a reformat"
+_NO_INT4_CONV = "TensorRT's INT4 weight-only kernels are GEMMs: convolutions keep FP16 weights"
 
 # The placement policy: every operator type that can get Q/DQ, all its rules and why. Anything else gets none.
 # Not quantized, by design: Relu, Softmax, LayerNormalization, Gelu, bias adds and other element-wise ops
 # (TensorRT fuses Q/DQ into them or cannot use INT8 there, and would run reformat kernels); graph outputs.
 PLACEMENT: dict[str, OpRule] = {
     "Conv": OpRule("weighted", (0, 1), "TensorRT runs INT8 convolutions with the Q/DQ pair fused in",
-                   weight=_conv_weight, min_channels=16, too_small=_FEW_CHANNELS),
+                   weight=conv_weight, min_channels=16, too_small=_FEW_CHANNELS, fp8=True,
+                   not_int4=_NO_INT4_CONV),
     "ConvTranspose": OpRule("weighted", (0, 1), "INT8 deconvolution, as Conv",
-                            weight=_conv_transpose_weight, min_channels=16, too_small=_FEW_CHANNELS),
+                            weight=conv_transpose_weight, min_channels=16, too_small=_FEW_CHANNELS, fp8=True,
+                            not_int4=_NO_INT4_CONV),
     "Gemm": OpRule("weighted", (0, 1), "INT8 GEMM; weight channels along transB",
-                   weight=_gemm_weight, min_channels=16, too_small=_GEMV, two_activations=True,
+                   weight=gemm_weight, min_channels=16, too_small=_GEMV, two_activations=True,
                    head_through=frozenset({"Add", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity",
-                                           "Transpose"})),
+                                           "Transpose"}), fp8=True, int4=True),
     "MatMul": OpRule("weighted", (0, 1), "INT8 GEMM with a constant weight [..., K, N]; attention score "
                      "products only with quantize_attention_matmuls",
-                     weight=_matmul_weight, min_channels=16, too_small=_GEMV, two_activations=True,
+                     weight=matmul_weight, min_channels=16, too_small=_GEMV, two_activations=True,
                      head_through=frozenset({"Add", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity",
-                                             "Transpose"})),
+                                             "Transpose"}), fp8=True, int4=True),
     "Add": OpRule("residual", (0, 1), "a residual add fused into its convolution's epilogue (INT8 shortcut), "
                   "as ModelOpt; bias and transformer residual adds stay unquantized",
-                  fuses_into=frozenset({"Conv", "ConvTranspose"})),
+                  fuses_into=frozenset({"Conv", "ConvTranspose"}),
+                  not_fp8="TensorRT fuses no FP8 shortcut into a convolution: the add runs in FP16 after it (and an "
+                          "attention mask's -3.4e38 bias, added here in transformers, has no FP8 scale)"),
     "MaxPool": OpRule("pool", (0,), "INT8 pooling after a quantized layer saves a dequantize and a requantize",
-                      source_through=frozenset({"Relu", "Clip", "LeakyRelu"})),
+                      source_through=frozenset({"Relu", "Clip", "LeakyRelu"}), not_fp8=_NO_FP8_POOL),
     "AveragePool": OpRule("pool", (0,), "INT8 pooling after a quantized layer, as MaxPool",
-                          source_through=frozenset({"Relu", "Clip", "LeakyRelu"})),
+                          source_through=frozenset({"Relu", "Clip", "LeakyRelu"}), not_fp8=_NO_FP8_POOL),
     "GlobalAveragePool": OpRule("pool", (0,), "INT8 pooling after a quantized layer, as MaxPool",
-                                source_through=frozenset({"Relu", "Clip", "LeakyRelu"})),
+                                source_through=frozenset({"Relu", "Clip", "LeakyRelu"}), not_fp8=_NO_FP8_POOL),
     "Concat": OpRule("concat", (), "one scale for all inputs and the output lets TensorRT concatenate in INT8 "
-                     "without requantizing (every input index: the op is variadic)"),
+                     "without requantizing (every input index: the op is variadic)",
+                     not_fp8="TensorRT concatenates FP8 tensors in no kernel of its own: the inputs meet in FP16"),
 }
 
-_INT8_MAX = 127.0
-_MIN_OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear
+QDQ_PRECISIONS = ("int8", "fp8")  # what qdq_model_from writes
+_MIN_OPSET = {"int8": 13, "fp8": 19}  # per-axis QuantizeLinear/DequantizeLinear; FP8 types
 
 
 def _as_name_set(value: Any, what: str) -> frozenset[str]:
@@ -174,6 +164,7 @@ class QdqPolicy:
     names is accepted and stored as a frozenset.
     """
 
+    precision: str = "int8"  # a QDQ_PRECISIONS entry: INT8, or FP8 E4M3 where PLACEMENT's rules allow it
     quantize_attention_matmuls: bool = False
     quantize_residual_add: bool = True
     quantize_output_layer: bool = False  # the Gemm/MatMul feeding a graph output
@@ -184,6 +175,8 @@ class QdqPolicy:
     def __post_init__(self) -> None:
         object.__setattr__(self, "exclude_nodes", _as_name_set(self.exclude_nodes, "exclude_nodes"))
         object.__setattr__(self, "exclude_op_types", _as_name_set(self.exclude_op_types, "exclude_op_types"))
+        if self.precision not in QDQ_PRECISIONS:
+            raise ValueError(f"QdqPolicy.precision {self.precision!r}: use one of {', '.join(QDQ_PRECISIONS)}")
 
 
 @dataclass
@@ -224,7 +217,7 @@ class _Plan:
     scale_groups: dict[str, frozenset[str]] = field(default_factory=dict)  # tensors that share one scale
 
 
-def _node_names(graph: onnx.GraphProto) -> list[str]:
+def node_names(graph: onnx.GraphProto) -> list[str]:
     """Node names, with a stable stand-in for unnamed nodes so policies can still name them."""
     return [node.name or f"{node.op_type}_{i}" for i, node in enumerate(graph.node)]
 
@@ -259,7 +252,8 @@ def _weighted_inputs(node: onnx.NodeProto, rule: OpRule, constants: Mapping[str,
     channels = rule.weight(node, w.dims) if rule.weight is not None and len(w.dims) >= 2 else None
     limit = rule.min_channels if policy.min_channels else 0
     if channels is not None and min(channels.inputs, channels.outputs) < limit:
-        return (), rule.too_small.format(inputs=channels.inputs, outputs=channels.outputs, limit=limit)
+        return (), rule.too_small.format(inputs=channels.inputs, outputs=channels.outputs, limit=limit,
+                                         precision=policy.precision.upper())
     planned = [_QuantizedInput(i, node.input[i]) for i in indices if i != 1]
     planned.append(_QuantizedInput(1, weight, is_weight=True, axis=channels.axis if channels is not None else None))
     return tuple(sorted(planned, key=lambda q: q.index)), ""
@@ -317,7 +311,7 @@ def _residual_shortcut(node: onnx.NodeProto, producers: Mapping[str, onnx.NodePr
 
 def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] | None) -> _Plan:
     """Decide the Q/DQ placement. ``amax`` None: assume every activation will have one."""
-    names = _node_names(graph)
+    names = node_names(graph)
     constants = _constants(graph)
     unknown = sorted(policy.exclude_nodes - set(names))
     if unknown:
@@ -325,6 +319,9 @@ def _plan(graph: onnx.GraphProto, policy: QdqPolicy, amax: Mapping[str, float] |
                     ", ".join(unknown[:10]))
 
     def excluded(node: onnx.NodeProto, name: str) -> str:
+        rule = PLACEMENT.get(node.op_type)
+        if policy.precision == "fp8" and rule is not None and not rule.fp8:
+            return f"not in FP8: {rule.not_fp8}"
         if name in policy.exclude_nodes:
             return "excluded by policy.exclude_nodes (kept in higher precision)"
         if node.op_type in policy.exclude_op_types:
@@ -442,6 +439,13 @@ def quantizable_nodes(model: onnx.ModelProto, policy: QdqPolicy | None = None) -
     return list(_plan(model.graph, policy or QdqPolicy(), None).inputs)
 
 
+def placement(model: onnx.ModelProto, policy: QdqPolicy | None = None) -> tuple[list[str], dict[str, str]]:
+    """The nodes that would get Q/DQ under ``policy`` (graph order) and, for the others ``PLACEMENT`` has a rule
+    for, why not (a head, too few channels, a weight that is not a constant, an exclusion)."""
+    plan = _plan(model.graph, policy or QdqPolicy(), None)
+    return list(plan.inputs), dict(plan.skipped)
+
+
 def _check_amax(plan: _Plan, amax: Mapping[str, float]) -> dict[str, float]:
     missing = [t for t in plan.activations if t not in amax]
     if missing:
@@ -454,31 +458,6 @@ def _check_amax(plan: _Plan, amax: Mapping[str, float]) -> dict[str, float]:
     for t, group in plan.scale_groups.items():  # a concat's inputs and output: the widest range for all
         values[t] = max(values[m] for m in group)
     return values
-
-
-def _scale(amax: np.ndarray) -> np.ndarray:
-    """``amax / 127`` as float32; an all-zero tensor or channel gets scale 1 (any scale is exact for zeros)."""
-    scale = (np.asarray(amax, dtype=np.float32) / np.float32(_INT8_MAX)).astype(np.float32)
-    return np.where(scale >= np.finfo(np.float32).tiny, scale, np.float32(1.0)).astype(np.float32)
-
-
-def _quantize_weight(weight: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric INT8 weights and their float32 scales (one per channel along ``axis``, or a scalar)."""
-    w = weight.astype(np.float32, copy=False)
-    if axis is None:
-        scale = _scale(np.abs(w).max(initial=0.0))
-        broadcast = scale
-    else:
-        others = tuple(i for i in range(w.ndim) if i != axis)
-        scale = _scale(np.abs(w).max(axis=others, initial=0.0))
-        shape = [1] * w.ndim
-        shape[axis] = -1
-        broadcast = scale.reshape(shape)
-    # np.rint rounds half to even, as QuantizeLinear does; +-127 keeps the range symmetric.
-    q = w / broadcast
-    np.rint(q, out=q)  # in place: a large weight's temporaries add up
-    np.clip(q, -_INT8_MAX, _INT8_MAX, out=q)
-    return q.astype(np.int8), scale
 
 
 class _Names:
@@ -522,9 +501,11 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
     non-finite amax values.
     """
     policy = policy or QdqPolicy()
+    fp8 = policy.precision == "fp8"
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if opset < _MIN_OPSET:
-        raise ValueError(f"per-channel Q/DQ needs opset >= {_MIN_OPSET}; this model has opset {opset}")
+    if opset < _MIN_OPSET[policy.precision]:
+        raise ValueError(f"{policy.precision.upper()} Q/DQ needs opset >= {_MIN_OPSET[policy.precision]}; this model "
+                         f"has opset {opset} (calibration.weights.raise_opset raises it)")
     plan = _plan(model.graph, policy, amax)
     amax_values = _check_amax(plan, amax)
 
@@ -541,14 +522,15 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
     def scale_and_zero(base: str, scale: np.ndarray) -> tuple[str, str]:
         scale_name, zero_name = names.fresh(f"{base}_scale"), names.fresh(f"{base}_zero_point")
         new_inits.append(numpy_helper.from_array(scale.astype(np.float32), scale_name))
-        new_inits.append(numpy_helper.from_array(np.zeros(scale.shape, dtype=np.int8), zero_name))
+        new_inits.append(numpy_helper.from_array(np.zeros(scale.shape, dtype=FP8 if fp8 else np.int8), zero_name))
         return scale_name, zero_name
 
     # One Q->DQ pair per activation tensor, placed right after its producer.
     dequantized: dict[str, str] = {}
     pair_nodes: dict[str, list[onnx.NodeProto]] = {}
     for t in plan.activations:
-        scale_name, zero_name = scale_and_zero(t, _scale(np.array(amax_values[t], dtype=np.float32)))
+        scale = scale_for(np.array(amax_values[t], dtype=np.float32), FP8_MAX if fp8 else INT8_MAX)
+        scale_name, zero_name = scale_and_zero(t, scale)
         q_out, dq_out = names.fresh(f"{t}_quantized"), names.fresh(f"{t}_dequantized")
         pair_nodes[t] = [
             helper.make_node("QuantizeLinear", [t, scale_name, zero_name], [q_out], name=names.fresh(f"{t}_Quantize")),
@@ -564,7 +546,8 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
             if not q.is_weight or (q.tensor, q.axis) in weight_dq:
                 continue
             # read from its file when the model was loaded by reference; raises for weights never loaded
-            q_weight, scale = _quantize_weight(tensor_array(constants[q.tensor]), q.axis)
+            quantize = fp8_weight if fp8 else int8_weight
+            q_weight, scale = quantize(tensor_array(constants[q.tensor]), q.axis)
             int8_name = names.fresh(f"{q.tensor}_quantized")
             new_inits.append(numpy_helper.from_array(q_weight, int8_name))
             scale_name, zero_name = scale_and_zero(q.tensor, scale)
@@ -579,7 +562,7 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
     for i in source.input:
         nodes += pair_nodes.get(i.name, [])
     emitted: set[tuple[str, int | None]] = set()
-    for original, name in zip(source.node, _node_names(source)):
+    for original, name in zip(source.node, node_names(source)):
         node = onnx.NodeProto()
         node.CopyFrom(original)
         for q in plan.inputs.get(name, ()):

@@ -156,6 +156,10 @@ def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
         notes.append("onnxruntime/int8 on the CPU differs from FP32 more than the accuracy gate measured: ONNX "
                      "Runtime's fused integer kernels saturate on x86 CPUs without VNNI; the gate runs the Q/DQ "
                      "exactly as TensorRT does (report/accuracy.json)")
+    for precision in sorted({r.precision for r in results if r.accuracy_only}):
+        why = next(r.accuracy_only for r in results if r.accuracy_only and r.precision == precision)
+        notes.append(f"onnxruntime/{precision} rows are accuracy rows, not speed rows: {why}; TensorRT's "
+                     f"{precision.upper()} speed is the tensorrt row's")
     for note in notes:
         log.debug("%s", note)  # shown with the table, from the report
     return notes
@@ -168,7 +172,7 @@ def _with_speedups(results: list[BenchResult]) -> list[BenchResult]:
     out = []
     for r in results:
         ref = base.get(r.bucket)
-        if ref is None:
+        if ref is None or r.accuracy_only:  # an emulated precision's time is no speed-up
             out.append(r)
             continue
         out.append(dataclasses.replace(r, speedup=ref.latency_ms.p50 / r.latency_ms.p50 if r.latency_ms.p50 else None,

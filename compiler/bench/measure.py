@@ -84,10 +84,20 @@ def measure_bucket(plan: Plan, runner: Runner, bucket: int, feed: dict[str, np.n
         throughput=bucket * 1000.0 / latency.mean if latency.mean > 0 else float("inf"),
         e2e_throughput=bucket * 1000.0 / e2e.mean if e2e.mean > 0 else float("inf"),
         spread=latency.spread, cv=latency.cv, spread_wide=wide, peak_memory_bytes=memory, memory_method=method,
-        accuracy=accuracy, dims=dict(context.dims[bucket]))
+        accuracy=accuracy, dims=dict(context.dims[bucket]),
+        accuracy_only=EMULATED.get(plan.precision, "") if plan.backend == "onnxruntime" else "")
     log.info("%s bucket %d on %s: P50 %.3f ms (end to end %.3f ms), %d runs, cosine %.6f", result.name, bucket,
              runner.name, latency.p50, e2e.p50, result.iterations, accuracy.cosine)
     return result
+
+
+# precisions ONNX Runtime runs only as written, not as the GPUs that have them do: their onnxruntime rows are accuracy
+# rows (the accuracy of the graph TensorRT builds), their times no speed figure
+EMULATED = {
+    "fp8": "ONNX Runtime runs FP8 Q/DQ as quantize-dequantize around FP16/FP32 math: no FP8 kernels",
+    "int4": "ONNX Runtime dequantizes the INT4 weights on every run (its MatMulNBits kernel is kept off: it "
+            "quantizes activations and changes results)",
+}
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ served.
   torch            the source model in eager mode (the torch backend, graphs off): FP32, and under
                    autocast FP16 when the build is FP16/INT8
   torch-cudagraph  the torch backend with its CUDA graph per bucket (CUDA only)
-  onnxruntime      every ONNX of the build (fp32, int8, fp16) on the onnxruntime backend: CUDA when
-                   present (``ort_providers`` CPUExecutionProvider first keeps it on the CPU)
+  onnxruntime      every ONNX of the build (fp32, fp16, int8, fp8, int4) on the onnxruntime backend: CUDA when
+                   present (``ort_providers`` CPUExecutionProvider first keeps it on the CPU); fp8 and int4 rows
+                   are accuracy rows (ONNX Runtime emulates them: ``measure.EMULATED``)
   tensorrt         the build's engines on the tensorrt backend
 
 A backend that cannot run here is returned as ``Skipped``, with the reason.
@@ -31,7 +32,7 @@ __all__ = ["Plan", "plans_for"]
 
 log = logging.getLogger(__name__)
 
-ONNX_PRECISION_ORDER = ("fp32", "fp16", "int8")
+ONNX_PRECISION_ORDER = ("fp32", "fp16", "int8", "fp8", "int4")
 
 
 @dataclass
@@ -55,7 +56,7 @@ def plans_for(target: Target, settings: BenchSettings, device: str, buckets: tup
 
     manifest, spec, model = target.manifest, target.spec, target.model
     onnx = manifest.onnx
-    reduced = any(p in onnx for p in ("fp16", "int8")) or manifest.precision in ("fp16", "int8")
+    reduced = any(p in onnx for p in ONNX_PRECISION_ORDER[1:]) or manifest.precision in ONNX_PRECISION_ORDER[1:]
     torch_precisions = ("fp32", "fp16") if reduced else ("fp32",)
     cuda = cuda_available()
     plans: list[Plan] = []

@@ -72,10 +72,12 @@ class BenchResult:
     dims: dict[str, int] = field(default_factory=dict)  # the non-batch dynamic dimensions' values
     speedup: float | None = None  # eager PyTorch FP32 P50 / this P50 (device latency), same bucket
     e2e_speedup: float | None = None
+    # why the row's times are no speed figure (ONNX Runtime emulates FP8 Q/DQ and INT4 weights): an accuracy row
+    accuracy_only: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.backend}/{self.precision}"
+        return f"{self.backend}/{self.precision}" + (" (accuracy row)" if self.accuracy_only else "")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -54,14 +54,20 @@ def export_cmd(**kw: Any) -> None:
 @click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
               "calibration data; --fp32-rest for an FP32 rest).")
 @click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
+@click.option("--fp8", "precision", flag_value="fp8", help="FP8 (E4M3) Q/DQ on convolutions and GEMMs, FP16 for the "
+              "rest (needs calibration data; engines need compute capability 8.9+).")
+@click.option("--int4-weights", "precision", flag_value="int4", help="INT4 weight-only: block-wise INT4 weights "
+              "for MatMul/Gemm, FP16 activations (see --int4-block, --int4-method).")
 @calibration_options
 @common_options
 def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
-    """Add an INT8 or FP16 ONNX model to an export directory, checked by the accuracy gate.
+    """Add an INT8, FP8, INT4 weight-only or FP16 ONNX model to an export directory, checked by the accuracy gate.
 
     \b
     Examples:
       trtc calibrate build/m --int8 --calib-data calib.npz --eval-data eval.npz
+      trtc calibrate build/m --fp8 --calib-data calib.npz
+      trtc calibrate build/m --int4-weights --calib-data calib/ --int4-block 32 --int4-method awq
       trtc calibrate build/m --fp16 --calib-data calib/ --keep-fp32 Softmax
     """
     from calibration.calibrate import calibrate_directory
@@ -69,7 +75,7 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
     from compiler.core.report import print_accuracy
 
     if precision is None:
-        raise InputError("choose --int8 or --fp16")
+        raise InputError("choose --int8, --fp8, --int4-weights or --fp16")
     settings = calibration_settings(kw, precision)
     calibrate_directory(directory, settings)
     print_accuracy(directory)
@@ -83,6 +89,10 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
 @click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
               "--calib-data; --fp32-rest for an FP32 rest).")
 @click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
+@click.option("--fp8", "precision", flag_value="fp8", help="FP8 (E4M3) Q/DQ on convolutions and GEMMs, FP16 for the "
+              "rest (needs --calib-data; engines need a GPU of compute capability 8.9+).")
+@click.option("--int4-weights", "precision", flag_value="int4", help="INT4 weight-only: block-wise INT4 weights "
+              "for MatMul/Gemm, FP16 activations.")
 @click.option("--fp32", "precision", flag_value="fp32", help="FP32 (the default).")
 @click.option("--engine", type=click.Choice(["tensorrt", "none"]),
               help="'none' stops after the ONNX and calibration artifacts, on purpose (exit 0).")
@@ -97,6 +107,8 @@ def build_cmd(precision: str | None, **kw: Any) -> None:
     Examples:
       trtc build model.pt --int8 --buckets 1,4,8,16 --calib-data calib.npz --out build/m
       trtc build model.pt --fp16 --calib-data calib/ --out build/m
+      trtc build model.pt --fp8 --calib-data calib.npz --out build/m
+      trtc build model.pt --int4-weights --calib-data calib/ --engine none --out build/m
       trtc build --profile profiles/resnet_digits.toml
     Without TensorRT, everything but the engines is written and trtc exits with 4 (see trtc --help).
     """

@@ -136,7 +136,8 @@ def calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--calib-method", type=click.Choice(defaults.CALIB_METHODS),
                      help=f"How the INT8 range is chosen (default {defaults.CALIB_METHOD}: the --percentile quantile "
                      "of |x|, "
-                     "raised where clipping would cost more than INT8 rounding saves)."),
+                     "raised where clipping would cost more than INT8 rounding saves; "
+                     f"{defaults.FP8_CALIB_METHOD} for --fp8)."),
         click.option("--percentile", type=float, help="Percentile of |x| for --calib-method percentile "
                      f"(default {defaults.PERCENTILE:g})."),
         click.option("--calib-cache", type=click.Path(path_type=Path), help="Reuse this calibration.json when model, "
@@ -149,12 +150,17 @@ def calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--min-cosine", type=float, help="Cosine floor vs FP32 without labels (default "
                      f"{defaults.GATE_MIN_COSINE:g})."),
         click.option("--max-fallback", type=int, help="Layers the gate may keep in FP32 (default "
-                     f"{defaults.MAX_FALLBACK})."),
+                     f"{defaults.MAX_FALLBACK}; {defaults.INT4_MAX_FALLBACK} in FP16 for --int4-weights)."),
         click.option("--keep-fp32", multiple=True, help="Node name or op type to keep in FP32 (repeat)."),
         click.option("--quantize-attention", is_flag=True, default=None,
                      help="Also quantize attention score products (kept in higher precision by default)."),
         click.option("--fp32-rest", is_flag=True, default=None,
                      help="With --int8: run what is not INT8 in FP32 instead of FP16 (the default, as ModelOpt)."),
+        click.option("--int4-block", type=int, help="With --int4-weights: weights per INT4 scale along the "
+                     f"reduction axis (default {defaults.INT4_BLOCK})."),
+        click.option("--int4-method", type=click.Choice(defaults.INT4_METHODS),
+                     help="With --int4-weights: awq (activation-aware scales searched per layer on the calibration "
+                     f"data) or rtn (round to nearest, no data) (default {defaults.INT4_METHOD})."),
     ]
     for option in reversed(options):
         fn = option(fn)

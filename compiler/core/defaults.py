@@ -9,7 +9,8 @@ from __future__ import annotations
 
 __all__ = [
     "BUCKETS", "ATOL", "RTOL", "EXPORT_MIN_COSINE",
-    "CALIB_SAMPLES", "CALIB_BATCH", "CALIB_METHOD", "CALIB_METHODS", "PERCENTILE", "FP32_REST",
+    "CALIB_SAMPLES", "CALIB_BATCH", "CALIB_METHOD", "FP8_CALIB_METHOD", "CALIB_METHODS", "PERCENTILE", "FP32_REST",
+    "INT4_BLOCK", "INT4_MAX_FALLBACK", "INT4_METHOD", "INT4_METHODS", "AWQ_ROWS", "AWQ_GRID",
     "CALIB_MEMORY_BUDGET", "CALIB_DEVICE_MEMORY_FRACTION",
     "MAX_ACCURACY_DROP", "GATE_MIN_COSINE", "MAX_FALLBACK", "SENSITIVITY_SAMPLES",
     "PRECISION", "OPT_LEVEL", "HARDWARE_COMPAT", "TF32", "ENGINE", "JOBS", "MULTI_PROFILE", "VERSION_COMPATIBLE",
@@ -33,6 +34,19 @@ CALIB_BATCH = 16  # samples per calibration batch
 CALIB_METHOD = "percentile"
 CALIB_METHODS = ("percentile", "max", "entropy", "mse")  # calibration.statistics.AMAX_METHODS implements each
 PERCENTILE = 99.99  # of |x|, for the percentile method
+# FP8 (E4M3) spans 448 / 2^-9 with 3 mantissa bits: its error is relative, not a fixed step, so clipping an outlier
+# costs more than the range it spends; the largest |x| seen is its default range, as ModelOpt's FP8 calibration.
+FP8_CALIB_METHOD = "max"
+# weights per INT4 scale, along the reduction axis: all-MiniLM-L6-v2 reached cosine 0.983 at 32 against 0.975 at 128
+# (AWQ, before the gate's fallback; benchmarks/precisions_modelopt.py), for 1/16 more bytes of scales
+INT4_BLOCK = 32
+# layers the INT4 gate may keep in FP16 unless --max-fallback says otherwise: a kept layer costs only file size
+# (MiniLM needed 11 at block 32 and stayed at 0.36 of its FP32 size)
+INT4_MAX_FALLBACK = 16
+INT4_METHOD = "awq"  # calibration.int4.INT4_METHODS implements each
+INT4_METHODS = ("awq", "rtn")
+AWQ_ROWS = 512  # activation rows (tokens) per layer input kept to score AWQ's scale candidates
+AWQ_GRID = 20  # scale exponents tried per layer: 0, 1/20, ..., 19/20, as the AWQ paper's grid
 FP32_REST = False  # INT8: what is not quantized runs in FP16 (as ModelOpt), not FP32
 # Bytes of exposed activations one ONNX Runtime run of calibration (or of the gate) may hold on the host: batches
 # run in slices of samples within it, so memory does not grow with the batch.

@@ -182,7 +182,7 @@ class SourceRecord(_Record):
 class CalibrationRecord:
     """What a calibration that passed adds to the manifest (``Manifest.with_calibration``): the reduced-precision
     ONNX, the gate's ``accuracy`` and the ``data`` entries of this precision, and the section of its kind
-    (``calibration`` for INT8, ``fp16`` for FP16)."""
+    (``calibration`` for INT8, ``fp16`` for FP16, ``fp8`` and ``int4`` for theirs)."""
 
     precision: str
     onnx: FileRecord
@@ -190,6 +190,8 @@ class CalibrationRecord:
     data: Mapping[str, Any]
     calibration: Mapping[str, Any] | None = None
     fp16: Mapping[str, Any] | None = None
+    fp8: Mapping[str, Any] | None = None
+    int4: Mapping[str, Any] | None = None
 
 
 # --- build settings as the manifest stores them --------------------------------------------------------------------
@@ -253,6 +255,8 @@ class Manifest(_Record):
     precision: str = defaults.PRECISION  # the precision last produced (engines record theirs in build.precision)
     calibration: Mapping[str, Any] | None = None
     fp16: Mapping[str, Any] | None = None
+    fp8: Mapping[str, Any] | None = None  # as calibration, for FP8
+    int4: Mapping[str, Any] | None = None  # INT4 weight-only: block, method, layers, sizes
     data: Mapping[str, Any] | None = None
     accuracy: Mapping[str, Any] | None = None
     build: BuildSettings | None = None  # None: never built
@@ -380,14 +384,16 @@ class Manifest(_Record):
 
     def with_calibration(self, record: CalibrationRecord) -> Manifest:
         """After a calibration that passed: its ONNX beside the others, ``precision`` the new one, its ``accuracy``
-        and ``data`` entries beside the other precisions', its ``calibration`` or ``fp16`` section over the old."""
+        and ``data`` entries beside the other precisions', its ``calibration``, ``fp16``, ``fp8`` or ``int4`` section
+        over the old."""
         def over(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
             return old if new is None else {**(old or {}), **copy.deepcopy(dict(new))}
 
         return replace(self, onnx={**self.onnx, record.precision: record.onnx}, precision=record.precision,
                        accuracy=over(self.accuracy, {record.precision: record.accuracy}),
                        data=over(self.data, {record.precision: record.data}),
-                       calibration=over(self.calibration, record.calibration), fp16=over(self.fp16, record.fp16))
+                       calibration=over(self.calibration, record.calibration), fp16=over(self.fp16, record.fp16),
+                       fp8=over(self.fp8, record.fp8), int4=over(self.int4, record.int4))
 
     def with_engines(self, settings: BuildSettings, environment: Mapping[str, Any],
                      engines: Sequence[EngineRecord]) -> Manifest:

@@ -10,6 +10,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from onnx import numpy_helper
 from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "onnx_files", "ort_session",
-           "TemporaryOnnxFile", "outer_scope_names",
+           "SESSION_POLICY", "SessionRule", "graph_holds", "session_rules", "TemporaryOnnxFile", "outer_scope_names",
            "copy_fields", "weightless_copy",
            "MAX_IR_VERSION"]
 
@@ -209,10 +210,69 @@ def onnx_files(path: str | os.PathLike[str]) -> list[Path]:
     return [path] + [path.parent / loc for loc in sorted(locations)]
 
 
+@dataclass(frozen=True)
+class SessionRule:
+    """ONNX Runtime graph transformers a graph that holds ``what`` runs without, and why (measured, ONNX Runtime
+    1.31 on the CPU; the graph run with every optimization off is the reference)."""
+
+    what: str
+    disabled_optimizers: tuple[str, ...]
+    why: str
+
+
+# The session options trtc runs a graph with, by what the graph holds: the one policy, for the accuracy gate, the
+# bench and serving alike (every session trtc makes comes from ``ort_session``). A graph that holds none of these
+# runs with every optimization on. QDQSelectorActionTransformer is the pass that rewrites DequantizeLinear ->
+# MatMul groups into ONNX Runtime's own quantized kernels; without it the Q/DQ run as written, every other
+# optimization (constant folding, layout, fusions of the float graph) stays on.
+SESSION_POLICY: dict[str, SessionRule] = {
+    "fp8": SessionRule("FP8 Q/DQ", ("QDQSelectorActionTransformer", "WeightBiasQuantization"),
+                       "QDQSelectorActionTransformer rewrites an FP8 DequantizeLinear -> MatMul into "
+                       "MatMulIntegerToFloat, which takes no FP8 input: the session fails to load (level extended or "
+                       "all); WeightBiasQuantization stores a Conv's bias as INT32 at the FP8 input and weight "
+                       "scales, which changes its outputs (the digits CNN lost 11 points of top-1; level basic up)"),
+    "int4": SessionRule("INT4 block-quantized weights", ("QDQSelectorActionTransformer",),
+                        "it rewrites an INT4 DequantizeLinear(block_size) -> MatMul into MatMulNBits, which at its "
+                        "accuracy level 4 quantizes the activations to INT8 on the fly: the results change"),
+}
+_FP8_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ, onnx.TensorProto.FLOAT8E5M2,
+                        onnx.TensorProto.FLOAT8E5M2FNUZ})
+_INT4_TYPES = frozenset({onnx.TensorProto.INT4, onnx.TensorProto.UINT4})
+
+
+def graph_holds(model: onnx.ModelProto) -> frozenset[str]:
+    """Which of ``SESSION_POLICY``'s kinds the main graph holds: ``fp8`` (an FP8 initializer, zero point or
+    Q/DQ output type), ``int4`` (an INT4/UINT4 initializer, or a DequantizeLinear with ``block_size``)."""
+    graph = model.graph
+    types = {t.data_type for t in graph.initializer}
+    types |= {vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.output, *graph.value_info]}
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+                types.add(attr.t.data_type)
+            elif attr.name == "output_dtype" and attr.type == onnx.AttributeProto.INT:
+                types.add(attr.i)
+    held = set()
+    if types & _FP8_TYPES:
+        held.add("fp8")
+    if types & _INT4_TYPES or any(n.op_type == "DequantizeLinear" and any(a.name == "block_size" for a in n.attribute)
+                                  for n in graph.node):
+        held.add("int4")
+    return frozenset(held)
+
+
+def session_rules(model: str | os.PathLike[str] | onnx.ModelProto) -> list[SessionRule]:
+    """The ``SESSION_POLICY`` rules that apply to ``model`` (a path: its graph is read, not its weights)."""
+    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
+    held = graph_holds(proto)
+    return [rule for kind, rule in SESSION_POLICY.items() if kind in held]
+
+
 def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,
                 threads: int = 0, exact_qdq: bool = False, weights_dir: str | os.PathLike[str] | None = None,
                 memory_arena: bool = True, in_node_order: bool = False, spinning: bool = True) -> Any:
-    """An ONNX Runtime session on the given model (path or in-memory proto), all graph optimizations on.
+    """An ONNX Runtime session on the given model (path or in-memory proto), all graph optimizations on except those
+    ``SESSION_POLICY`` turns off for what the graph holds (FP8 Q/DQ, INT4 weights: ``session_rules``).
 
     ``exact_qdq`` runs Q/DQ pairs as written instead of fusing them into ONNX Runtime's integer
     kernels: on x86 CPUs without VNNI those saturate intermediate sums (u8s8 pmaddubsw) and give
@@ -244,12 +304,16 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
     if providers and any(p != "CPUExecutionProvider" for p in providers) and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     providers = providers or ["CPUExecutionProvider"]
+    disabled = sorted({name for rule in session_rules(model) for name in rule.disabled_optimizers})
+    extra: dict[str, Any] = {"disabled_optimizers": disabled} if disabled else {}
+    if disabled:
+        log.debug("ONNX Runtime session without %s (what the graph holds: SESSION_POLICY)", ", ".join(disabled))
     if isinstance(model, onnx.ModelProto) and _weight_bytes(model) > _PROTO_LIMIT:
         # protobuf cannot serialize 2 GiB: ONNX Runtime reads it from files (removed once it has loaded them)
         with TemporaryOnnxFile(model) as path:
-            return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+            return ort.InferenceSession(str(path), sess_options=opts, providers=providers, **extra)
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(source, sess_options=opts, providers=providers)
+    return ort.InferenceSession(source, sess_options=opts, providers=providers, **extra)
 
 
 class TemporaryOnnxFile:

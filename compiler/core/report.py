@@ -54,7 +54,8 @@ def _print_accuracy_entry(precision: str, report: dict[str, Any], path: Path) ->
     if acc is None:
         console.print(f"{report['precision']}: {report.get('note')}")
         return
-    table = Table("precision", "metric", "FP32", "reduced", "drop / cosine", "max abs err", "kept in FP32",
+    kept_as = str(report.get("kept_as") or "fp32").upper()  # INT8, FP8, INT4 keep their layers in FP16
+    table = Table("precision", "metric", "FP32", "reduced", "drop / cosine", "max abs err", f"kept in {kept_as}",
                   title="accuracy vs FP32 (ONNX Runtime)")
     if acc["metric"] == "top1":
         cols = [f"{100 * acc['fp32_top1']:.2f}%", f"{100 * acc['top1']:.2f}%", f"{acc['drop_points']:.2f} pts"]

@@ -19,11 +19,14 @@ from compiler.core.specs import ModelSpec, parse_buckets
 
 __all__ = ["ModelSource", "ExportSettings", "ImagePreprocessing", "GateSettings", "CalibrationSettings",
            "BuildSettings", "BenchSettings", "ServeSettings", "Tolerance", "ProfileKey", "profiled", "PRECISIONS",
-           "REDUCED_PRECISIONS", "HARDWARE_COMPAT_LEVELS", "SERVE_BACKENDS", "BENCH_BACKENDS",
+           "REDUCED_PRECISIONS", "MIN_COMPUTE_CAPABILITY", "HARDWARE_COMPAT_LEVELS", "SERVE_BACKENDS", "BENCH_BACKENDS",
            "hardware_compat_level"]
 
-PRECISIONS = ("fp32", "fp16", "int8")
-REDUCED_PRECISIONS = ("int8", "fp16")  # what calibration makes, each a file of its own (model.<precision>.onnx)
+PRECISIONS = ("fp32", "fp16", "int8", "fp8", "int4")
+# what calibration makes, each a file of its own (model.<precision>.onnx); "int4" is INT4 weight-only (FP16 activations)
+REDUCED_PRECISIONS = ("int8", "fp16", "fp8", "int4")
+# the GPUs whose TensorRT kernels run a precision: (major, minor) compute capability at least, and who they are
+MIN_COMPUTE_CAPABILITY = {"fp8": ((8, 9), "FP8 (E4M3) tensor cores: Ada, Hopper, Blackwell")}
 # TensorRT's HardwareCompatibilityLevel, as trtc spells it: "none" (the default) targets the GPU model the engine is
 # built on; "same-compute-capability" any GPU of its compute capability; "ampere-plus" any GPU of capability 8.0+
 HARDWARE_COMPAT_LEVELS = ("none", "same-compute-capability", "ampere-plus")
@@ -225,8 +228,9 @@ class CalibrationSettings:
         ("calibration", "samples", INT, "maximum number of samples"), option="calib_samples", convert=int))
     batch_size: int = field(default=defaults.CALIB_BATCH, metadata=profiled(
         ("calibration", "batch_size", INT, "samples per calibration batch"), option="calib_batch", convert=int))
-    method: str = field(default=defaults.CALIB_METHOD, metadata=profiled(
-        ("calibration", "method", STR, " | ".join(defaults.CALIB_METHODS)), option="calib_method"))
+    method: str = field(default="", metadata=profiled(  # "": the precision's default, set below
+        ("calibration", "method", STR, f"{' | '.join(defaults.CALIB_METHODS)} (default {defaults.CALIB_METHOD}; "
+         f"{defaults.FP8_CALIB_METHOD} for fp8)"), option="calib_method"))
     percentile: float = field(default=defaults.PERCENTILE, metadata=profiled(
         ("calibration", "percentile", NUMBER, "percentile for the percentile method"), convert=float))
     eval_data: str | None = field(default=None, metadata=profiled(  # default: the calibration data
@@ -244,17 +248,32 @@ class CalibrationSettings:
     image: ImagePreprocessing | None = field(default=None, metadata=profiled(
         ("calibration", "image", TABLE, "image preprocessing: size, crop, mean, std, layout (NCHW/NHWC), input"),
         convert=_image))
+    int4_block: int = field(default=defaults.INT4_BLOCK, metadata=profiled(
+        ("calibration", "int4_block", INT, "int4: weights per INT4 scale along the reduction axis"), convert=int))
+    int4_method: str = field(default=defaults.INT4_METHOD, metadata=profiled(
+        ("calibration", "int4_method", STR, f"int4: {' | '.join(defaults.INT4_METHODS)} (awq: activation-aware "
+         "scales from the calibration data; rtn: round to nearest)")))
     memory_budget: int = defaults.CALIB_MEMORY_BUDGET  # bytes of exposed activations per ONNX Runtime run
 
     def __post_init__(self) -> None:
         if self.precision not in REDUCED_PRECISIONS:
             raise InputError(f"precision {self.precision!r}: calibrate makes {' or '.join(REDUCED_PRECISIONS)}")
+        if not self.method:
+            object.__setattr__(self, "method", defaults.FP8_CALIB_METHOD if self.precision == "fp8"
+                               else defaults.CALIB_METHOD)
         if self.method not in defaults.CALIB_METHODS:
             raise InputError(f"--calib-method {self.method!r}: use one of {', '.join(defaults.CALIB_METHODS)}")
         if not 50 < self.percentile <= 100:
             raise InputError(f"--percentile {self.percentile}: use a value in (50, 100], e.g. 99.99")
         if self.fp32_rest and self.precision != "int8":
             raise InputError("--fp32-rest applies to --int8 only (it keeps what INT8 leaves in FP32); drop it")
+        if self.precision == "int4" and self.gate.max_fallback == defaults.MAX_FALLBACK:
+            object.__setattr__(self, "gate", dataclasses.replace(self.gate, max_fallback=defaults.INT4_MAX_FALLBACK))
+        if self.int4_method not in defaults.INT4_METHODS:
+            raise InputError(f"--int4-method {self.int4_method!r}: use one of {', '.join(defaults.INT4_METHODS)}")
+        if self.int4_block < 16 or self.int4_block & (self.int4_block - 1):
+            raise InputError(f"--int4-block {self.int4_block}: use a power of two of at least 16 (e.g. 128), as "
+                             "TensorRT's INT4 kernels take")
 
 
 # --- engine build ---------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,16 +26,16 @@ from compiler.backends.tensorrt.build import build_engine_files
 from compiler.backends.tensorrt.environment import environment
 from compiler.backends.tensorrt.versions import NOT_INSTALLED, require_tensorrt
 from compiler.core.capabilities import tensorrt_version
-from compiler.core.errors import AccuracyGateError, TensorRTNotInstalled
+from compiler.core.errors import AccuracyGateError, InputError, TensorRTNotInstalled
 from compiler.core.files import directory_transaction, settle_modes
 from compiler.core.manifest import MANIFEST, Manifest, write_manifest
 from compiler.core.progress import stage_timer
-from compiler.core.settings import BuildSettings, ExportSettings
+from compiler.core.settings import MIN_COMPUTE_CAPABILITY, BuildSettings, ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.frontend.verify import FeedSource
 from compiler.pipeline.export import FP32_ONNX, export_step, model_to_export
 
-__all__ = ["build_directory", "FAILED_DIR"]
+__all__ = ["build_directory", "refuse_unsupported_precision", "FAILED_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,13 @@ FAILED_DIR = "failed"
 def build_directory(export: ExportSettings, calibration: Any | None, build: BuildSettings,
                     command: str = "trtc build") -> Manifest:
     """Run the whole chain; returns the manifest written. ``calibration`` is a CalibrationSettings or None (FP32)."""
-    from calibration.calibrate import ACCURACY_JSON, CALIBRATION_JSON, calibrated_into
+    from calibration.calibrate import ACCURACY_JSON, CALIBRATION_FILES, calibrated_into
 
     start = time.perf_counter()
     out = export.out
+    # before the export and the calibration, which take hours on a large model
+    if build.engine != "none" and build.precision in MIN_COMPUTE_CAPABILITY and tensorrt_version() is not None:
+        refuse_unsupported_precision(build.precision, environment(build))
     model = model_to_export(export, build.buckets)
     spec = model.spec
     with directory_transaction(out, command) as transaction:
@@ -56,9 +60,10 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
         manifest = export_step(transaction, model, export, feeds, feeds_from)
         del model  # the PyTorch model is not needed past export: its memory goes back before calibration
         if calibration is not None:
-            cache = calibration.calib_cache or (out / CALIBRATION_JSON)
-            if Path(cache).is_file():
-                shutil.copy2(cache, stage / CALIBRATION_JSON)
+            cache_file = CALIBRATION_FILES.get(calibration.precision)
+            cache = calibration.calib_cache or (out / cache_file if cache_file else None)
+            if cache_file and cache and Path(cache).is_file():
+                shutil.copy2(cache, stage / cache_file)
             with stage_timer(f"{calibration.precision.upper()} calibration"):
                 outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
             if outcome.record is None:
@@ -120,6 +125,20 @@ def _engines_into(stage: Path, out: Path, manifest: Manifest, spec: Any, build: 
     onnx_rel = manifest.onnx[build.precision].file if build.precision in manifest.onnx else FP32_ONNX
     entries = build_engine_files(out, stage, onnx_rel, spec, build, env=env)
     return manifest.with_engines(build, env, entries), None
+
+
+def refuse_unsupported_precision(precision: str, env: Mapping[str, Any]) -> None:
+    """Raise InputError (one line) when the GPU of ``env`` (``compute_capability`` "8.6") cannot run engines of
+    ``precision`` (``MIN_COMPUTE_CAPABILITY``: FP8 needs 8.9+); nothing is said when the capability is unknown."""
+    from compiler.backends.tensorrt.environment import parse_compute_capability
+
+    need = MIN_COMPUTE_CAPABILITY.get(precision)
+    here = parse_compute_capability(env.get("compute_capability"))
+    if need is None or here is None or here >= need[0]:
+        return
+    raise InputError(f"{precision.upper()} engines need a GPU of compute capability {need[0][0]}.{need[0][1]}+ "
+                     f"({need[1]}); this one, {env.get('gpu')}, is {env.get('compute_capability')}: build "
+                     f"--int8 or --fp16 engines for it, or --engine none to stop at the {precision.upper()} ONNX")
 
 
 def _keep_failed_attempt(stage: Path, out: Path, manifest: Manifest) -> None:

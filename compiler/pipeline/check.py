@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -29,10 +29,10 @@ from compiler.backends.tensorrt.environment import environment
 from compiler.core.errors import InputError
 from compiler.core.files import directory_transaction, inside, sha256_file
 from compiler.core.manifest import MANIFEST, EngineRecord, Manifest, read_manifest, verified_onnx, write_manifest
-from compiler.core.settings import BuildSettings
+from compiler.core.settings import MIN_COMPUTE_CAPABILITY, BuildSettings
 
 __all__ = ["Staleness", "CheckResult", "RebuildResult", "stale_engines", "check_directory", "rebuild_directory",
-           "merge_manifests", "tensorrt_can_run", "gpu_can_run", "NEVER_BUILT"]
+           "merge_manifests", "precision_unsupported", "tensorrt_can_run", "gpu_can_run", "NEVER_BUILT"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,26 @@ def check_directory(directory: Path, env: dict[str, Any] | None = None) -> Check
     stale = stale_in(directory, manifest, here)
     stale_files = {(s.bucket, s.file) for s in stale}
     fresh = [e for e in manifest.engines if (e.bucket, e.file) not in stale_files]
+    unsupported = precision_unsupported(manifest, here)
+    if unsupported and fresh:  # engines that load here but whose kernels this GPU does not have
+        stale += [Staleness(e.bucket, e.file, unsupported) for e in fresh]
+        fresh = []
     return CheckResult(directory, here, fresh, stale)
+
+
+def precision_unsupported(manifest: Manifest, here: Mapping[str, Any]) -> str | None:
+    """Why the GPU of ``here`` cannot run the engines of the build's precision (FP8 below compute capability 8.9),
+    in one line; None when it can or the capability is unknown."""
+    from compiler.backends.tensorrt.environment import parse_compute_capability
+
+    precision = manifest.build.precision if manifest.build is not None else manifest.precision
+    need = MIN_COMPUTE_CAPABILITY.get(precision)
+    capability = parse_compute_capability(here.get("compute_capability"))
+    if need is None or capability is None or capability >= need[0]:
+        return None
+    return (f"{precision.upper()} engines need compute capability {need[0][0]}.{need[0][1]}+ ({need[1]}); this GPU, "
+            f"{here.get('gpu')}, is {here.get('compute_capability')}: rebuild the directory as --int8 or --fp16 "
+            "for it")
 
 
 # --- rebuild -----------------------------------------------------------------------------------------------------
@@ -117,6 +136,9 @@ def rebuild_directory(directory: Path, if_stale: bool, settings_override: BuildS
         settings = settings_override or manifest.rebuild_settings()
         if settings.engine == "none":
             settings = replace(settings, engine="tensorrt")
+        from compiler.pipeline.build import refuse_unsupported_precision
+
+        refuse_unsupported_precision(settings.precision, here)
         onnx = manifest.onnx_record(directory, settings.precision)
         verified_onnx(directory, onnx)  # refuse an ONNX outside the directory or changed since it was recorded
         stage = transaction.stage

@@ -214,6 +214,21 @@ def default_python_path() -> tuple[str, ...]:
     return tuple(folders)
 
 
+def _refuse_unfaithful_onnx(onnx_path: Path, manifest: Manifest) -> None:
+    """Refuse the ONNX Runtime variant of a graph that ONNX Runtime runs correctly only with transformers switched off
+    by name (FP8 Q/DQ, INT4 weights: ``SESSION_POLICY``): Triton's onnxruntime backend sets optimization levels only,
+    and at every level but none it fails or changes these graphs."""
+    from compiler.core.onnx_io import session_rules
+
+    rules = session_rules(onnx_path)
+    if rules:
+        precision = manifest.precision
+        raise InputError(f"the {precision} ONNX holds {rules[0].what}, which Triton's onnxruntime backend would run "
+                         f"with {', '.join(rules[0].disabled_optimizers)} on (it cannot turn one off by name): "
+                         "export the TensorRT plan (build the engines) or --platform trtc, whose runtime runs it with "
+                         "trtc's session options")
+
+
 def build_files(directory: Path, manifest: Manifest) -> list[str]:
     """The relative paths a ``trtc`` entry's copy of ``directory`` holds: the manifest and every file it names
     (``Manifest.named_files``: ONNX files of each precision with their data, engines, layer files, the source
@@ -286,6 +301,8 @@ def triton_repository(directory: str | Path, repo: str | Path, *, name: str | No
                          "without slashes or a leading dot")
     onnx_path = manifest.onnx_for(directory)
     chosen, plan = _choose_platform(directory, manifest, platform)
+    if chosen == ORT_ONNX:
+        _refuse_unfaithful_onnx(onnx_path, manifest)
     inputs, outputs = _io_tensors(onnx_path, spec)
     buckets = tuple(sorted(manifest.buckets))
     max_batch = plan[2] if plan else max(buckets) * (TRTC_MAX_BATCH_FACTOR if chosen == TRTC else 1)
