@@ -18,7 +18,6 @@ sensitive layers are kept in higher precision one at a time until the gate passe
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -30,16 +29,16 @@ import numpy as np
 import onnx
 
 from calibration.fp16_rounding import fp16_rounding_emulation
+from calibration.sensitivity import layer_errors
+from calibration.slices import CHUNK_VALUES, leading_samples, sliced_runs, takes_any_batch
 from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner
 from compiler.core import defaults
 from compiler.core.capabilities import checking_providers
 from compiler.core.onnx_io import TemporaryOnnxFile, load_onnx, load_onnx_by_reference
 from compiler.core.settings import GateSettings
-from compiler.core.worker import mark_step
 
-__all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "layer_errors",
-           "sample_cosines"]
+__all__ = ["GateSettings", "AccuracyResult", "Evaluator", "GateOutcome", "gate_with_fallback", "sample_cosines"]
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +91,11 @@ def sample_cosines(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
     return _SampleComparison.of(got, ref).cosines()
 
 
-# float64 temporaries of a comparison stay under 2 MiB each (a GPT-2 sample's logits are 6.4 M values)
-_CHUNK = 1 << 18
 
 
 @dataclass
 class _SampleComparison:
-    """Per-sample sums of a comparison, accumulated in float64 over chunks of at most ``_CHUNK`` values.
+    """Per-sample sums of a comparison, accumulated in float64 over chunks of at most ``CHUNK_VALUES`` values.
 
     Numpy has no float64 dot of float32 arrays without a float64 copy, so the copies are made a chunk
     at a time: what the comparison holds does not grow with the size of an output.
@@ -116,7 +113,7 @@ class _SampleComparison:
         b = ref.reshape(len(ref), -1) if ref.ndim else ref.reshape(1, 1)
         n, m = a.shape
         sums = cls(np.zeros(n), np.zeros(n), np.zeros(n), np.ones(n, bool), np.zeros(n))
-        rows, cols = max(1, _CHUNK // max(m, 1)), max(1, min(m, _CHUNK))
+        rows, cols = max(1, CHUNK_VALUES // max(m, 1)), max(1, min(m, CHUNK_VALUES))
         for r in range(0, n, rows):
             for c in range(0, m, cols):
                 x = a[r:r + rows, c:c + cols].astype(np.float64)
@@ -198,14 +195,14 @@ class Evaluator:
             paths = [Path(scratch.name) / f"{i}-{j}.npy" for j in range(len(runner.output_names))]
             files: list[Any] = []
             try:
-                for _start, stop, outs in _sliced_runs(runner.infer, batch, budget_bytes, f"batch {i}",
-                                                      _dynamic_batch(runner)):
+                for _start, stop, outs in sliced_runs(runner.infer, batch, budget_bytes, f"batch {i}",
+                                                      takes_any_batch(runner)):
                     if stop is None:  # not sliceable: the batch ran whole
                         for path, array in zip(paths, outs):
                             np.save(path, array)
                         continue
                     if not files:
-                        files = [_open_npy(path, array, _leading(batch)) for path, array in zip(paths, outs)]
+                        files = [_open_npy(path, array, leading_samples(batch)) for path, array in zip(paths, outs)]
                     for file, array in zip(files, outs):
                         np.ascontiguousarray(array).tofile(file)
             finally:
@@ -251,9 +248,9 @@ class Evaluator:
         cosines: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
         max_abs = dict.fromkeys(self.output_names, 0.0)
         predictions: list[np.ndarray] = []
-        sliceable = _dynamic_batch(runner)
+        sliceable = takes_any_batch(runner)
         for index, (batch, ref) in enumerate(zip(self.batches, self.reference)):
-            for start, stop, outs in _sliced_runs(runner.infer, batch, self.budget_bytes, f"batch {index}",
+            for start, stop, outs in sliced_runs(runner.infer, batch, self.budget_bytes, f"batch {index}",
                                                       sliceable):
                 if self.labels is not None:
                     predictions.append(_argmax(outs[0]))
@@ -289,49 +286,6 @@ class Evaluator:
             result.drop_points = 100 * ((self.fp32_top1 or 0) - result.top1)
             result.passed = result.drop_points <= self.settings.max_accuracy_drop
         return result
-
-
-def _leading(batch: dict[str, np.ndarray]) -> int:
-    """The leading dimension all of the batch's inputs share (its sample count), 0 when they share none."""
-    sizes = {np.shape(v)[0] if np.ndim(v) else -1 for v in batch.values()}
-    return sizes.pop() if len(sizes) == 1 and -1 not in sizes else 0
-
-
-def _sliced_runs(run: Callable[[dict[str, np.ndarray]], Any], batch: dict[str, np.ndarray], budget_bytes: int,
-                 step_name: str, sliceable: bool = True) -> Iterator[tuple[int, int | None, list[np.ndarray]]]:
-    """``run`` on ``batch`` in slices of samples whose outputs stay under ``budget_bytes``: (start, stop, outputs).
-
-    The first slice is one sample, which measures the output bytes per sample. A batch whose inputs share
-    no leading dimension, or whose outputs do not follow the inputs' (a model that reduces over the batch),
-    or a model with a fixed batch size (``sliceable`` False) runs whole once: (0, None, outputs).
-    """
-    size = _leading(batch) if sliceable else 0
-    start, step = 0, 1
-    while start < size:
-        stop = min(size, start + step)
-        mark_step(step_name + (f", samples {start}-{stop - 1}" if size > 1 else ""))
-        part = batch if (start, stop) == (0, size) else {k: v[start:stop] for k, v in batch.items()}
-        outs = _as_list(run(part))
-        if start == 0 and any(np.ndim(o) == 0 or len(o) != stop for o in outs):
-            break  # outputs not per sample: run the batch whole
-        yield start, stop, outs
-        if start == 0:
-            step = max(1, budget_bytes // max(1, sum(o.nbytes for o in outs)))
-        del outs
-        start = stop
-    if size and start >= size:
-        return
-    mark_step(step_name)
-    yield 0, None, _as_list(run(batch))
-
-
-def _dynamic_batch(runner: Runner) -> bool:
-    """Whether every input of the runner takes any number of samples (a symbolic first axis)."""
-    return all(shape and not isinstance(shape[0], int) for _, shape in runner.input_metadata().values())
-
-
-def _as_list(outputs: Any) -> list[np.ndarray]:
-    return list(outputs.values()) if isinstance(outputs, dict) else list(outputs)
 
 
 def _open_npy(path: Path, first: np.ndarray, samples: int) -> Any:
@@ -504,113 +458,3 @@ def _limited(batches: Iterable[dict[str, np.ndarray]], samples: int) -> Iterator
         seen += len(next(iter(batch.values())))
 
 
-def layer_errors(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers: list[str],
-                 batches: Iterable[dict[str, np.ndarray]], budget_bytes: int = defaults.CALIB_MEMORY_BUDGET,
-                 ) -> dict[str, float]:
-    """Each layer's own error in ``candidate``, all layers measured in one ONNX Runtime run per slice of a batch.
-
-    Beside each layer of ``candidate`` (INT8 or FP16) runs an FP32 twin: the layer as ``reference`` has it
-    (FP32 weights) reading the very inputs the candidate layer reads before their Q/DQ or Cast. The error is
-    sum |y - y_fp32|^2 / sum |y_fp32|^2 over ``batches``: what the layer itself loses, not what it inherits
-    from the layers before it. ``layers`` names nodes present in both models (the passes keep node names).
-    Batches run in slices whose outputs (two per layer) stay under ``budget_bytes``, one sample at least.
-    """
-    shadow, pairs = _with_fp32_twins(candidate, reference, layers)
-    wanted = [name for pair in pairs.values() for name in pair]
-    with TemporaryOnnxFile(shadow, prefix="trtc-ranking-") as path:
-        del shadow  # ONNX Runtime reads the file
-        runner = check_runner("onnxruntime", str(path), ["CPUExecutionProvider"], exact_qdq=True, memory_arena=False,
-                              outputs=wanted)
-        runner.activate()
-    num = dict.fromkeys(pairs, 0.0)
-    den = dict.fromkeys(pairs, 0.0)
-    sliceable = _dynamic_batch(runner)
-    for index, batch in enumerate(batches):
-        for _, _, outs in _sliced_runs(runner.infer, batch, budget_bytes, f"layer ranking, batch {index}", sliceable):
-            outputs = dict(zip(wanted, outs))
-            for layer, (got, want) in pairs.items():
-                n, d = _squared_error(outputs[got], outputs[want])
-                num[layer] += n
-                den[layer] += d
-            del outs, outputs
-    runner.release()
-    return {layer: (num[layer] / den[layer] if den[layer] > 0 else (0.0 if num[layer] == 0 else math.inf))
-            for layer in pairs}
-
-
-def _squared_error(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
-    """(sum (got - ref)^2, sum ref^2) in float64, converted a chunk at a time."""
-    a, b = got.reshape(-1), ref.reshape(-1)
-    num = den = 0.0
-    for c in range(0, a.size, _CHUNK):
-        x, y = a[c:c + _CHUNK].astype(np.float64), b[c:c + _CHUNK].astype(np.float64)
-        num += float(np.square(x - y).sum())
-        den += float(np.square(y).sum())
-    return num, den
-
-
-def _with_fp32_twins(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers: list[str],
-                     ) -> tuple[onnx.ModelProto, dict[str, tuple[str, str]]]:
-    """``candidate`` plus, per layer, an FP32 copy of the reference node and both outputs as graph outputs.
-
-    Returns the model and ``{layer: (candidate output, twin output)}``, both FLOAT.
-    """
-    ref_nodes = {n.name: n for n in reference.graph.node if n.name}
-    ref_inits = {t.name: t for t in reference.graph.initializer}
-    cand_nodes = {n.name: n for n in candidate.graph.node if n.name}
-    out = onnx.ModelProto()
-    out.CopyFrom(candidate)
-    graph = out.graph
-    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input}
-    taken |= {name for node in graph.node for name in [*node.input, *node.output, node.name]}
-    available = {i.name for i in graph.input} | {o for node in graph.node for o in node.output}
-
-    def fresh(base: str) -> str:
-        name, k = base, 1
-        while name in taken:
-            name, k = f"{base}_{k}", k + 1
-        taken.add(name)
-        return name
-
-    def as_float(tensor: str) -> str:
-        cast = fresh(f"{tensor}_twin_fp32")
-        graph.node.append(onnx.helper.make_node("Cast", [tensor], [cast], name=fresh(f"{cast}_cast"),
-                                                to=onnx.TensorProto.FLOAT))
-        return cast
-
-    pairs: dict[str, tuple[str, str]] = {}
-    copied: dict[str, str] = {}
-    for layer in layers:
-        original, node = ref_nodes.get(layer), cand_nodes.get(layer)
-        if original is None or node is None or not node.output:
-            continue
-        inputs = []
-        for tensor in original.input:
-            if not tensor:
-                inputs.append("")
-            elif tensor in ref_inits:
-                if tensor not in copied:
-                    copied[tensor] = fresh(f"{tensor}_twin")
-                    init = onnx.TensorProto()
-                    init.CopyFrom(ref_inits[tensor])
-                    init.name = copied[tensor]
-                    graph.initializer.append(init)
-                inputs.append(copied[tensor])
-            elif tensor in available:
-                inputs.append(as_float(tensor))
-            else:
-                break
-        else:
-            twin = onnx.NodeProto()
-            twin.CopyFrom(original)
-            twin.name = fresh(f"{layer}_twin")
-            del twin.input[:]
-            twin.input.extend(inputs)
-            del twin.output[:]
-            twin.output.extend([fresh(f"{o}_twin") if o else "" for o in original.output])
-            graph.node.append(twin)
-            pairs[layer] = (as_float(node.output[0]), twin.output[0])
-    for got, want in pairs.values():
-        graph.output.extend([onnx.helper.make_tensor_value_info(got, onnx.TensorProto.FLOAT, None),
-                             onnx.helper.make_tensor_value_info(want, onnx.TensorProto.FLOAT, None)])
-    return out, pairs

@@ -21,9 +21,10 @@ import onnx
 
 from calibration.accuracy import Evaluator, GateOutcome, gate_with_fallback
 from calibration.data import RANDOM, CalibrationData, calibration_data
-from calibration.fp16 import Fp16Report, float_tensors, fp16_model_from, int8_fp16_model_from, node_precisions
+from calibration.fp16 import Fp16Report, float_tensors, fp16_model_from, int8_fp16_model_from
 from calibration.fp16_policy import Fp16Policy
 from calibration.int4 import int4_stage
+from calibration.node_precisions import node_precisions
 from calibration.observe import collect_histograms, collect_max_abs
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.weights import raise_opset

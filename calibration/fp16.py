@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,13 +39,13 @@ from onnx import TensorProto, helper, numpy_helper
 from calibration.fp16_policy import FP16_MAX, FP16_MIN_NORMAL, FP16_TINY, FP32_OPS, Fp16Policy
 from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, outer_scope_names, tensor_array, weightless_copy
 
-__all__ = ["Fp16Report", "float_tensors", "fp16_model_from", "int8_fp16_model_from", "node_precisions"]
+__all__ = ["Fp16Report", "float_tensors", "fp16_model_from", "int8_fp16_model_from"]
 
 log = logging.getLogger(__name__)
 
 FLOAT = TensorProto.FLOAT
 FLOAT16 = TensorProto.FLOAT16
-_QDQ_NODE_TYPES = frozenset({"QuantizeLinear", "DequantizeLinear"})
+QDQ_NODE_TYPES = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 # Ops that read only the shape of a float input: they never need a Cast.
 _SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
@@ -109,7 +109,7 @@ def int8_fp16_model_from(qdq_model: onnx.ModelProto, policy: Fp16Policy | None =
     constants = {t.name: t for t in qdq_model.graph.initializer}
     tiny = set()
     for node in qdq_model.graph.node:
-        if node.op_type in _QDQ_NODE_TYPES and len(node.input) > 1 and node.input[1] in constants:
+        if node.op_type in QDQ_NODE_TYPES and len(node.input) > 1 and node.input[1] in constants:
             scale = tensor_array(constants[node.input[1]])
             if scale.size and float(np.min(np.abs(scale))) < FP16_MIN_NORMAL:
                 tiny.add(node.name)
@@ -119,30 +119,6 @@ def int8_fp16_model_from(qdq_model: onnx.ModelProto, policy: Fp16Policy | None =
     keep = Fp16Policy(keep_fp32=policy.keep_fp32 | tiny, keep_io_types=policy.keep_io_types,
                       overflow_threshold=policy.overflow_threshold, fp32_ops=policy.fp32_ops)
     return fp16_model_from(qdq_model, keep, max_abs)
-
-
-def node_precisions(model: onnx.ModelProto, int8_nodes: Iterable[str], report: Fp16Report | None) -> dict[str, Any]:
-    """Which compute nodes of the FP32 ``model`` run in INT8, FP16 and FP32 once reduced.
-
-    ``int8_nodes`` are the nodes given Q/DQ inputs; ``report`` is the FP16 pass's report, or None when the
-    remainder stays FP32. Q/DQ, Cast, Shape and Constant nodes are not counted. Returns
-    ``{"counts": {"int8": n, "fp16": n, "fp32": n}, "int8": [...], "fp16": [...], "fp32": {name: why}}``.
-    """
-    skip = _QDQ_NODE_TYPES | {"Constant", "Shape", "Size", "Cast"}
-    names = [node.name or f"{node.op_type}_{i}" for i, node in enumerate(model.graph.node)
-             if node.op_type not in skip]
-    known = set(names)
-    int8 = [n for n in int8_nodes if n in known]
-    quantized = set(int8)
-    high = [n for n in names if n not in quantized]
-    if report is None:
-        fp16, fp32 = [], dict.fromkeys(high, "FP32 remainder (--fp32-rest)")
-    else:
-        in_fp16 = set(report.fp16_node_names)
-        fp16 = [n for n in high if n in in_fp16]
-        fp32 = {n: report.fp32_nodes[n] for n in high if n in report.fp32_nodes}
-    return {"counts": {"int8": len(int8), "fp16": len(fp16), "fp32": len(fp32)}, "int8": int8, "fp16": fp16,
-            "fp32": fp32}
 
 
 def float_tensors(model: onnx.ModelProto) -> list[str]:

@@ -309,8 +309,9 @@ def int4_stage(model: onnx.ModelProto, fp32_path: Any, data: Any, evaluator: Any
     exponents, weight bytes), ``node_precisions``, ``_model``.
     """
     from calibration.accuracy import gate_with_fallback
-    from calibration.fp16 import float_tensors, int8_fp16_model_from, node_precisions
+    from calibration.fp16 import float_tensors, int8_fp16_model_from
     from calibration.fp16_policy import Fp16Policy
+    from calibration.node_precisions import node_precisions
     from calibration.observe import collect_channel_samples, collect_max_abs
     from compiler.core.capabilities import checking_providers
     from compiler.core.errors import CalibrationError

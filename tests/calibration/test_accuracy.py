@@ -284,7 +284,7 @@ def test_sliced_evaluation_is_exact() -> None:
 
 
 def test_layer_ranking_in_slices_is_exact() -> None:
-    from calibration.accuracy import layer_errors
+    from calibration.sensitivity import layer_errors
 
     model, candidate = _wide(1000), fp16_model_from(_wide(1000))[0]
     batches = [{"x": np.random.default_rng(4).standard_normal((9, 4)).astype(np.float32) * 300}]
