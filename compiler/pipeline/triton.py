@@ -204,11 +204,14 @@ def plan_requirement(manifest: Manifest) -> tuple[str, str]:
 
 def default_python_path() -> tuple[str, ...]:
     """The folders a ``trtc`` entry's model imports from: the one holding the ``compiler`` package that runs now,
-    then this interpreter's site-packages (``.pth`` files in them are not processed, so an editable install of
-    another checkout cannot take the place of the first folder)."""
+    then the folders of ``PYTHONPATH`` (packages this process imports from there, an ONNX Runtime build among them,
+    are the ones the model imports: Triton's server starts without ``PYTHONPATH``), then this interpreter's
+    site-packages (``.pth`` files in them are not processed, so an editable install of another checkout cannot take
+    the place of the first folder)."""
     folders = [str(Path(__file__).resolve().parents[2])]  # compiler/pipeline/triton.py -> the folder of compiler/
     paths = sysconfig.get_paths()
-    for folder in [paths["purelib"], paths["platlib"], *site.getsitepackages()]:
+    from_env = [str(Path(f).resolve()) for f in os.environ.get("PYTHONPATH", "").split(os.pathsep) if f]
+    for folder in [*from_env, paths["purelib"], paths["platlib"], *site.getsitepackages()]:
         if folder not in folders and Path(folder).is_dir():
             folders.append(folder)
     return tuple(folders)

@@ -257,6 +257,24 @@ def test_a_trtc_entry_holds_the_build_and_the_path_its_model_imports_from(dirs: 
         assert (folder / "1" / "build" / name).read_bytes() == (source / name).read_bytes()
 
 
+def test_a_trtc_entry_imports_from_pythonpath_before_site_packages(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """Proves: the folders of PYTHONPATH (which Triton's server does not inherit) follow the folder of the running
+    ``compiler`` package in the entry's path, in their order and before this interpreter's site-packages, so a
+    package that the exporting process imports from PYTHONPATH (an ONNX Runtime build) is the model's too."""
+    import sysconfig
+
+    from compiler.pipeline.triton import default_python_path
+
+    first, second = tmp_path / "ort", tmp_path / "site"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(first), "", str(second)]))
+    folders = default_python_path()
+    assert folders[1:3] == (str(first), str(second))
+    assert folders.index(str(second)) < folders.index(sysconfig.get_paths()["purelib"])
+
+
 def test_cli_writes_the_repository_and_refuses_to_overwrite(dirs: dict[str, Path], tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     result = CliRunner().invoke(cli, ["export-triton", str(dirs["mlp"]), "--repo", str(repo), "--name", "m", "-q"])
