@@ -117,7 +117,7 @@ class Serve:
                    str(self.ports[2]), "--max-wait-ms", f"{max_wait_ms:g}", "-q"]
         if preferred != "buckets":
             command += ["--preferred-batch-sizes", preferred]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                         env=env, start_new_session=True)
         self.lines: list[str] = []
