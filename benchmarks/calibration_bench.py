@@ -17,7 +17,7 @@ reports its own peak RSS (VmHWM) and wall and CPU time:
   estimate exceeds ``--ort-budget-gib`` (default 16, or 60% of the free memory if less).
 
 Both INT8 models are scored by the mean row cosine of their logits against FP32 on the held-out samples,
-Q/DQ executed exactly as TensorRT would (ort_session(..., exact_qdq=True)).
+Q/DQ executed exactly as TensorRT would (ort_session's SESSION_POLICY).
 
 Targets from the calibration issue: peak RSS at 1024 samples within 10% of the peak at 64, and calibration
 time at most 2x plain inference of the same samples (checked on the time without the gate).
@@ -227,7 +227,7 @@ def mean_cosine(fp32: Path, candidate: Path, eval_folder: Path) -> float:
     from calibration.accuracy import row_cosines
     from compiler.core.onnx_io import ort_session
 
-    reference, session = ort_session(fp32), ort_session(candidate, exact_qdq=True)
+    reference, session = ort_session(fp32), ort_session(candidate)
     cosines = [row_cosines(session.run(None, feed)[0], reference.run(None, feed)[0])
                for feed in batches(eval_folder, EVAL_SAMPLES)]
     return float(np.concatenate(cosines).mean())

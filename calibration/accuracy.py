@@ -232,12 +232,12 @@ class Evaluator:
         if emulate:
             proto = fp16_rounding_emulation(proto if proto is not None else load_onnx_by_reference(model))
         if proto is None:
-            runner = check_runner("onnxruntime", model, self.providers, exact_qdq=True, memory_arena=False)
+            runner = check_runner("onnxruntime", model, self.providers, memory_arena=False)
             runner.activate()
             return runner, False
         with TemporaryOnnxFile(proto, prefix="trtc-gate-") as path:
             del proto  # the emulation: ONNX Runtime reads the file
-            runner = check_runner("onnxruntime", str(path), self.providers, exact_qdq=True, memory_arena=False)
+            runner = check_runner("onnxruntime", str(path), self.providers, memory_arena=False)
             runner.activate()  # the session reads the file now, before the block removes it
             return runner, emulate
 

@@ -29,7 +29,7 @@ from calibration.observe import collect_histograms, collect_max_abs
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.weights import raise_opset
 from compiler.core.capabilities import checking_providers
-from compiler.core.errors import AccuracyGateError, CalibrationError
+from compiler.core.errors import AccuracyGateError, CalibrationError, first_line
 from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file
 from compiler.core.manifest import (
     MANIFEST,
@@ -41,7 +41,7 @@ from compiler.core.manifest import (
     verified_onnx,
     write_manifest,
 )
-from compiler.core.onnx_io import load_onnx_by_reference, onnx_files, save_onnx
+from compiler.core.onnx_io import load_onnx_by_reference, onnx_files, ort_session, save_onnx
 from compiler.core.progress import progress, stage_timer
 from compiler.core.settings import MIN_COMPUTE_CAPABILITY, CalibrationSettings
 from compiler.core.specs import ModelSpec
@@ -154,6 +154,7 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
     out = stage / ONNX_NAMES[settings.precision]
     final = result.model if result is not None else ungated_model
     save_onnx(final, out)
+    _check_serving_load(out, spec)
     onnx_record = FileRecord.for_onnx(stage, out)
     if settings.precision in MIN_COMPUTE_CAPABILITY:  # what engines built from this graph need
         needed = ".".join(map(str, MIN_COMPUTE_CAPABILITY[settings.precision][0]))
@@ -184,6 +185,25 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
     return CalibrationOutcome(replace(record, fp16={
         "fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"],
         "range_provider": details["fp16_range_provider"]}))
+
+
+def _check_serving_load(path: Path, spec: ModelSpec) -> None:
+    """Load ``path`` as ``compiler.load`` and ``trtc bench`` do (``ort_session``: the one session policy) on every
+    provider the checks and serving use here, and run one example batch: a file ONNX Runtime would refuse at load
+    time is never written. Raises ``CalibrationError`` naming the provider and ONNX Runtime's first line."""
+    providers = checking_providers()
+    feed = spec.example_feed(1)
+    for chosen in dict.fromkeys([providers[0], "CPUExecutionProvider"]):
+        mark(f"{path.name}: load check on {chosen}")
+        try:
+            session = ort_session(path, list(dict.fromkeys([chosen, "CPUExecutionProvider"])))
+            session.run(None, feed)
+        except Exception as err:  # onnxruntime's pybind errors share no narrower base class
+            raise CalibrationError(f"{path.name}: ONNX Runtime's {chosen} does not run it as trtc serves it "
+                                   f"({first_line(err)}); nothing was written: keep the node it names in FP32 "
+                                   "(--keep-fp32 NODE), and please report it") from err
+        del session
+    log.debug("%s loads and runs on %s", path.name, ", ".join(dict.fromkeys([providers[0], "CPUExecutionProvider"])))
 
 
 def _earlier_reports(path: Path) -> dict[str, Any]:

@@ -21,11 +21,11 @@ class OnnxRuntimeRunner(Runner):
     """
 
     def __init__(self, model: str | Path | Any, providers: Sequence[Any] | None = None, *, threads: int = 0,
-                 exact_qdq: bool = False, memory_arena: bool = True, outputs: Sequence[str] | None = None) -> None:
+                 memory_arena: bool = True, outputs: Sequence[str] | None = None) -> None:
         super().__init__()
         self.model = model
         self.providers = list(providers) if providers else None
-        self.threads, self.exact_qdq, self.memory_arena = threads, exact_qdq, memory_arena
+        self.threads, self.memory_arena = threads, memory_arena
         self._wanted = list(outputs) if outputs is not None else None
         self.name = "onnxruntime"
         self.provider = ""
@@ -38,7 +38,7 @@ class OnnxRuntimeRunner(Runner):
         from compiler.core.onnx_io import ort_session
 
         self.providers = self.providers or ort_providers()
-        self.session = ort_session(self.model, self.providers, threads=self.threads, exact_qdq=self.exact_qdq,
+        self.session = ort_session(self.model, self.providers, threads=self.threads,
                                    memory_arena=self.memory_arena)
         self.provider = provider = self.session.get_providers()[0]  # what it runs on
         self.name = f"onnxruntime[{provider}]"

@@ -116,8 +116,8 @@ def checking_providers(available: list[str] | None = None, cuda: bool | None = N
 
     ONNX Runtime's CUDA provider first where it is installed and a CUDA device is visible, then the CPU;
     never the TensorRT provider, which would build engines and choose precisions of its own. ``available``
-    (ONNX Runtime's provider list) and ``cuda`` (a device is visible) default to this machine's. Q/DQ stays
-    exact on either provider (``ort_session(exact_qdq=True)`` keeps the pairs unfused).
+    (ONNX Runtime's provider list) and ``cuda`` (a device is visible) default to this machine's. Q/DQ runs
+    as written on either provider (``onnx_io.SESSION_POLICY``).
     """
     if available is None:
         import onnxruntime as ort

@@ -22,7 +22,8 @@ from onnx import numpy_helper
 from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "onnx_files", "ort_session",
-           "SESSION_POLICY", "SessionRule", "graph_holds", "session_rules", "TemporaryOnnxFile", "outer_scope_names",
+           "SESSION_POLICY", "SessionRule", "graph_holds", "session_rules", "ort_log_severity", "TemporaryOnnxFile",
+           "outer_scope_names",
            "copy_fields", "weightless_copy",
            "MAX_IR_VERSION"]
 
@@ -212,20 +213,32 @@ def onnx_files(path: str | os.PathLike[str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class SessionRule:
-    """ONNX Runtime graph transformers a graph that holds ``what`` runs without, and why (measured, ONNX Runtime
-    1.31 on the CPU; the graph run with every optimization off is the reference)."""
+    """What a session of a graph that holds ``what`` runs without, and why (measured, ONNX Runtime 1.31 on the CPU;
+    the graph run with every optimization off is the reference): graph transformers turned off by name
+    (``disabled_optimizers``) and session config entries (``config``, (key, value) pairs)."""
 
     what: str
     disabled_optimizers: tuple[str, ...]
     why: str
+    config: tuple[tuple[str, str], ...] = ()
 
 
-# The session options trtc runs a graph with, by what the graph holds: the one policy, for the accuracy gate, the
-# bench and serving alike (every session trtc makes comes from ``ort_session``). A graph that holds none of these
-# runs with every optimization on. QDQSelectorActionTransformer is the pass that rewrites DequantizeLinear ->
-# MatMul groups into ONNX Runtime's own quantized kernels; without it the Q/DQ run as written, every other
-# optimization (constant folding, layout, fusions of the float graph) stays on.
+# The session options trtc runs a graph with, by what the graph holds: the one policy for every run of a build's
+# graphs (export checks, calibration, the accuracy gate, bench, serving, the load check before a precision file is
+# written): every session trtc makes comes from ``ort_session``. A graph that holds none of these runs with every
+# optimization on. QDQSelectorActionTransformer is the pass that rewrites DequantizeLinear -> op -> QuantizeLinear
+# groups into ONNX Runtime's own quantized kernels (QLinearConv, QLinearConcat, MatMulIntegerToFloat, MatMulNBits);
+# ``session.disable_quant_qdq`` turns it off with ONNX Runtime's other Q/DQ rewrites (propagation, bias
+# quantization, pair removal): the Q/DQ then run as written, every other optimization (constant folding, layout,
+# fusions of the float graph) stays on. Those rewrites apply to nodes on the CPU provider only.
 SESSION_POLICY: dict[str, SessionRule] = {
+    "qdq": SessionRule("Q/DQ", (),
+                       "ONNX Runtime's Q/DQ fusions change or break valid Q/DQ graphs: the Q/DQ of FP16 tensors have "
+                       "FP16 scales, and QLinearConcat, what the Q/DQ around a Concat become, takes FP32 scales only "
+                       "(the session fails to load: SegFormer's decoder, an upsampled branch concatenated with "
+                       "another); the fused u8s8 kernels saturate intermediate sums on x86 CPUs without VNNI, "
+                       "which TensorRT does not",
+                       config=(("session.disable_quant_qdq", "1"),)),
     "fp8": SessionRule("FP8 Q/DQ", ("QDQSelectorActionTransformer", "WeightBiasQuantization"),
                        "QDQSelectorActionTransformer rewrites an FP8 DequantizeLinear -> MatMul into "
                        "MatMulIntegerToFloat, which takes no FP8 input: the session fails to load (level extended or "
@@ -238,11 +251,13 @@ SESSION_POLICY: dict[str, SessionRule] = {
 _FP8_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ, onnx.TensorProto.FLOAT8E5M2,
                         onnx.TensorProto.FLOAT8E5M2FNUZ})
 _INT4_TYPES = frozenset({onnx.TensorProto.INT4, onnx.TensorProto.UINT4})
+_QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 
 def graph_holds(model: onnx.ModelProto) -> frozenset[str]:
-    """Which of ``SESSION_POLICY``'s kinds the main graph holds: ``fp8`` (an FP8 initializer, zero point or
-    Q/DQ output type), ``int4`` (an INT4/UINT4 initializer, or a DequantizeLinear with ``block_size``)."""
+    """Which of ``SESSION_POLICY``'s kinds the main graph holds: ``qdq`` (a QuantizeLinear or DequantizeLinear),
+    ``fp8`` (an FP8 initializer, zero point or Q/DQ output type), ``int4`` (an INT4/UINT4 initializer, or a
+    DequantizeLinear with ``block_size``)."""
     graph = model.graph
     types = {t.data_type for t in graph.initializer}
     types |= {vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.output, *graph.value_info]}
@@ -253,6 +268,8 @@ def graph_holds(model: onnx.ModelProto) -> frozenset[str]:
             elif attr.name == "output_dtype" and attr.type == onnx.AttributeProto.INT:
                 types.add(attr.i)
     held = set()
+    if any(n.op_type in _QDQ_OPS for n in graph.node):
+        held.add("qdq")
     if types & _FP8_TYPES:
         held.add("fp8")
     if types & _INT4_TYPES or any(n.op_type == "DequantizeLinear" and any(a.name == "block_size" for a in n.attribute)
@@ -268,28 +285,43 @@ def session_rules(model: str | os.PathLike[str] | onnx.ModelProto) -> list[Sessi
     return [rule for kind, rule in SESSION_POLICY.items() if kind in held]
 
 
-def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[str] | None = None,
-                threads: int = 0, exact_qdq: bool = False, weights_dir: str | os.PathLike[str] | None = None,
-                memory_arena: bool = True, in_node_order: bool = False, spinning: bool = True) -> Any:
-    """An ONNX Runtime session on the given model (path or in-memory proto), all graph optimizations on except those
-    ``SESSION_POLICY`` turns off for what the graph holds (FP8 Q/DQ, INT4 weights: ``session_rules``).
+# ONNX Runtime's log severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
+_ORT_WARNING, _ORT_ERROR = 2, 3
 
-    ``exact_qdq`` runs Q/DQ pairs as written instead of fusing them into ONNX Runtime's integer
-    kernels: on x86 CPUs without VNNI those saturate intermediate sums (u8s8 pmaddubsw) and give
-    errors TensorRT does not have, so accuracy checks of Q/DQ models use it. ``weights_dir``: where the
+
+def ort_log_severity() -> int:
+    """The severity from which ONNX Runtime's own log lines are shown: its warnings (optimizer notes such as "could
+    not constant fold", hundreds for a large model) when this module's logger is enabled for DEBUG (``trtc ...
+    --verbose``), else errors only."""
+    return _ORT_WARNING if log.isEnabledFor(logging.DEBUG) else _ORT_ERROR
+
+
+def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[Any] | None = None,
+                threads: int = 0, weights_dir: str | os.PathLike[str] | None = None,
+                memory_arena: bool = True, in_node_order: bool = False, spinning: bool = True) -> Any:
+    """An ONNX Runtime session on the given model (path or in-memory proto): every ONNX Runtime run trtc makes.
+    All graph optimizations are on except those ``SESSION_POLICY`` turns off for what the graph holds (Q/DQ,
+    FP8 Q/DQ, INT4 weights: ``session_rules``), so the accuracy gate, bench and serving run a graph alike; ONNX
+    Runtime logs at ``ort_log_severity()``.
+
+    The options are about execution only, never about what the graph computes: ``weights_dir``: where the
     external data of an in-memory proto lives (its graph alone then costs no copy of the weights).
     ``memory_arena=False`` returns each run's CPU buffers instead of keeping an arena sized by the largest
     run (rounded up to a power of two): slower by a few percent, but memory follows what is live.
     ``in_node_order`` runs nodes in the graph's order where ONNX Runtime may choose (priority-based order).
     ``spinning=False``: ONNX Runtime's idle threads sleep instead of spinning for work (serving sessions, which
-    share the cores with the server's own threads).
+    share the cores with the server's own threads). ``providers``: names or (name, options) pairs, default the CPU.
     """
     import onnxruntime as ort
 
+    severity = ort_log_severity()
+    ort.set_default_logger_severity(severity)  # the optimizers log through the default logger, not the session's
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    if exact_qdq:
-        opts.add_session_config_entry("session.disable_quant_qdq", "1")
+    opts.log_severity_level = severity
+    rules = session_rules(model)
+    for rule in rules:
+        for key, value in rule.config:
+            opts.add_session_config_entry(key, value)
     if weights_dir is not None:
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
     if threads:
@@ -304,10 +336,11 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
     if providers and any(p != "CPUExecutionProvider" for p in providers) and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     providers = providers or ["CPUExecutionProvider"]
-    disabled = sorted({name for rule in session_rules(model) for name in rule.disabled_optimizers})
+    disabled = sorted({name for rule in rules for name in rule.disabled_optimizers})
     extra: dict[str, Any] = {"disabled_optimizers": disabled} if disabled else {}
-    if disabled:
-        log.debug("ONNX Runtime session without %s (what the graph holds: SESSION_POLICY)", ", ".join(disabled))
+    if rules:
+        log.debug("ONNX Runtime session without %s (what the graph holds: SESSION_POLICY)",
+                  ", ".join([*disabled, *(f"{k}={v}" for r in rules for k, v in r.config)]))
     if isinstance(model, onnx.ModelProto) and _weight_bytes(model) > _PROTO_LIMIT:
         # protobuf cannot serialize 2 GiB: ONNX Runtime reads it from files (removed once it has loaded them)
         with TemporaryOnnxFile(model) as path:

@@ -122,7 +122,7 @@ def calibrate(directory: Path, *args: str | Path) -> Result:
 
 def top1(exported: Exported, onnx_path: Path) -> float:
     """Top-1 on the held-out digits in a fresh ORT session, Q/DQ run exactly as written."""
-    session = ort_session(onnx_path, exact_qdq=True)
+    session = ort_session(onnx_path)
     logits = session.run(None, {exported.input_name: exported.test_x})[0]
     return float((logits.argmax(axis=1) == exported.test_y).mean())
 

@@ -71,7 +71,7 @@ def test_int4_model_puts_the_linear_layers_in_int4_and_runs_as_its_weights_say()
     inits = {t.name: t for t in quantized.graph.initializer}
     assert {inits[n.input[0]].data_type for n in dqs.values()} == {TensorProto.INT4}
     assert "w1" not in inits and "w3" in inits
-    assert graph_holds(quantized) == {"int4"} and session_rules(quantized)
+    assert graph_holds(quantized) == {"qdq", "int4"} and session_rules(quantized)
     x = RNG.standard_normal((8, 64)).astype(np.float32)
     got = ort_session(quantized).run(None, {"x": x})[0]
     q1, s1 = int4_weight(onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w1")), 0, 32)
@@ -148,7 +148,7 @@ def test_calibrate_int4_writes_a_smaller_gated_graph_that_runs_as_unoptimized(tr
     assert manifest["precision"] == "int4" and entry["method"] == "awq" and entry["layers"] > 0
     assert entry["bytes"] == manifest["onnx"]["int4"]["bytes"] < entry["fp32_bytes"]
     path = directory / "model.int4.onnx"
-    assert graph_holds(onnx.load(str(path), load_external_data=False)) == {"int4"}
+    assert graph_holds(onnx.load(str(path), load_external_data=False)) == {"qdq", "int4"}
     feed = dict(np.load(transformer_export / "eval.npz"))
     got = ort_session(path).run(None, feed)[0]
     opts = ort.SessionOptions()

@@ -46,7 +46,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _cosines(fp32: Path, candidate: Path, eval_dir: Path, channels: np.ndarray | None) -> np.ndarray:
-    reference, session = ort_session(fp32), ort_session(candidate, exact_qdq=True)
+    reference, session = ort_session(fp32), ort_session(candidate)
     out = []
     for path in sorted(eval_dir.glob("*.npz")):
         feed = dict(np.load(path))

@@ -118,7 +118,7 @@ def calibrated(encoder: Encoder, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def real_token_cosines(encoder: Encoder, candidate: Path) -> np.ndarray:
     """Cosine of each real token's embedding, candidate (Q/DQ run exactly) vs the FP32 export, on eval data."""
     reference = ort_session(encoder.directory / "model.onnx")
-    session = ort_session(candidate, exact_qdq=True)
+    session = ort_session(candidate)
     cosines = []
     for path in sorted(encoder.eval.glob("*.npz")):
         feed = dict(np.load(path))
