@@ -58,11 +58,22 @@ class AccuracyResult:
     warnings: list[str] = field(default_factory=list)  # degenerate references: all zero, constant
     provider: str = "CPUExecutionProvider"
     fp16_emulated: bool = False  # an FP16 candidate ran as fp16_rounding_emulation (on the CPU)
+    scored: int | None = None  # samples with a cosine on the output that has the most; None: not counted
+    samples: int | None = None  # evaluation samples
+
+    @property
+    def nothing_scored(self) -> bool:
+        """No sample has a cosine on any output (every FP32 output all zero on every sample): nothing was proven."""
+        return self.metric == "cosine" and self.scored == 0
 
     def to_dict(self) -> dict[str, Any]:
         return _json_safe(asdict(self))
 
     def summary(self) -> str:
+        if self.nothing_scored:
+            names = ", ".join(self.per_output) or "every output"
+            return (f"no sample scored: FP32 output {names} is all zero on every one of the {self.samples} evaluation "
+                    "samples, so no cosine exists (a zero-initialised head? check the weights and --eval-data)")
         cosine = "n/a (all-zero FP32 outputs)" if np.isnan(self.cosine_mean) else f"{self.cosine_mean:.5f}"
         where = f" on output {self.worst_output}" if self.worst_output and len(self.per_output) > 1 else ""
         if self.metric == "top1":
@@ -263,11 +274,13 @@ class Evaluator:
                 del outs
         runner.release()
         per_output: dict[str, dict[str, float | None]] = {}
+        scored, samples = 0, 0
         for name, parts in cosines.items():
             if not parts:
                 continue
             cos = np.concatenate(parts)
             known = cos[~np.isnan(cos)]
+            scored, samples = max(scored, known.size), max(samples, cos.size)
             per_output[name] = {"cosine_mean": float(known.mean()) if known.size else float("nan"),
                                 "cosine_min": float(known.min()) if known.size else float("nan"),
                                 "max_abs": max_abs[name]}
@@ -277,10 +290,10 @@ class Evaluator:
                 and not np.isnan(float(v["cosine_min"]))]
         low = min(mins) if mins else float("nan")
         worst_abs = max(max_abs.values()) if max_abs else 0.0
-        # nothing comparable (every FP32 sample all zero): pass only if the candidate is exactly zero too
-        cos_ok = worst_abs == 0.0 if np.isnan(mean) else mean >= self.settings.min_cosine
+        # nothing comparable (every FP32 sample of every output all zero): nothing proven, no pass
+        cos_ok = bool(scored) and mean >= self.settings.min_cosine
         result = AccuracyResult("cosine", cos_ok, None, None, None, mean, low, worst_abs, worst, per_output,
-                                list(self.warnings), provider, emulated)
+                                list(self.warnings), provider, emulated, scored, samples)
         if self.labels is not None:
             result.metric, result.fp32_top1, result.top1 = "top1", self.fp32_top1, self._top1(predictions)
             result.drop_points = 100 * ((self.fp32_top1 or 0) - result.top1)
@@ -420,8 +433,8 @@ def gate_with_fallback(build: Callable[[frozenset[str]], onnx.ModelProto], layer
     result = evaluator.evaluate(model)
     outcome = GateOutcome(model, result, history=[{"excluded": [], **result.to_dict()}])
     log.info("%s accuracy: %s -> %s", what, result.summary(), "pass" if result.passed else "FAIL")
-    if result.passed or not layers or settings.max_fallback == 0:
-        return outcome
+    if result.passed or not layers or settings.max_fallback == 0 or result.nothing_scored:
+        return outcome  # with nothing scored, no layer kept out can make the gate pass
     if reference is None:
         raise ValueError("gate_with_fallback needs the FP32 reference model to rank layers")
     start = time.perf_counter()

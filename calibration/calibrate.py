@@ -145,6 +145,9 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
         report["ranking_seconds"] = result.ranking_seconds
     reports = _earlier_reports(stage / ACCURACY_JSON)
     atomic_write_json(stage / ACCURACY_JSON, {**reports, settings.precision: report})
+    if result is not None and result.result.nothing_scored:
+        return CalibrationOutcome(None, f"the {settings.precision} accuracy gate cannot pass: "
+                                        f"{result.result.summary()}")
     if result is not None and not result.result.passed:
         # the caller names where the report is
         message = (f"the {settings.precision} model misses the accuracy gate ({result.result.summary()}) even with "

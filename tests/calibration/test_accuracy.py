@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 import pytest
+import torch
+from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
+from torch import nn
 
 from calibration.accuracy import Evaluator, sample_cosines
 from calibration.fp16 import fp16_model_from
 from calibration.fp16_policy import Fp16Policy
 from calibration.fp16_rounding import fp16_rounding_emulation
+from compiler.cli import cli
 from compiler.core.capabilities import checking_providers
 from compiler.core.onnx_io import ort_session
 from compiler.core.settings import GateSettings
@@ -125,6 +130,9 @@ def test_whole_output_cosine_is_per_sample_not_per_row() -> None:
 
 
 def test_all_zero_reference_warns_and_does_not_score_one(caplog: pytest.LogCaptureFixture) -> None:
+    """An FP32 output that is all zero on every sample warns, scores no sample (no cosine: NaN, null in JSON),
+    and the gate refuses to pass on it, even for a candidate that is exactly zero too, with a summary that names
+    the cause; a candidate that is not zero there fails as well."""
     zero = _scale_chain([0.0])
     batches = [{"x": X}]
     with caplog.at_level("WARNING"):
@@ -132,9 +140,11 @@ def test_all_zero_reference_warns_and_does_not_score_one(caplog: pytest.LogCaptu
     assert any("all zero on 4 of 4 samples" in w for w in evaluator.warnings)
     assert "all zero" in caplog.text
     same = evaluator.evaluate(zero)
-    assert np.isnan(same.cosine_mean) and same.passed and same.warnings  # identical zeros: passes, with warnings
+    assert np.isnan(same.cosine_mean) and same.warnings and (same.scored, same.samples) == (0, 4)
+    assert not same.passed and same.nothing_scored  # identical zeros prove nothing
     assert json.loads(json.dumps(same.to_dict(), allow_nan=False))["cosine_mean"] is None
-    assert "n/a" in same.summary()
+    assert same.summary().startswith("no sample scored: FP32 output") and "all zero on every one of the 4" in \
+        same.summary()
     assert not evaluator.evaluate(_scale_chain([1.0])).passed  # non-zero where FP32 is zero
 
 
@@ -290,3 +300,32 @@ def test_layer_ranking_in_slices_is_exact() -> None:
     batches = [{"x": np.random.default_rng(4).standard_normal((9, 4)).astype(np.float32) * 300}]
     errors = [layer_errors(candidate, model, ["mm"], batches, budget_bytes=b) for b in (1, 1 << 30)]
     assert errors[0]["mm"] > 0 and errors[0] == pytest.approx(errors[1], rel=1e-9)
+
+
+def zero_head() -> nn.Module:
+    """A small MLP whose last layer is zero-initialised (weights and bias): its FP32 output is zero for every input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    nn.init.zeros_(model[2].weight)
+    nn.init.zeros_(model[2].bias)
+    return model.eval()
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_a_gate_that_scores_no_sample_fails_in_one_line(tmp_path: Path, precision: str) -> None:
+    """`trtc build` of a model whose only output is all zero on every evaluation sample exits 3 with one line
+    that names the cause (no sample scored, the output, the sample count) instead of passing on zero samples;
+    no reduced graph is written, no traceback is printed."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((32, 16)).astype(np.float32))
+    np.savez(tmp_path / "eval.npz", x=rng.standard_normal((16, 16)).astype(np.float32))
+    out = tmp_path / "m"
+    result = CliRunner().invoke(cli, ["build", "-q", "--model-factory", f"{__name__}:zero_head", "--input", "x:Bx16",
+                                      f"--{precision}", "--buckets", "1,4", "--calib-data", str(tmp_path / "calib.npz"),
+                                      "--eval-data", str(tmp_path / "eval.npz"), "--engine", "none", "--out",
+                                      str(out)])
+    assert result.exit_code == 3, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith(f"error: the {precision} accuracy gate cannot pass: no sample scored: FP32 output")
+    assert "all zero on every one of the 16 evaluation samples" in last and "Traceback" not in result.output
+    assert not list(out.rglob(f"model.{precision}.onnx"))
