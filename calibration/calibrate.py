@@ -276,12 +276,13 @@ def _qdq(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, d
         record = {"model_sha256": model_sha, "method": settings.method, "percentile": settings.percentile,
                   "data": data.to_dict(), "seconds": round(time.perf_counter() - start, 2),
                   "provider": checking_providers()[0], "binned_on": stats.binned_on,
-                  "excluded_values": stats.excluded,
+                  "excluded_values": stats.excluded, "infinite_values": stats.infinite,
                   "amax": amax}
         if stats.max_abs is not None:
             record["max_abs"] = stats.max_abs
         log.info("calibrated %d tensors on %d samples in %.1f s (%s)", len(amax), data.samples,
                  record["seconds"], settings.method)
+    policy = _without_infinite_inputs(model, policy, record.get("infinite_values") or {}, what)
     max_abs = None if settings.fp32_rest else _float_ranges(model, fp32_path, record, data, settings)
     atomic_write_json(stage / cache_file, record)
     fp16_policy = Fp16Policy(keep_fp32=frozenset(settings.keep_fp32))
@@ -332,6 +333,22 @@ def _qdq(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, d
         details["node_precisions"] = _precisions(model, qreport.quantized_nodes, freport, precision)
     _log_precisions(details["node_precisions"], precision)
     return outcome, details
+
+
+def _without_infinite_inputs(model: onnx.ModelProto, policy: QdqPolicy, infinite: dict[str, int],
+                             what: str) -> QdqPolicy:
+    """``policy`` with the nodes that read a tensor holding the model's own infinities (calibration/masks.py) kept
+    out of the Q/DQ precision: a quantized infinity becomes the largest finite level, which the mask downstream no
+    longer removes."""
+    if not infinite:
+        return policy
+    quantizable = set(quantizable_nodes(model, policy))
+    held = sorted(n.name for n in model.graph.node if n.name in quantizable and not infinite.keys().isdisjoint(n.input))
+    if not held:
+        return policy
+    log.info("kept %d node(s) out of %s: they read the model's own infinities (%s)", len(held), what,
+             ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else ""))
+    return replace(policy, exclude_nodes=policy.exclude_nodes | set(held))
 
 
 def _precisions(model: onnx.ModelProto, quantized: list[str], report: Fp16Report | None, precision: str,

@@ -26,8 +26,12 @@ conditions) and stopping at Softmax, which turns a masked score into a probabili
 score of -1000 already has weight exp(-1000) == 0 in FP32, so no value that matters is lost. Values
 below the threshold outside the cone (large real activations) are kept.
 
-NaN anywhere, and +-inf other than a mask bias, in a value that is kept raises ``CalibrationError``
-naming the batch and the tensor.
+*The model's own infinities.* The calibration inputs are finite (``calibration/data.py`` checks every sample),
+so an infinite value inside the graph is the model's own: T5's relative-position bucketing takes log(0) = -inf
+and masks it away with a Where. Such values are left out of the statistics as mask biases are, and counted
+(``kept_values`` returns how many), so that calibration keeps those tensors out of INT8; FP16 stores inf as it
+is. An infinite value in a graph output is no such mask: it raises, as NaN anywhere does, a
+``CalibrationError`` naming the batch and the tensor.
 
 Arrays are numpy arrays, or torch tensors on one device when the probe bins on a GPU: the same indexing
 works on either.
@@ -49,7 +53,7 @@ from compiler.core.errors import CalibrationError
 from compiler.core.onnx_io import outer_scope_names
 
 __all__ = ["DEFAULT_MASK_BIAS_THRESHOLD", "mask_bias_cone", "padding_mask_inputs", "padding_mask", "kept_values",
-           "check_finite", "log_exclusions"]
+           "check_finite", "finite_values", "log_exclusions", "log_infinities"]
 
 log = logging.getLogger(__name__)
 
@@ -146,21 +150,41 @@ def padding_mask(feed: dict[str, np.ndarray], masks: tuple[str, ...]) -> np.ndar
 
 
 def kept_values(index: int, name: str, array: Any, mask: Any, in_cone: bool, exclude_masked: bool,
-                threshold: float) -> Any:
-    """The flattened values of tensor ``name`` of batch ``index`` that enter the statistics.
+                threshold: float, is_output: bool = False) -> tuple[Any, int]:
+    """The flattened values of tensor ``name`` of batch ``index`` that enter the statistics, and how many of its
+    values were the model's own infinities (left out: the module docstring).
 
     ``mask`` is the batch's padding mask (or None); ``in_cone`` says whether the tensor lies in the mask-bias
-    cone. Raises CalibrationError on NaN, or on Inf that is not a mask bias.
+    cone; ``is_output``: it is a graph output. Raises CalibrationError on NaN, or on Inf in a graph output that is
+    not a mask bias.
     """
     if mask is not None:
         array = _unpadded(array, mask, in_cone)
     flat = array.ravel()
-    if not in_cone:
+    if in_cone:
+        biases = flat <= -threshold
+        check_finite(index, name, flat[~biases])
+        return (flat[~biases] if exclude_masked else flat), 0
+    if is_output:
         check_finite(index, name, flat)
-        return flat
-    biases = flat <= -threshold
-    check_finite(index, name, flat[~biases])
-    return flat[~biases] if exclude_masked else flat
+        return flat, 0
+    return finite_values(index, name, flat)
+
+
+def finite_values(index: int, name: str, flat: Any) -> tuple[Any, int]:
+    """The finite values of ``flat`` (numpy or torch) and the count of infinite ones; raises on NaN."""
+    infinite: Any
+    if isinstance(flat, np.ndarray):
+        infinite = np.isinf(flat)
+        count, nan = int(np.count_nonzero(infinite)), bool(np.isnan(flat).any())
+    else:
+        import torch
+
+        infinite = torch.isinf(flat)
+        count, nan = int(infinite.sum()), bool(torch.isnan(flat).any())
+    if nan:
+        check_finite(index, name, flat)
+    return (flat[~infinite] if count else flat), count
 
 
 def _unpadded(array: Any, mask: Any, in_cone: bool) -> Any:
@@ -197,3 +221,16 @@ def log_exclusions(excluded: dict[str, int], threshold: float) -> None:
                  sum(touched.values()), len(touched), threshold)
     for name, count in touched.items():
         log.debug("left %d values of %s out of its histogram", count, name)
+
+
+def log_infinities(infinite: dict[str, int]) -> None:
+    """Log the tensors that held the model's own infinities (``infinite``: tensor -> count of values)."""
+    touched = {name: count for name, count in infinite.items() if count}
+    if not touched:
+        return
+    names = sorted(touched)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    log.info("%d tensor(s) hold infinities the model computes from finite inputs (%s; log(0) masked downstream, "
+             "say): left out of their ranges, and out of INT8", len(names), shown)
+    for name in names:
+        log.debug("%s: %d infinite value(s) left out of its range", name, touched[name])

@@ -29,13 +29,14 @@ from onnx import TensorProto, helper
 
 from calibration.masks import (
     DEFAULT_MASK_BIAS_THRESHOLD,
-    check_finite,
     kept_values,
     log_exclusions,
+    log_infinities,
     mask_bias_cone,
     padding_mask,
     padding_mask_inputs,
 )
+from calibration.max_abs import add_max_abs_reductions, input_max_abs, scalar_max_abs
 from calibration.statistics import DEFAULT_BINS, AbsHistogram, CalibrationStats
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
@@ -81,13 +82,16 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     device's free memory) instead of ``budget_bytes``. ``device="cpu"`` runs that path on host tensors (the
     tests compare it with numpy); ``device="host"`` keeps the host path (numpy) whatever the provider, as
     ``"auto"`` does on a machine without a GPU.
+    Infinities the model computes from finite inputs (calibration/masks.py) stay out of the histograms and of
+    the max |x|, and are counted per tensor in ``CalibrationStats.infinite``.
     Raises CalibrationError for an unknown tensor, a batch that lacks an input or that ONNX Runtime rejects,
-    NaN or Inf in a kept value (or in a max |x| tensor, mask biases aside), or no batches at all.
+    NaN in a kept value or a max |x| tensor, Inf in a graph output (mask biases aside), or no batches at all.
     """
     histograms = {name: AbsHistogram(num_bins) for name in dict.fromkeys(tensor_names)}
     reduced_names = tuple(dict.fromkeys(max_abs_names))
     maxima = dict.fromkeys(reduced_names, 0.0)
     excluded = dict.fromkeys(histograms, 0)
+    infinite: dict[str, int] = {}
     count = samples = 0
     chosen: list[str | None] = []
     # Binning batch n runs on worker threads (numpy releases the GIL) while ONNX Runtime computes batch
@@ -105,6 +109,8 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
                 maxima[name] = max(maxima[name], value)
             for name in observed.values:
                 excluded[name] += observed.excluded[name]
+            for name, n in observed.infinite.items():
+                infinite[name] = infinite.get(name, 0) + n
             if chosen[0] is None:
                 pending = [pool.submit(histograms[name].update, values) for name, values in observed.values.items()]
             else:
@@ -119,11 +125,12 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
         for future in pending:
             future.result()
     log_exclusions(excluded, mask_bias_threshold)
+    log_infinities(infinite)
     binned_on = (chosen[0] if chosen else None) or "host"
     log.info("collected |x| histograms of %d tensors from %d batches (%d samples), binned on %s", len(histograms),
              count, samples, binned_on)
     return CalibrationStats(histograms, count, samples, {k: v for k, v in excluded.items() if v},
-                            maxima if reduced_names else None, binned_on)
+                            maxima if reduced_names else None, binned_on, {k: v for k, v in infinite.items() if v})
 
 
 def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_names: list[str],
@@ -140,10 +147,12 @@ def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_name
     ``collect_histograms``' ``max_abs_names`` are: only one number per tensor leaves ONNX Runtime, which
     keeps reusing its buffers, so memory is that of plain inference however many tensors are measured,
     and each batch runs whole (``budget_bytes`` then does not apply). ``progress`` gets the number of
-    samples after each run.
+    samples after each run. The model's own infinities (calibration/masks.py) are left out of the max: FP16
+    stores an infinity as it is.
     """
     names = list(dict.fromkeys(tensor_names))
     maxima = dict.fromkeys(names, 0.0)
+    infinite: dict[str, int] = {}
     exposed, reduced = (names, ()) if exclude_masked else ([], tuple(names))
     for observed in _observed_batches(model, exposed, batches, providers, exclude_masked, mask_bias_threshold,
                                       budget_bytes, reduced):
@@ -152,8 +161,11 @@ def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_name
         for name, values in observed.values.items():
             if values.size:  # max and -min: no |x| copy of the tensor
                 maxima[name] = max(maxima[name], float(values.max()), -float(values.min()))
+        for name, n in observed.infinite.items():
+            infinite[name] = infinite.get(name, 0) + n
         if progress is not None:
             progress(observed.samples)
+    log_infinities(infinite)
     return maxima
 
 
@@ -201,48 +213,6 @@ def collect_channel_samples(model: onnx.ModelProto | str | os.PathLike[str], cha
     return {name: ChannelSamples(sums[name] / max(1, seen[name]), kept[name], seen[name]) for name in channels}
 
 
-def _add_max_abs_reductions(graph: onnx.GraphProto, names: Iterable[str], types: dict[str, int]) -> dict[str, str]:
-    """Add Abs + ReduceMax of each tensor in ``names`` (node outputs) as scalar graph outputs; {tensor: output}.
-
-    Each reduction goes right after the node producing its tensor: run in graph order (``in_node_order``),
-    a tensor is still freed once its last consumer ran, so the activations live as long as in plain inference.
-    """
-    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | {o.name for o in graph.output}
-    reduced: dict[str, str] = {}
-    reductions: dict[str, list[onnx.NodeProto]] = {}
-    for name in names:
-        stem = f"{name}__absmax"
-        while stem in taken or f"{stem}_abs" in taken:
-            stem += "_"
-        taken.update({stem, f"{stem}_abs"})
-        reductions[name] = [helper.make_node("Abs", [name], [f"{stem}_abs"], name=f"{stem}_abs"),
-                            helper.make_node("ReduceMax", [f"{stem}_abs"], [stem], name=stem, keepdims=0)]
-        graph.output.append(helper.make_tensor_value_info(stem, types.get(name, TensorProto.FLOAT), []))
-        reduced[name] = stem
-    nodes = list(graph.node)
-    del graph.node[:]
-    for node in nodes:
-        graph.node.append(node)
-        for out in node.output:
-            graph.node.extend(reductions.get(out, []))
-    return reduced
-
-
-def _scalar_max_abs(index: int, name: str, value: float, in_cone: bool) -> float:
-    """A tensor's max |x| from its in-graph reduction; NaN, and Inf outside the mask-bias cone, raise."""
-    if math.isnan(value) or (math.isinf(value) and not in_cone):
-        raise CalibrationError(f"batch {index}: tensor {name!r} has NaN or Inf values; check that batch's "
-                               "data (scaling, dtype, uninitialised arrays) or the model")
-    return value
-
-
-def _input_max_abs(index: int, name: str, array: np.ndarray, in_cone: bool, threshold: float) -> float:
-    """The max |x| of a graph input read from the feed, every value counted (mask biases too)."""
-    flat = array.ravel()
-    check_finite(index, name, flat[flat > -threshold] if in_cone else flat)
-    return max(float(flat.max()), -float(flat.min())) if flat.size else 0.0
-
-
 @dataclass(frozen=True)
 class _Probe:
     """The model with the requested tensors exposed, and what the masking rules need to know about it."""
@@ -255,7 +225,14 @@ class _Probe:
     bias_cone: frozenset[str]
     weights_dir: Path | None = None  # loaded from a file without its external weights, which stay there
     max_abs_names: tuple[str, ...] = ()  # tensors whose max |x| (all values) is measured too
-    reduced: dict[str, str] = field(default_factory=dict)  # of those computed by nodes: the in-graph scalar output
+    # of those computed by nodes: the in-graph scalar outputs (max |x| of finite values, count of infinite ones)
+    reduced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    outputs: frozenset[str] = frozenset()  # the model's own graph outputs
+
+    @property
+    def reduced_outputs(self) -> list[str]:
+        """The graph outputs the in-graph reductions added, in the order a run returns them."""
+        return [o for pair in self.reduced.values() for o in pair if o]
 
 
 @dataclass(frozen=True)
@@ -269,6 +246,7 @@ class _Observed:
     # On the device path: the OrtValues whose memory ``values`` (torch tensors, through DLPack) share; held
     # until the histograms have read them.
     ort_values: list[Any] = field(default_factory=list)
+    infinite: dict[str, int] = field(default_factory=dict)  # the model's own infinities left out, per tensor
 
 
 def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
@@ -376,6 +354,7 @@ def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str]
     graph = model.graph
     weights = {t.name for t in graph.initializer}
     inputs = tuple(i.name for i in graph.input if i.name not in weights)
+    outputs = frozenset(o.name for o in graph.output)
     computed = {out for node in graph.node for out in node.output if out}
     for name in dict.fromkeys([*names, *max_abs_names]):
         if name in weights:
@@ -386,17 +365,17 @@ def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str]
                                    "outputs")
     fetched = tuple(name for name in names if name in computed)
     _expose(model, fetched)
-    reduced: dict[str, str] = {}
+    reduced: dict[str, tuple[str, str]] = {}
     if max_abs_names:
         to_reduce = [name for name in max_abs_names if name in computed]
         types = _element_types(model, to_reduce)
         if not fetched:  # only the scalars leave ONNX Runtime, not the model's own outputs
             del graph.output[:]
-        reduced = _add_max_abs_reductions(graph, to_reduce, types)
+        reduced = add_max_abs_reductions(graph, to_reduce, types)
     padding_masks = padding_mask_inputs(graph, inputs)
     cone = mask_bias_cone(graph, inputs, threshold, weights_dir)
     return _Probe(model, inputs, tuple(names), fetched, padding_masks, cone, weights_dir, tuple(max_abs_names),
-                  reduced)
+                  reduced, outputs)
 
 
 def _expose(model: onnx.ModelProto, names: tuple[str, ...]) -> None:
@@ -447,7 +426,7 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
         raise CalibrationError(f"batch {index} has no array for model input(s) {', '.join(missing)}; every batch "
                                f"must map each input name ({', '.join(probe.inputs)}) to an array")
     feed = {name: np.asarray(batch[name]) for name in probe.inputs}
-    outputs = [*probe.fetched, *probe.reduced.values()]
+    outputs = [*probe.fetched, *probe.reduced_outputs]
     ort_values: list[Any] = []
     try:
         if not outputs:
@@ -461,27 +440,37 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
                                "dtypes and shapes against the model inputs") from err
     arrays = results[:len(probe.fetched)]
     tensors = dict(zip(probe.fetched, arrays))
-    scalars = dict(zip(probe.reduced, results[len(probe.fetched):]))
+    got = dict(zip(probe.reduced_outputs, results[len(probe.fetched):]))
+    scalars = {name: (float(got[top]), float(got[count]) if count else 0.0)
+               for name, (top, count) in probe.reduced.items()}
     mask: Any = padding_mask(feed, probe.padding_masks) if exclude_masked else None
     if device is not None and mask is not None:
         mask = _on_device(mask, device)
     values: dict[str, Any] = {}
     excluded: dict[str, int] = {}
+    infinite: dict[str, int] = {}
     for name in probe.requested:
         if name in tensors:
             array = tensors[name] if device is not None else np.asarray(tensors[name])
         else:  # a graph input, read from the feed
             array = feed[name] if device is None else _on_device(feed[name], device)
-        values[name] = kept_values(index, name, array, mask, name in probe.bias_cone, exclude_masked, threshold)
-        excluded[name] = _numel(array) - _numel(values[name])
+        values[name], inf = kept_values(index, name, array, mask, name in probe.bias_cone, exclude_masked, threshold,
+                                        name in probe.outputs)
+        excluded[name] = _numel(array) - _numel(values[name]) - inf
+        if inf:
+            infinite[name] = inf
     maxima: dict[str, float] = {}
     for name in probe.max_abs_names:
         in_cone = name in probe.bias_cone
-        maxima[name] = _scalar_max_abs(index, name, float(scalars[name]), in_cone) if name in scalars \
-            else _input_max_abs(index, name, feed[name], in_cone, threshold)
+        if name in scalars:
+            maxima[name], inf = scalar_max_abs(index, name, *scalars[name], in_cone, name in probe.outputs)
+            if inf:  # a tensor both binned and reduced: the same values, counted once
+                infinite[name] = max(infinite.get(name, 0), inf)
+        else:
+            maxima[name] = input_max_abs(index, name, feed[name], in_cone, threshold)
     first = feed[probe.inputs[0]] if probe.inputs else np.zeros(())
     return _Observed(int(first.shape[0]) if first.ndim else 1, values, excluded, sum(_nbytes(a) for a in arrays),
-                     index, maxima, ort_values)
+                     index, maxima, ort_values, infinite)
 
 
 def _binning_device(session: Any, requested: str) -> str | None:
@@ -530,7 +519,7 @@ def _run_on_device(session: Any, feed: dict[str, np.ndarray], probe: _Probe, dev
     kind = torch.device(device)
     for name in probe.fetched:
         binding.bind_output(name, kind.type, kind.index or 0)
-    for name in probe.reduced.values():
+    for name in probe.reduced_outputs:
         binding.bind_output(name, "cpu")
     session.run_with_iobinding(binding)
     ort_values = list(binding.get_outputs())

@@ -320,6 +320,7 @@ class CalibrationStats:
     excluded: dict[str, int] = field(default_factory=dict)
     max_abs: dict[str, float] | None = None
     binned_on: str = "host"  # where the histograms were counted: "host" (numpy) or a torch device ("cuda")
+    infinite: dict[str, int] = field(default_factory=dict)  # per tensor: the model's own infinities, left out
 
     def amax(self, method: str, percentile: float = defaults.PERCENTILE) -> dict[str, float]:
         """``amax_from_histogram`` for every tensor."""
