@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ZOO", "ZooModel", "yolo", "vit", "bert", "gpt", "segmentation", "token_types", "one_based_ids", "varargs"]
+__all__ = ["ZOO", "ZooModel", "yolo", "vit", "bert", "gpt", "segmentation", "t5_encoder", "segformer", "token_types",
+           "one_based_ids", "varargs"]
 
 VOCAB = 1000
 
@@ -112,6 +113,29 @@ class _Gpt(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
+class _T5Encoder(nn.Module):
+    """A `transformers` T5 encoder returning its last hidden state: its relative-position buckets take log(0) = -inf
+    on the diagonal and mask it away (the outputs are finite)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+class _Segformer(nn.Module):
+    """A `transformers` SegFormer returning its logits: its decoder concatenates four upsampled stages."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=images).logits
+
+
 class _TokenTypes(nn.Module):
     """The embedding layer of a BERT in miniature: token ids, a 2-row token type table, and the mask."""
 
@@ -198,6 +222,25 @@ def gpt() -> nn.Module:
     return _seeded(lambda: _Gpt(GPT2LMHeadModel(config)))
 
 
+def t5_encoder() -> nn.Module:
+    """A T5 encoder of t5-small's layout (relative position buckets, ReLU feed-forward, RMS norms) at small size."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                      relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                      attn_implementation="eager")
+    return _seeded(lambda: _T5Encoder(T5EncoderModel(config)))
+
+
+def segformer() -> nn.Module:
+    """SegFormer-b0's layout (four stages with spatial-reduction attention, an all-MLP decoder) at small widths."""
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    config = SegformerConfig(depths=(1, 1, 1, 1), hidden_sizes=(32, 64, 96, 128), num_attention_heads=(1, 2, 3, 4),
+                             decoder_hidden_size=64, num_labels=6, attn_implementation="eager")
+    return _seeded(lambda: _Segformer(SegformerForSemanticSegmentation(config)))
+
+
 def _images(size: int) -> Callable[[int, np.random.Generator], dict[str, np.ndarray]]:
     def make(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         # smooth images normalised like ImageNet inputs: low-resolution noise, upsampled
@@ -206,14 +249,16 @@ def _images(size: int) -> Callable[[int, np.random.Generator], dict[str, np.ndar
     return make
 
 
-def _tokens(length: int, with_types: bool) -> Callable[[int, np.random.Generator], dict[str, np.ndarray]]:
+def _tokens(length: int, with_types: bool | None) -> Callable[[int, np.random.Generator], dict[str, np.ndarray]]:
     def make(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         ids = rng.integers(1, VOCAB, (n, length)).astype(np.int64)
-        if not with_types:
+        if with_types is False:
             return {"input_ids": ids}
         real = rng.integers(length // 2, length + 1, n)  # right padding after each sentence pair
         mask = (np.arange(length)[None, :] < real[:, None]).astype(np.int64)
         types = (np.arange(length)[None, :] >= (real // 2)[:, None]).astype(np.int64) * mask
+        if with_types is None:
+            return {"input_ids": ids * mask, "attention_mask": mask}
         return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": types}
     return make
 
@@ -235,4 +280,9 @@ ZOO = {
                     _tokens(16, with_types=False)),
     "segmentation": ZooModel("tests.zoo_models:segmentation", ("--input", "images:Bx3x512x512:float32"),
                              _images(512)),
+    # with_types=None: ids and the padding mask, no token types
+    "t5_encoder": ZooModel("tests.zoo_models:t5_encoder", ("--input", "input_ids:BxS:int64", "--input",
+                                                           "attention_mask:BxS:int64", "--dim", "S=4:16:32"),
+                           _tokens(16, with_types=None)),
+    "segformer": ZooModel("tests.zoo_models:segformer", ("--input", "images:Bx3x64x64:float32"), _images(64)),
 }
