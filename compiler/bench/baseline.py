@@ -68,7 +68,9 @@ def find_regressions(current: dict[str, Any], baseline: dict[str, Any], threshol
         if p50_old > 0 and (p50_new - p50_old) / p50_old > threshold:
             regressions.append(Regression(r["name"], r["bucket"], "p50_ms", p50_old, p50_new,
                                           (p50_new - p50_old) / p50_old))
-        tp_old, tp_new = before["throughput"], r["throughput"]
+        # from each report's own P50, the statistic of every column (a baseline may predate that)
+        tp_old = r["bucket"] * 1000.0 / p50_old if p50_old > 0 else 0.0
+        tp_new = r["bucket"] * 1000.0 / p50_new if p50_new > 0 else 0.0
         if tp_old > 0 and (tp_old - tp_new) / tp_old > threshold:
             regressions.append(Regression(r["name"], r["bucket"], "throughput", tp_old, tp_new,
                                           (tp_old - tp_new) / tp_old))

@@ -20,8 +20,10 @@ the manifest's ``build.tf32``, else True): PyTorch's ``allow_tf32`` flags and ON
 ``use_tf32`` are set to match, and TensorRT rows run as their engines were built. The table title
 and bench.json say which.
 
-Speed-ups (against eager PyTorch FP32 at the same bucket), throughput and regressions use the device
-latency. cuDNN autotuning is on while benchmarking.
+Every column is computed from one statistic, the P50 (median) of the device latency: speed-ups (against
+eager PyTorch FP32 at the same bucket), throughput (batch / P50) and regressions; the end-to-end columns
+from the end-to-end P50. Rows of a precision ONNX Runtime only emulates (``measure.emulated``) are accuracy
+rows: no speed-up. cuDNN autotuning is on while benchmarking.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ from compiler.bench.report import (
     write_report,
 )
 from compiler.bench.target import Target, VerifiedOnnx
-from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.files import directory_lock, require_directory
 from compiler.core.manifest import Manifest, read_manifest
@@ -141,8 +142,7 @@ def _tf32(settings: BenchSettings, manifest: Manifest) -> tuple[bool, str]:
 
 
 def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
-    """The report's warnings: wide spreads, runs stopped by ``--max-seconds``, and ONNX Runtime INT8 rows on a CPU
-    further from FP32 than the accuracy gate measured."""
+    """The report's warnings: wide spreads, runs stopped by ``--max-seconds``, and what the accuracy rows are."""
     notes = []
     for r in results:
         if r.spread_wide:
@@ -150,12 +150,6 @@ def _warnings(results: list[BenchResult], settings: BenchSettings) -> list[str]:
                          f"(CV {100 * r.cv:.0f}%): another load on the machine? raise --min-seconds")
         if r.stopped_early:
             notes.append(f"{r.name} bucket {r.bucket}: stopped by --max-seconds after {r.iterations} runs")
-    int8_cpu = [r for r in results if r.backend == "onnxruntime" and r.precision == "int8" and "CPU" in r.runner
-                and r.accuracy is not None and r.accuracy.cosine < defaults.GATE_MIN_COSINE]
-    if int8_cpu:
-        notes.append("onnxruntime/int8 on the CPU differs from FP32 more than the accuracy gate measured: ONNX "
-                     "Runtime's fused integer kernels saturate on x86 CPUs without VNNI; the gate runs the Q/DQ "
-                     "exactly as TensorRT does (report/accuracy.json)")
     for precision in sorted({r.precision for r in results if r.accuracy_only}):
         why = next(r.accuracy_only for r in results if r.accuracy_only and r.precision == precision)
         notes.append(f"onnxruntime/{precision} rows are accuracy rows, not speed rows: {why}; TensorRT's "

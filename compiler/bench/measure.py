@@ -26,7 +26,7 @@ from compiler.core.errors import TrtcError
 from compiler.core.settings import BenchSettings
 from compiler.serve.runner import BatchTooLarge
 
-__all__ = ["RunContext", "measure_bucket", "measure_plan"]
+__all__ = ["RunContext", "measure_bucket", "measure_plan", "emulated", "EMULATED", "EMULATED_ON_CPU"]
 
 log = logging.getLogger(__name__)
 
@@ -81,23 +81,36 @@ def measure_bucket(plan: Plan, runner: Runner, bucket: int, feed: dict[str, np.n
         backend=plan.backend, precision=plan.precision, bucket=bucket, runner=runner.name, device=runner.device,
         clock=timing.clock, iterations=len(timing.e2e_ms), seconds=round(timing.seconds, 4),
         stopped_early=timing.stopped_early, latency_ms=latency, e2e_ms=e2e,
-        throughput=bucket * 1000.0 / latency.mean if latency.mean > 0 else float("inf"),
-        e2e_throughput=bucket * 1000.0 / e2e.mean if e2e.mean > 0 else float("inf"),
+        throughput=bucket * 1000.0 / latency.p50 if latency.p50 > 0 else float("inf"),
+        e2e_throughput=bucket * 1000.0 / e2e.p50 if e2e.p50 > 0 else float("inf"),
         spread=latency.spread, cv=latency.cv, spread_wide=wide, peak_memory_bytes=memory, memory_method=method,
         accuracy=accuracy, dims=dict(context.dims[bucket]),
-        accuracy_only=EMULATED.get(plan.precision, "") if plan.backend == "onnxruntime" else "")
+        accuracy_only=emulated(plan.backend, plan.precision, runner.device))
     log.info("%s bucket %d on %s: P50 %.3f ms (end to end %.3f ms), %d runs, cosine %.6f", result.name, bucket,
              runner.name, latency.p50, e2e.p50, result.iterations, accuracy.cosine)
     return result
 
 
 # precisions ONNX Runtime runs only as written, not as the GPUs that have them do: their onnxruntime rows are accuracy
-# rows (the accuracy of the graph TensorRT builds), their times no speed figure
+# rows (the accuracy of the graph TensorRT builds), their times no speed figure. By precision, on every provider;
+# EMULATED_ON_CPU adds those the CPU provider alone emulates.
 EMULATED = {
+    "int8": "ONNX Runtime runs INT8 Q/DQ as written, quantize-dequantize around FP16/FP32 kernels (its fused integer "
+            "kernels stay off: SESSION_POLICY)",
     "fp8": "ONNX Runtime runs FP8 Q/DQ as quantize-dequantize around FP16/FP32 math: no FP8 kernels",
     "int4": "ONNX Runtime dequantizes the INT4 weights on every run (its MatMulNBits kernel is kept off: it "
             "quantizes activations and changes results)",
 }
+EMULATED_ON_CPU = {
+    "fp16": "ONNX Runtime's CPU provider has few FP16 kernels: it casts to FP32 and back around most nodes",
+}
+
+
+def emulated(backend: str, precision: str, device: str) -> str:
+    """Why a row's times are no speed figure of its precision (it is an accuracy row), or "" for a speed row."""
+    if backend != "onnxruntime":
+        return ""
+    return EMULATED.get(precision) or (EMULATED_ON_CPU.get(precision, "") if device == "cpu" else "")
 
 
 @dataclass(frozen=True)

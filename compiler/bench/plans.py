@@ -9,8 +9,9 @@ served.
                    autocast FP16 when the build is FP16/INT8
   torch-cudagraph  the torch backend with its CUDA graph per bucket (CUDA only)
   onnxruntime      every ONNX of the build (fp32, fp16, int8, fp8, int4) on the onnxruntime backend: CUDA when
-                   present (``ort_providers`` CPUExecutionProvider first keeps it on the CPU); fp8 and int4 rows
-                   are accuracy rows (ONNX Runtime emulates them: ``measure.EMULATED``)
+                   present (``ort_providers`` CPUExecutionProvider first keeps it on the CPU); int8, fp8 and int4
+                   rows, and fp16 rows on the CPU, are accuracy rows (ONNX Runtime emulates those precisions:
+                   ``measure.emulated``)
   tensorrt         the build's engines on the tensorrt backend
 
 A backend that cannot run here is returned as ``Skipped``, with the reason.

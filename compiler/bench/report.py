@@ -61,8 +61,8 @@ class BenchResult:
     stopped_early: bool
     latency_ms: Latency  # device latency
     e2e_ms: Latency  # end to end, host<->device copies included
-    throughput: float  # samples/s from the mean device latency
-    e2e_throughput: float  # samples/s from the mean end-to-end latency
+    throughput: float  # samples/s from the P50 device latency: batch * 1000 / P50, the statistic of every column
+    e2e_throughput: float  # samples/s from the P50 end-to-end latency
     spread: float
     cv: float
     spread_wide: bool
@@ -72,7 +72,7 @@ class BenchResult:
     dims: dict[str, int] = field(default_factory=dict)  # the non-batch dynamic dimensions' values
     speedup: float | None = None  # eager PyTorch FP32 P50 / this P50 (device latency), same bucket
     e2e_speedup: float | None = None
-    # why the row's times are no speed figure (ONNX Runtime emulates FP8 Q/DQ and INT4 weights): an accuracy row
+    # why the row's times are no speed figure (ONNX Runtime emulates the precision: measure.emulated): an accuracy row
     accuracy_only: str = ""
 
     @property

@@ -43,6 +43,7 @@ from examples import models
 from tests.manifests import manifest_json
 
 # Tiny counts, and the CPU everywhere so that these tests read the same on a GPU machine (test_cuda_* is for GPUs).
+FP16_CPU = "onnxruntime/fp16 (accuracy row)"  # ONNX Runtime's CPU provider emulates FP16
 FAST = dict(iterations=3, min_seconds=0.0, warmup=1, warmup_seconds=0.0, device="cpu",
             ort_providers=("CPUExecutionProvider",))
 FAST_ARGS = ["-q", "-n", "3", "--min-seconds", "0", "--warmup", "1", "--warmup-seconds", "0", "--device", "cpu",
@@ -85,13 +86,18 @@ def rows(data: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
 
 
 def test_torch_and_onnxruntime_run_every_onnx_at_every_bucket(report: dict[str, Any]) -> None:
-    assert set(rows(report)) == {(name, b) for name in ("torch/fp32", "onnxruntime/fp32", "onnxruntime/fp16")
+    assert set(rows(report)) == {(name, b) for name in ("torch/fp32", "onnxruntime/fp32", FP16_CPU)
                                  for b in (1, 4)}
     for r in report["results"]:
         assert r["iterations"] >= 3 and r["device"] == "cpu" and r["clock"] == "perf_counter_ns"
         lat = r["latency_ms"]
         assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
-        assert r["e2e_ms"]["p50"] > 0 and r["throughput"] == pytest.approx(r["bucket"] * 1000 / lat["mean"])
+        # one statistic, the P50, for throughput and speed-up alike (the end-to-end ones from the end-to-end P50)
+        assert r["throughput"] == pytest.approx(r["bucket"] * 1000 / lat["p50"])
+        assert r["e2e_ms"]["p50"] > 0 and r["e2e_throughput"] == pytest.approx(r["bucket"] * 1000 / r["e2e_ms"]["p50"])
+        if r["accuracy_only"]:  # an emulated precision's time is no speed figure
+            assert r["speedup"] is None and r["e2e_speedup"] is None
+            continue
         assert r["speedup"] == pytest.approx(rows(report)[("torch/fp32", r["bucket"])]["latency_ms"]["p50"]
                                              / lat["p50"])
     assert report["reference"].startswith("torch/fp32")
@@ -104,7 +110,7 @@ def test_accuracy_columns_against_the_eager_reference(report: dict[str, Any]) ->
                                                      "top1_agreement": 1.0, "data": report["inputs"]["source"]}
         fp32 = by[("onnxruntime/fp32", b)]["accuracy"]
         assert fp32["max_abs"] < 1e-4 and fp32["cosine"] > 0.99999 and fp32["top1_agreement"] == 1.0
-        fp16 = by[("onnxruntime/fp16", b)]["accuracy"]
+        fp16 = by[(FP16_CPU, b)]["accuracy"]
         assert 0 < fp16["max_abs"] < 0.05 and fp16["cosine"] > 0.999
 
 
@@ -124,7 +130,7 @@ def test_a_perturbed_model_shows_its_error(build: Path, tmp_path: Path) -> None:
     acc = rows(data)[("onnxruntime/fp32", 4)]["accuracy"]
     assert acc["cosine"] < 0.99 and acc["top1_agreement"] < 1.0 and acc["max_abs"] > 0.1
     # the unchanged FP16 graph still agrees: the reference is the eager model, not the perturbed ONNX
-    assert rows(data)[("onnxruntime/fp16", 4)]["accuracy"]["top1_agreement"] == 1.0
+    assert rows(data)[(FP16_CPU, 4)]["accuracy"]["top1_agreement"] == 1.0
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the reasons checked here are this CPU machine's")
@@ -538,7 +544,25 @@ def test_the_table_fits_120_columns_and_says_when_there_is_no_reference(report: 
     assert len(wide.columns) > len(narrow.columns) and "peak MiB" in [c.header for c in wide.columns]
     no_torch = dict(report, results=[r for r in report["results"] if r["backend"] != "torch"])
     table = bench_renderables(BenchReport(no_torch, bench.json_path, bench.csv_path, None))[0]
-    assert "no torch/fp32 row" in str(table.title) and "speed-up" not in [c.header for c in table.columns]
+    assert "no torch/fp32 row" in str(table.title)
+    assert not any(str(c.header).startswith("speed-up") for c in table.columns)
+
+
+def test_columns_name_their_statistic_and_emulated_rows_are_marked(report: dict[str, Any], bench: BenchReport) -> None:
+    """The throughput and speed-up headers name the P50 they come from, the caption says so and what an accuracy
+    row is, and the CPU provider's FP16 rows are accuracy rows (with the reason among the notes) while its FP32
+    rows are speed rows."""
+    from compiler.bench.measure import emulated
+
+    table = bench_renderables(bench)[0]
+    headers = [str(c.header) for c in table.columns]
+    assert {"P50 ms", "e2e P50 ms", "samples/s\n(P50)", "speed-up\n(P50)"} <= set(headers)
+    assert "from the P50 device latency" in str(table.caption) and "*: an accuracy row" in str(table.caption)
+    by = rows(report)
+    assert by[(FP16_CPU, 1)]["accuracy_only"] and not by[("onnxruntime/fp32", 1)]["accuracy_only"]
+    assert any(w.startswith("onnxruntime/fp16 rows are accuracy rows") for w in report["warnings"])
+    assert emulated("onnxruntime", "int8", "cuda") and emulated("onnxruntime", "fp16", "cpu")
+    assert not emulated("onnxruntime", "fp16", "cuda") and not emulated("tensorrt", "int8", "cuda")
 
 
 @pytest.mark.gpu
@@ -548,7 +572,7 @@ def test_cuda_onnxruntime_rows_run_the_serving_cuda_backend(build: Path, tmp_pat
     settings = BenchSettings(iterations=3, min_seconds=0.0, warmup=1, warmup_seconds=0.0, backends=("onnxruntime",),
                              report_dir=tmp_path, tf32=False)
     data = bench_directory(build, settings).data
-    assert {r["name"] for r in data["results"]} == {"onnxruntime/fp32", "onnxruntime/fp16"}
+    assert {r["name"] for r in data["results"]} == {"onnxruntime/fp32", "onnxruntime/fp16"}  # FP16 kernels on CUDA
     for r in data["results"]:
         assert r["runner"] == "onnxruntime[CUDAExecutionProvider]" and r["clock"] == "cuda_event"
         assert 0.005 < r["latency_ms"]["p50"] <= r["e2e_ms"]["p50"] * 1.05  # the run itself is inside the events
