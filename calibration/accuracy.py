@@ -185,8 +185,8 @@ class Evaluator:
         self.output_names = list(output_names or [f"output {i}" for i in range(count)])
         self.providers = list(providers or ["CPUExecutionProvider"])
         self._scratch: tempfile.TemporaryDirectory[str] | None = None  # reference outputs
-        self.warnings, predictions = _read_reference(self.output_names, fp32_outputs, budget_bytes,
-                                                     predictions=labels is not None)
+        self.warnings, predictions, self.reference_max_abs = _read_reference(
+            self.output_names, fp32_outputs, budget_bytes, predictions=labels is not None)
         self.fp32_top1 = self._top1(predictions) if labels is not None else None
         for warning in self.warnings:
             log.warning("accuracy gate: %s", warning)
@@ -283,7 +283,7 @@ class Evaluator:
             scored, samples = max(scored, known.size), max(samples, cos.size)
             per_output[name] = {"cosine_mean": float(known.mean()) if known.size else float("nan"),
                                 "cosine_min": float(known.min()) if known.size else float("nan"),
-                                "max_abs": max_abs[name]}
+                                "max_abs": max_abs[name], "fp32_max_abs": self.reference_max_abs.get(name)}
         worst = _worst(per_output)
         mean = float(per_output[worst]["cosine_mean"]) if worst else float("nan")  # type: ignore[arg-type]
         mins = [float(v["cosine_min"]) for v in per_output.values() if v["cosine_min"] is not None
@@ -367,14 +367,16 @@ def _holds_fp16(model: onnx.ModelProto) -> bool:
 
 def _read_reference(names: list[str], outputs: list[list[np.ndarray | Path]],
                     budget_bytes: int = defaults.CALIB_MEMORY_BUDGET, predictions: bool = False,
-                    ) -> tuple[list[str], list[np.ndarray]]:
+                    ) -> tuple[list[str], list[np.ndarray], dict[str, float]]:
     """One read of the FP32 reference outputs: what makes a comparison with them degenerate (all-zero samples,
-    one value for all samples), and with ``predictions`` each batch's top-1 classes from the first output.
+    one value for all samples), with ``predictions`` each batch's top-1 classes from the first output, and each
+    float output's max |x| (finite values).
 
     Reads the outputs in blocks of at most ``budget_bytes``; holds one sample (the first) besides.
     """
     warnings = []
     classes: list[np.ndarray] = []
+    maxima: dict[str, float] = {}
     for k, name in enumerate(names):
         total = zero = 0
         first: np.ndarray | None = None
@@ -391,6 +393,8 @@ def _read_reference(names: list[str], outputs: list[list[np.ndarray | Path]],
                     rows = block.reshape(len(block), -1)
                     total += len(rows)
                     zero += int((~rows.any(axis=1)).sum())
+                    finite = np.abs(rows[np.isfinite(rows)])
+                    maxima[name] = max(maxima.get(name, 0.0), float(finite.max()) if finite.size else 0.0)
                     if first is None:
                         first = rows[0].copy()
                     same = same and all(np.array_equal(row, first) for row in rows)
@@ -406,7 +410,7 @@ def _read_reference(names: list[str], outputs: list[list[np.ndarray | Path]],
         if total > 1 and same and zero < total:
             warnings.append(f"FP32 output {name} is the same for every sample: the gate cannot tell a broken "
                             "model from a working one on it (check the data and the weights)")
-    return warnings, classes
+    return warnings, classes, maxima
 
 
 @dataclass

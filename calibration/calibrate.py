@@ -19,10 +19,10 @@ from typing import Any
 
 import onnx
 
-from calibration.accuracy import Evaluator, GateOutcome, gate_with_fallback
+from calibration.accuracy import AccuracyResult, Evaluator, GateOutcome, gate_with_fallback
 from calibration.data import RANDOM, CalibrationData, calibration_data
 from calibration.fp16 import Fp16Report, float_tensors, fp16_model_from, int8_fp16_model_from
-from calibration.fp16_policy import Fp16Policy
+from calibration.fp16_policy import FP16_MIN_NORMAL, FP16_TINY, Fp16Policy
 from calibration.int4 import int4_stage
 from calibration.node_precisions import node_precisions
 from calibration.observe import collect_histograms, collect_max_abs
@@ -151,8 +151,8 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
     if result is not None and not result.result.passed:
         # the caller names where the report is
         message = (f"the {settings.precision} model misses the accuracy gate ({result.result.summary()}) even with "
-                   f"{len(result.kept)} layer(s) kept in {_kept_as(settings)}; FP32 artifacts are kept; try more "
-                   "calibration data, another --calib-method, or a larger --max-fallback")
+                   f"{len(result.kept)} layer(s) kept in {_kept_as(settings)}; FP32 artifacts are kept; "
+                   + _advice(model, result.result, settings))
         return CalibrationOutcome(None, message)
     out = stage / ONNX_NAMES[settings.precision]
     final = result.model if result is not None else ungated_model
@@ -188,6 +188,25 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
     return CalibrationOutcome(replace(record, fp16={
         "fp32_nodes": len(details["fp16"]["fp32_nodes"]), "casts": details["fp16"]["casts_inserted"],
         "range_provider": details["fp16_range_provider"]}))
+
+
+def _advice(model: onnx.ModelProto, result: AccuracyResult, settings: CalibrationSettings) -> str:
+    """What to try after a failed gate: for an output whose FP32 values all lie below FP16's smallest normal (an
+    underflow, where the graph computes in FP16), that output's layer in FP32; else more data or fallback."""
+    producers = {out: node.name for node in model.graph.node for out in node.output}
+    fp16 = settings.precision == "fp16" or not settings.fp32_rest
+    for name, entry in result.per_output.items():
+        top = entry.get("fp32_max_abs")
+        cosine = entry.get("cosine_mean")
+        if fp16 and top is not None and 0 < top < FP16_MIN_NORMAL \
+                and not (cosine is not None and cosine >= settings.gate.min_cosine):
+            return (f"output {name}'s FP32 values are at most {top:.2g}, below FP16's smallest normal "
+                    f"{FP16_MIN_NORMAL:.2g} (smallest subnormal {FP16_TINY:.2g}): FP16 rounds them to zero or a few "
+                    f"bits; keep the layer that produces it in FP32 (--keep-fp32 {producers.get(name, name)}), or "
+                    "pass --calib-data so that calibration measures the ranges and keeps such layers itself")
+    if settings.precision == "fp16":
+        return "try more calibration data, a larger --max-fallback, or --keep-fp32 for the layers it ranks worst"
+    return "try more calibration data, another --calib-method, or a larger --max-fallback"
 
 
 def _check_serving_load(path: Path, spec: ModelSpec) -> None:

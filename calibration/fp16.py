@@ -9,15 +9,19 @@ reasons, checked in this order and reported in ``Fp16Report.fp32_nodes``:
 3. an op whose ONNX schema has no float16 at the model's opset (float ``Range``), or no ONNX schema at all
    (custom domains, model-local functions), or that feeds a control-flow subgraph;
 4. data: it produces or consumes a tensor whose observed max |x| (``max_abs``, from calibration data,
-   keyed by tensor name) exceeds ``Fp16Policy.overflow_threshold``, as ModelOpt AutoCast's I/O range rule.
+   keyed by tensor name) exceeds ``Fp16Policy.overflow_threshold``, as ModelOpt AutoCast's I/O range rule,
+   or is not zero but below ``Fp16Policy.underflow_threshold`` (FP16's smallest normal, 6.1e-5): every value of
+   such a tensor would be an FP16 subnormal of a few bits, or zero below 6e-8 (a head whose outputs are 1e-22
+   comes out of FP16 all zero).
 
 A Cast is inserted at every FP32<->FP16 boundary, one per tensor and direction, shared by its consumers.
 Float initializers and Constant nodes are converted (or duplicated, when FP32 and FP16 nodes share them)
 rather than cast at run time. Integer and bool tensors, and so shape computations, are not touched;
 ``Shape`` and ``Size`` read only shapes and take a float tensor in whichever type it has.
 
-Not done: control-flow subgraphs stay FP32; no underflow analysis (FP16's smallest normal is 6.1e-5;
-weights smaller than its smallest subnormal, 6e-8, become that subnormal rather than 0, keeping their sign).
+Not done: control-flow subgraphs stay FP32; underflow is judged by a tensor's largest value only (a tensor
+with some values below 6.1e-5 and others above stays FP16); weights smaller than FP16's smallest subnormal,
+6e-8, become that subnormal rather than 0, keeping their sign.
 """
 
 # Own code, not onnxconverter-common 1.16: on our transformer export it retypes Cast(to=FLOAT)'s output to
@@ -26,6 +30,7 @@ weights smaller than its smallest subnormal, 6e-8, become that subnormal rather 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -116,8 +121,7 @@ def int8_fp16_model_from(qdq_model: onnx.ModelProto, policy: Fp16Policy | None =
     if tiny:
         log.info("%d Q/DQ node(s) keep FP32 scales: a scale below %.3g is subnormal in FP16", len(tiny),
                  FP16_MIN_NORMAL)
-    keep = Fp16Policy(keep_fp32=policy.keep_fp32 | tiny, keep_io_types=policy.keep_io_types,
-                      overflow_threshold=policy.overflow_threshold, fp32_ops=policy.fp32_ops)
+    keep = dataclasses.replace(policy, keep_fp32=policy.keep_fp32 | tiny)
     return fp16_model_from(qdq_model, keep, max_abs)
 
 
@@ -280,7 +284,7 @@ class _Plan:
     def _range_reason(self, info: _NodeInfo) -> str | None:
         if not self.max_abs:
             return None
-        thr = self.policy.overflow_threshold
+        thr, low = self.policy.overflow_threshold, self.policy.underflow_threshold
         node = info.node
         for verb, names in (("produces", [node.output[j] for j in info.float_out]),
                             ("consumes", [node.input[j] for j in info.float_in])):
@@ -290,6 +294,9 @@ class _Plan:
                     continue
                 if not value <= thr:  # NaN and inf count as out of range
                     return f"{verb} {name} with max |x| {value:.3g} > {thr:g}"
+                if 0 < value < low:
+                    return (f"{verb} {name} with max |x| {value:.3g}, below FP16's smallest normal "
+                            f"{FP16_MIN_NORMAL:.2g} (subnormal in FP16, zero below {FP16_TINY:.2g})")
         return None
 
     def _feeds_fp16(self, info: _NodeInfo) -> bool:

@@ -59,13 +59,17 @@ class Fp16Policy:
     stay FP32, with Casts after the inputs and before the outputs. ``overflow_threshold``: a tensor whose
     observed max |x| exceeds it is produced and consumed in FP32; half the FP16 maximum (32752) leaves room
     for inputs up to 2x larger than any seen in calibration (AutoCast's more conservative default is 512).
-    ``fp32_ops``: op types always kept in FP32 (``FP32_OPS`` by default).
+    ``underflow_threshold``: a tensor whose observed max |x| is not zero but below it is produced and consumed in
+    FP32 too; FP16's smallest normal (6.1e-5) by default, below which every value is a subnormal of a few bits,
+    and zero under 6e-8; 0 turns the rule off. ``fp32_ops``: op types always kept in FP32 (``FP32_OPS`` by
+    default).
     """
 
     keep_fp32: frozenset[str] = frozenset()
     keep_io_types: bool = True
     overflow_threshold: float = FP16_MAX / 2
     fp32_ops: frozenset[str] = frozenset(FP32_OPS)
+    underflow_threshold: float = FP16_MIN_NORMAL
 
     def __post_init__(self) -> None:
         for name in ("keep_fp32", "fp32_ops"):
@@ -73,6 +77,9 @@ class Fp16Policy:
             if isinstance(value, str):
                 raise InputError(f"Fp16Policy.{name}={value!r}: pass a set of names, not one string")
             object.__setattr__(self, name, frozenset(value))
+        if not 0 <= self.underflow_threshold < self.overflow_threshold:
+            raise InputError(f"Fp16Policy.underflow_threshold={self.underflow_threshold}: use a value in "
+                             f"[0, {self.overflow_threshold:g}) (0 turns the underflow rule off)")
         if not 0 < self.overflow_threshold <= FP16_MAX:
             raise InputError(f"Fp16Policy.overflow_threshold={self.overflow_threshold}: use a value in "
                              f"(0, {FP16_MAX:g}], the FP16 maximum")
