@@ -119,8 +119,13 @@ class OrtBackend:
         self.provider = providers[0] if providers[0] == "CUDAExecutionProvider" else "CPUExecutionProvider"
         self.device = "cuda:0" if self.provider == "CUDAExecutionProvider" else "cpu"
         # on the CPU the contexts share one session (its runs are independent); on CUDA each context has its own
-        self.session: Any = (ort_session(path, ["CPUExecutionProvider"], threads=threads) if self.device == "cpu"
-                             else None)
+        self.session: Any = None
+        if self.device == "cpu":
+            try:
+                self.session = ort_session(path, ["CPUExecutionProvider"], threads=threads)
+            except Exception as err:  # onnxruntime's pybind errors share no narrower base class
+                raise InputError(f"{path}: ONNX Runtime cannot load it ({first_line(err)}); rebuild the directory "
+                                 "with this trtc, whose calibration writes only files that load") from err
         self.order = ComputeOrder() if self.device != "cpu" and ORDER_RUNS else None
         self._replay_order: ComputeOrder | None = None  # the graph-replaying contexts' order (``replay_order``)
         self.output_names = [o.name for o in graph.output]

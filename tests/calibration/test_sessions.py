@@ -22,6 +22,7 @@ from torch import nn
 import compiler
 from compiler.cli import cli
 from compiler.core import onnx_io
+from compiler.core.errors import InputError
 from compiler.core.onnx_io import ort_session
 
 RNG = np.random.default_rng(0)
@@ -65,11 +66,14 @@ def _build(data: Path, out: Path, *extra: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-def test_int8_concat_of_fp16_scaled_qdq_builds_loads_and_benches(data: Path, tmp_path: Path) -> None:
+def test_int8_concat_of_fp16_scaled_qdq_builds_loads_and_benches(data: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """At default settings the INT8 build of an upsample-concat decoder passes, and its model.int8.onnx, which ONNX
     Runtime's default session rejects (QLinearConcat takes no FP16 scale: so the case is real), loads through
     ``compiler.load`` on the onnxruntime backend with outputs within the gate's cosine of eager PyTorch, and
-    ``trtc bench`` runs it: exit 0 and an onnxruntime/int8 row per bucket in bench.json."""
+    ``trtc bench`` runs it: exit 0 and an onnxruntime/int8 row per bucket in bench.json. A file ONNX Runtime refuses
+    (the policy's Q/DQ rule taken out) makes ``compiler.load`` raise a one-line InputError with ONNX Runtime's
+    reason, not ONNX Runtime's own exception."""
     out = tmp_path / "m"
     code, output = _build(data, out, "--eval-data", str(data / "eval.npz"))
     assert code == 0, output
@@ -88,6 +92,10 @@ def test_int8_concat_of_fp16_scaled_qdq_builds_loads_and_benches(data: Path, tmp
     assert result.exit_code == 0, result.output
     rows = json.loads((out / "report" / "bench.json").read_text())["results"]
     assert sorted(r["bucket"] for r in rows if r["backend"] == "onnxruntime" and r["precision"] == "int8") == [1, 4]
+    monkeypatch.delitem(onnx_io.SESSION_POLICY, "qdq")
+    with pytest.raises(InputError, match=r"model.int8.onnx: ONNX Runtime cannot load it \(.*QLinearConcat") as err:
+        compiler.load(out, backend="onnxruntime", device="cpu", precision="int8")
+    assert "\n" not in str(err.value)
 
 
 def test_a_precision_file_serving_cannot_load_is_never_written(data: Path, tmp_path: Path,
