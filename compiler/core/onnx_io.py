@@ -22,7 +22,8 @@ from onnx import numpy_helper
 from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "onnx_files", "ort_session",
-           "SESSION_POLICY", "SessionRule", "graph_holds", "session_rules", "ort_log_severity", "TemporaryOnnxFile",
+           "SESSION_POLICY", "SessionRule", "graph_holds", "session_rules", "ort_log_severity",
+           "apply_ort_log_severity", "TemporaryOnnxFile",
            "outer_scope_names",
            "copy_fields", "weightless_copy",
            "MAX_IR_VERSION"]
@@ -291,9 +292,20 @@ _ORT_WARNING, _ORT_ERROR = 2, 3
 
 def ort_log_severity() -> int:
     """The severity from which ONNX Runtime's own log lines are shown: its warnings (optimizer notes such as "could
-    not constant fold", hundreds for a large model) when this module's logger is enabled for DEBUG (``trtc ...
-    --verbose``), else errors only."""
+    not constant fold", hundreds for a large model) when this module's logger is enabled for DEBUG, else errors
+    only."""
     return _ORT_WARNING if log.isEnabledFor(logging.DEBUG) else _ORT_ERROR
+
+
+def apply_ort_log_severity() -> int:
+    """Set ONNX Runtime's default logger to ``ort_log_severity()`` and return it: what sessions made elsewhere
+    with default options log (onnx-graphsurgeon's constant folding makes its own), and what ONNX Runtime's
+    optimizers log through, whatever their session's own level."""
+    import onnxruntime as ort
+
+    severity = ort_log_severity()
+    ort.set_default_logger_severity(severity)
+    return severity
 
 
 def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list[Any] | None = None,
@@ -314,8 +326,7 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
     """
     import onnxruntime as ort
 
-    severity = ort_log_severity()
-    ort.set_default_logger_severity(severity)  # the optimizers log through the default logger, not the session's
+    severity = apply_ort_log_severity()
     opts = ort.SessionOptions()
     opts.log_severity_level = severity
     rules = session_rules(model)

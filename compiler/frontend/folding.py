@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from compiler.core.onnx_io import MAX_IR_VERSION, subgraphs
+from compiler.core.onnx_io import MAX_IR_VERSION, apply_ort_log_severity, subgraphs
 
 __all__ = ["fold_constants"]
 
@@ -52,6 +52,8 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, A
     graph = gs.import_onnx(model)
     before = len(graph.nodes)
     guards = _guarded(graph)
+    apply_ort_log_severity()  # onnx-graphsurgeon's own ONNX Runtime sessions log at trtc's level
+
     graph.fold_constants(error_ok=True, flatten_subgraphs=False, should_exclude_node=_not_tensors)
     _unguarded(graph, guards)
     graph.cleanup()

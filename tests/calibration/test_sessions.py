@@ -24,6 +24,7 @@ from compiler.cli import cli
 from compiler.core import onnx_io
 from compiler.core.errors import InputError
 from compiler.core.onnx_io import ort_session
+from compiler.frontend.folding import fold_constants
 
 RNG = np.random.default_rng(0)
 
@@ -131,18 +132,23 @@ def _fp16_constant_mul() -> onnx.ModelProto:
 
 
 def test_onnx_runtime_warnings_show_only_when_trtc_logs_at_debug(capfd: pytest.CaptureFixture[str]) -> None:
-    """A session on a graph that draws ONNX Runtime's constant-folding warning prints nothing of ONNX Runtime's at
-    trtc's default log level, and prints the warning when trtc's logger is at DEBUG (what a verbose run sets), with
-    the same outputs either way."""
+    """A session on a graph that draws ONNX Runtime's constant-folding warning, and the export's constant folding of
+    it (onnx-graphsurgeon makes sessions of its own), print nothing of ONNX Runtime's at trtc's default log level,
+    and print the warning when trtc's logger is at DEBUG (what a verbose run sets), with the same outputs either
+    way."""
     model, x = _fp16_constant_mul(), np.zeros((1, 4), np.float32)
     logger = logging.getLogger(onnx_io.__name__)
     level = logger.level
     try:
         logger.setLevel(logging.INFO)
         quiet = ort_session(model).run(None, {"x": x})[0]
+        folded, _ = fold_constants(model)
         assert "onnxruntime" not in capfd.readouterr().err
+        assert "Mul" not in [n.op_type for n in folded.graph.node]  # folded all the same
         logger.setLevel(logging.DEBUG)
         loud = ort_session(model).run(None, {"x": x})[0]
+        assert "can't constant fold Mul" in capfd.readouterr().err
+        fold_constants(model)
         assert "can't constant fold Mul" in capfd.readouterr().err
     finally:
         logger.setLevel(level)
