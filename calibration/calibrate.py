@@ -157,7 +157,7 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
     out = stage / ONNX_NAMES[settings.precision]
     final = result.model if result is not None else ungated_model
     save_onnx(final, out)
-    _check_serving_load(out, spec)
+    _check_serving_load(out, _one_sample(eval_data or data, spec))
     onnx_record = FileRecord.for_onnx(stage, out)
     if settings.precision in MIN_COMPUTE_CAPABILITY:  # what engines built from this graph need
         needed = ".".join(map(str, MIN_COMPUTE_CAPABILITY[settings.precision][0]))
@@ -209,12 +209,20 @@ def _advice(model: onnx.ModelProto, result: AccuracyResult, settings: Calibratio
     return "try more calibration data, another --calib-method, or a larger --max-fallback"
 
 
-def _check_serving_load(path: Path, spec: ModelSpec) -> None:
+def _one_sample(data: CalibrationData | None, spec: ModelSpec) -> dict[str, Any]:
+    """The first sample of ``data`` as a batch of one (real values: an id input may refuse zeros), else the spec's
+    seeded example inputs."""
+    if data is not None:
+        for batch in data.batches():
+            return {k: v[:1] if getattr(v, "ndim", 0) else v for k, v in batch.items() if k in spec.input_names}
+    return spec.example_feed(1)
+
+
+def _check_serving_load(path: Path, feed: dict[str, Any]) -> None:
     """Load ``path`` as ``compiler.load`` and ``trtc bench`` do (``ort_session``: the one session policy) on every
-    provider the checks and serving use here, and run one example batch: a file ONNX Runtime would refuse at load
-    time is never written. Raises ``CalibrationError`` naming the provider and ONNX Runtime's first line."""
+    provider the checks and serving use here, and run ``feed`` (one sample): a file ONNX Runtime would refuse is
+    never written. Raises ``CalibrationError`` naming the provider and ONNX Runtime's first line."""
     providers = checking_providers()
-    feed = spec.example_feed(1)
     for chosen in dict.fromkeys([providers[0], "CPUExecutionProvider"]):
         mark(f"{path.name}: load check on {chosen}")
         try:
