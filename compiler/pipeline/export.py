@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from compiler.core.errors import InputError
-from compiler.core.files import Transaction, directory_transaction, sha256_file
+from compiler.core.files import Transaction, directory_transaction, sha256_file, space_for
 from compiler.core.manifest import (
     MANIFEST,
     FileRecord,
@@ -154,14 +154,16 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     if checks.eager is None:  # the original ONNX checks the passes: from its file (ONNX Runtime reads the weights)
         original = loaded.onnx_path if loaded.is_onnx and loaded.onnx_path else work / "original.onnx"
         if not loaded.is_onnx or not loaded.onnx_path:
-            save_onnx(raw, original)
+            with space_for(stage, proto_bytes(raw)):
+                save_onnx(raw, original)
     start = time.perf_counter()
     with stage_timer("graph passes"):
         folded, passes = run_passes_unchecked(raw)  # checked below, as the export check is
     del raw  # from here on the model lives in files: each copy held in memory was the weights once more
     passes_seconds = time.perf_counter() - start
     onnx_path = stage / FP32_ONNX
-    save_onnx(folded, onnx_path)
+    with space_for(stage, proto_bytes(folded)):
+        save_onnx(folded, onnx_path)
     output_names = [o.name for o in folded.graph.output]
     del folded
     with stage_timer("pass check"):
@@ -189,6 +191,16 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         onnx={"fp32": FileRecord.for_onnx(stage, onnx_path)},
         precision="fp32",
     )
+
+
+def proto_bytes(model: Any) -> int:
+    """About how many bytes an ONNX model takes on disk: its initializers' data (in the proto or counted by their
+    external ``length``) and a little for the graph."""
+    total = 0
+    for tensor in model.graph.initializer:
+        length = next((int(e.value) for e in tensor.external_data if e.key == "length"), 0)
+        total += length or len(tensor.raw_data) or 4 * max(len(tensor.float_data), len(tensor.int64_data) * 2)
+    return total + (1 << 16) + 256 * len(model.graph.node)
 
 
 def check_against_model(loaded: LoadedModel, spec: ModelSpec, buckets: tuple[int, ...]) -> None:
