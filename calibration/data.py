@@ -13,6 +13,7 @@ Data is read lazily, file by file, on every pass, so memory does not grow with t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import logging
@@ -27,10 +28,10 @@ import numpy as np
 
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
-from compiler.core.settings import ImagePreprocessing
+from compiler.core.settings import CalibrationSettings, ImagePreprocessing
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
-__all__ = ["CalibrationData", "calibration_data", "RANDOM", "IMAGE_SUFFIXES"]
+__all__ = ["CalibrationData", "calibration_data", "RANDOM", "IMAGE_SUFFIXES", "checked_up_front", "NEEDS_DATA"]
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,12 @@ class CalibrationData:
                 h.update(str(sample[name].shape).encode())
                 h.update(np.ascontiguousarray(sample[name]).tobytes())
             count += 1
+        if count == 0:
+            raise CalibrationError(f"{self.description}: no samples; give data with at least one sample")
         if count < self.batch_size:
-            raise CalibrationError(f"{self.description}: {count} samples, fewer than one batch of {self.batch_size}; "
-                                   "give more samples or a smaller --calib-batch")
+            log.info("note: %s holds %d samples, fewer than --calib-batch %d: batches of %d", self.description, count,
+                     self.batch_size, count)
+            self.batch_size = count
         self.samples, self.fingerprint = count, h.hexdigest()
         if self.labels is not None and len(self.labels) < count:
             raise CalibrationError(f"{self.description}: {len(self.labels)} labels for {count} samples")
@@ -139,6 +143,42 @@ def calibration_data(source: str | Path | None, spec: ModelSpec, *, loader: str 
         return _scan(CalibrationData(f"{path} ({len(images)} images)", spec, batch_size, max_samples,
                                      lambda: _from_images(images, spec, prep)))
     raise CalibrationError(f"{path}: holds no .npz/.npy files or images; see `trtc calibrate --help` for the formats")
+
+
+NEEDS_DATA = ("int8", "fp8")  # precisions whose ranges come from data (INT4's AWQ too, by its method)
+
+
+def checked_up_front(settings: CalibrationSettings, spec: ModelSpec | None, cache: Path | None = None,
+                     ) -> CalibrationSettings:
+    """Check the calibration and evaluation data of ``settings`` before any model is exported or calibrated.
+
+    Refuses (CalibrationError, one line) a precision that needs data and has none (INT8 and FP8 unless ``cache``,
+    a calibration.json to reuse, exists; INT4 with AWQ). With ``spec``, reads every sample of both once and checks
+    it as calibration will (names, shapes, dtypes, NaN/Inf in any sample, labels against the count). Returns the
+    settings, ``batch_size`` lowered to the samples there are when it is larger (with a note)."""
+    has_data = bool(settings.data or settings.loader)
+    if not has_data and settings.precision in NEEDS_DATA and not (cache is not None and cache.is_file()):
+        raise CalibrationError(f"--{settings.precision} needs calibration data: pass --calib-data PATH (.npz/.npy file "
+                               "or folder, image folder) or --calib-loader pkg.module:fn (`--calib-data random` for "
+                               "smoke tests only)")
+    if not has_data and settings.precision == "int4" and settings.int4_method == "awq":
+        raise CalibrationError("--int4-weights with --int4-method awq needs calibration data (--calib-data or "
+                               "--calib-loader) for its activation-aware scales; pass some, or use --int4-method rtn")
+    if spec is None:
+        return settings
+    batch = settings.batch_size
+    if has_data:
+        count = settings.samples if settings.data == RANDOM else calibration_data(
+            settings.data, spec, loader=settings.loader, batch_size=1, max_samples=settings.samples,
+            image=settings.image, labels=settings.labels if not settings.eval_data else None).samples
+        if count < batch:
+            log.info("note: the calibration data hold %d samples, fewer than --calib-batch %d: batches of %d", count,
+                     batch, count)
+            batch = count
+    if settings.eval_data and settings.eval_data != RANDOM:
+        calibration_data(settings.eval_data, spec, batch_size=1, max_samples=1 << 62, image=settings.image,
+                         labels=settings.labels)
+    return settings if batch == settings.batch_size else dataclasses.replace(settings, batch_size=batch)
 
 
 def _scan(data: CalibrationData) -> CalibrationData:

@@ -33,7 +33,13 @@ from compiler.core.progress import stage_timer
 from compiler.core.settings import MIN_COMPUTE_CAPABILITY, BuildSettings, ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.frontend.verify import FeedSource
-from compiler.pipeline.export import FP32_ONNX, export_step, model_to_export
+from compiler.pipeline.export import (
+    FP32_ONNX,
+    export_step,
+    model_to_export,
+    refuse_oversized_buckets,
+    spec_is_complete,
+)
 
 __all__ = ["build_directory", "refuse_unsupported_precision", "FAILED_DIR"]
 
@@ -52,8 +58,15 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
     # before the export and the calibration, which take hours on a large model
     if build.engine != "none" and build.precision in MIN_COMPUTE_CAPABILITY and tensorrt_version() is not None:
         refuse_unsupported_precision(build.precision, environment(build))
+    early = export.spec if spec_is_complete(export) else None  # every check that needs no model, first
+    if early is not None:
+        refuse_oversized_buckets(early, build.buckets)
+    calibration = _data_checked(calibration, early, out)
     model = model_to_export(export, build.buckets)
     spec = model.spec
+    if early is None:
+        refuse_oversized_buckets(spec, build.buckets)
+        calibration = _data_checked(calibration, spec, out)
     with directory_transaction(out, command) as transaction:
         stage = transaction.stage
         feeds, feeds_from = _feeds_from_calibration_data(calibration, spec, export.max_batch)
@@ -82,6 +95,19 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
     if missing is not None:
         raise missing
     return manifest
+
+
+def _data_checked(calibration: Any | None, spec: ModelSpec | None, out: Path) -> Any | None:
+    """``calibration`` after ``checked_up_front`` (data there where needed; with ``spec``, every sample read and
+    checked): before the export, so that bad data fail in seconds rather than after it."""
+    from calibration.calibrate import CALIBRATION_FILES
+    from calibration.data import checked_up_front
+
+    if calibration is None:
+        return None
+    cache_file = CALIBRATION_FILES.get(calibration.precision)
+    cache = calibration.calib_cache or (out / cache_file if cache_file else None)
+    return checked_up_front(calibration, spec, Path(cache) if cache else None)
 
 
 def _feeds_from_calibration_data(calibration: Any | None, spec: ModelSpec, max_batch: int,

@@ -44,7 +44,7 @@ from compiler.frontend.passes import run_passes_unchecked
 from compiler.frontend.verify import ExportChecks, FeedSource
 
 __all__ = ["export_directory", "ModelToExport", "model_to_export", "export_step", "exported_into",
-           "source_fingerprint", "resolve_spec"]
+           "source_fingerprint", "resolve_spec", "spec_is_complete", "refuse_oversized_buckets", "proto_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,14 @@ def source_fingerprint(loaded: LoadedModel) -> str:
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def spec_is_complete(settings: ExportSettings) -> bool:
+    """Whether ``settings.spec`` (``--input``) is the model's whole input spec before the model is read: true for
+    PyTorch models; an ONNX file's inputs are merged with what the file declares."""
+    path = settings.source.path
+    return settings.spec is not None and (bool(settings.source.factory) or (path is not None
+                                                                         and path.suffix.lower() != ".onnx"))
 
 
 def resolve_spec(loaded: LoadedModel, spec: ModelSpec | None) -> ModelSpec:
@@ -114,7 +122,10 @@ def export_step(transaction: Transaction, model: ModelToExport, settings: Export
 
 def export_directory(settings: ExportSettings, command: str = "trtc export") -> Manifest:
     """Load, export, run the passes, verify and write ``OUT/model.onnx`` and ``OUT/manifest.json``."""
+    if settings.spec is not None and spec_is_complete(settings):
+        refuse_oversized_buckets(settings.spec, settings.buckets)
     model = model_to_export(settings)
+    refuse_oversized_buckets(model.spec, settings.buckets)
     if any(BATCH_DIM not in i.dims for i in model.spec.inputs):
         log.warning("an input has no batch dimension B; batching applies only to inputs that have one")
     with directory_transaction(settings.out, command) as transaction:
@@ -201,6 +212,27 @@ def proto_bytes(model: Any) -> int:
         length = next((int(e.value) for e in tensor.external_data if e.key == "length"), 0)
         total += length or len(tensor.raw_data) or 4 * max(len(tensor.float_data), len(tensor.int64_data) * 2)
     return total + (1 << 16) + 256 * len(model.graph.node)
+
+
+def _gib(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size / 4:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def refuse_oversized_buckets(spec: ModelSpec, buckets: tuple[int, ...]) -> None:
+    """InputError (before any export) when the largest bucket's inputs alone, at the max of every dynamic dim, take
+    more bytes than this machine has available: the export check runs that batch in memory."""
+    from compiler.core.capabilities import available_memory
+
+    largest, per_sample, available = max(buckets), spec.sample_bytes(), available_memory()
+    if available is None or per_sample == 0 or largest * per_sample <= available:
+        return
+    fits = max(1, available // per_sample)
+    raise InputError(f"--buckets {largest}: a batch of {largest} holds {_gib(largest * per_sample)} of inputs "
+                     f"({_gib(per_sample)} a sample), more than the {_gib(available)} of memory available here, and "
+                     f"the export is checked at the largest bucket; use buckets of at most {fits}")
 
 
 def check_against_model(loaded: LoadedModel, spec: ModelSpec, buckets: tuple[int, ...]) -> None:
