@@ -15,6 +15,7 @@ from compiler.cli.options import (
     calibration_options,
     export_options,
     model_options,
+    precision_options,
     profile_of,
 )
 from compiler.core import defaults
@@ -51,13 +52,7 @@ def export_cmd(**kw: Any) -> None:
 
 @cli.command("calibrate")
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
-              "calibration data; --fp32-rest for an FP32 rest).")
-@click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
-@click.option("--fp8", "precision", flag_value="fp8", help="FP8 (E4M3) Q/DQ on convolutions and GEMMs, FP16 for the "
-              "rest (needs calibration data; engines need compute capability 8.9+).")
-@click.option("--int4-weights", "precision", flag_value="int4", help="INT4 weight-only: block-wise INT4 weights "
-              "for MatMul/Gemm, FP16 activations (see --int4-block, --int4-method).")
+@precision_options("int8", "fp16", "fp8", "int4")
 @calibration_options
 @common_options
 def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
@@ -86,14 +81,7 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
 @click.option("--out", type=click.Path(path_type=Path), help="Output directory (default build/<model name>).")
 @click.option("--buckets", type=BucketsType(), help="Batch buckets, one engine each (default "
               f"{buckets_text(defaults.BUCKETS)}).")
-@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
-              "--calib-data; --fp32-rest for an FP32 rest).")
-@click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
-@click.option("--fp8", "precision", flag_value="fp8", help="FP8 (E4M3) Q/DQ on convolutions and GEMMs, FP16 for the "
-              "rest (needs --calib-data; engines need a GPU of compute capability 8.9+).")
-@click.option("--int4-weights", "precision", flag_value="int4", help="INT4 weight-only: block-wise INT4 weights "
-              "for MatMul/Gemm, FP16 activations.")
-@click.option("--fp32", "precision", flag_value="fp32", help="FP32 (the default).")
+@precision_options("int8", "fp16", "fp8", "int4", "fp32")
 @click.option("--engine", type=click.Choice(["tensorrt", "none"]),
               help="'none' stops after the ONNX and calibration artifacts, on purpose (exit 0).")
 @export_options

@@ -32,12 +32,15 @@ from compiler.core.version import __version__
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "Manifest", "FileRecord", "EngineRecord", "SourceRecord", "ShapeRange",
            "CalibrationRecord", "read_manifest", "write_manifest", "settings_to_dict", "settings_from_dict",
-           "recorded_tf32", "tool_versions", "refuse_other_model", "now", "verified_onnx", "verified_file"]
+           "recorded_tf32", "tool_versions", "refuse_other_model", "refuse_foreign_directory", "now", "verified_onnx",
+           "verified_file"]
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+REQUIRED = {  # keys every manifest has from its export on, and what each holds; read_manifest refuses one without
+    "inputs": "the input spec", "buckets": "the batch buckets", "onnx": "the ONNX files and their sha256"}
 
 
 def now() -> str:
@@ -442,10 +445,18 @@ def read_manifest(directory: Path) -> Manifest:
     if version != SCHEMA_VERSION:
         raise InputError(f"{path}: schema_version {version!r}, this trtc reads {SCHEMA_VERSION}; rebuild the "
                          "directory with this version of trtc")
+    missing = next((key for key in REQUIRED if key not in data), None)
+    if missing is not None:
+        raise InputError(f"{path}: the key {missing!r} is missing ({REQUIRED[missing]}); the manifest is damaged: "
+                         "restore it or rebuild the directory with `trtc build`")
     try:
         manifest = Manifest.from_json(data)
     except InputError as err:
         raise InputError(f"{path}: {err}") from err
+    if manifest.precision not in manifest.onnx:
+        raise InputError(f"{path}: 'onnx' has no entry for its precision {manifest.precision!r} (it has "
+                         f"{', '.join(sorted(manifest.onnx)) or 'none'}); the manifest is damaged: restore it or "
+                         "rebuild the directory with `trtc build`")
     for what, name in manifest.named_files():
         inside(Path(directory), name, what)
     return manifest
@@ -471,6 +482,21 @@ def refuse_other_model(directory: Path, source_sha256: str, force: bool) -> None
     if old_sha and old_sha != source_sha256:
         raise InputError(f"{directory} holds the build of another model ({source.get('path')}); choose another --out "
                          "directory or pass --force to replace it")
+
+
+def refuse_foreign_directory(directory: Path, force: bool, own: tuple[str, ...] = ()) -> None:
+    """Refuse (InputError, one line) to write into an existing, non-empty ``directory`` that holds no trtc build
+    (no ``manifest.json``): its files are the user's (a model.onnx of their own, say), which a build would replace.
+    ``own`` names entries trtc leaves there itself (``failed``); the lock and staging folders never count.
+    ``force`` writes anyway."""
+    if force or not directory.is_dir() or (directory / MANIFEST).is_file():
+        return
+    theirs = sorted(p.name for p in directory.iterdir()
+                    if p.name not in (*own, ".trtc.lock") and not p.name.startswith(".staging-"))
+    if theirs:
+        shown = ", ".join(theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
+        raise InputError(f"{directory} is not empty and holds no trtc build (it has {shown}); choose a new or empty "
+                         "--out directory, or pass --force to write into it (files of the same names are replaced)")
 
 
 # --- files and digests -----------------------------------------------------------------------------------------------

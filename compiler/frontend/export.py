@@ -207,7 +207,7 @@ def _dynamo_export(loaded: LoadedModel, args: tuple[Any, ...], spec: ModelSpec, 
     kwargs: dict[str, Any] = {}
     if loaded.exported_program is None:
         kwargs["dynamic_shapes"] = _matching_parameters(loaded.module, dynamic_shapes)
-    with _quiet():
+    with _without_shadowing_folders(), _quiet():
         torch.onnx.export(target, args, str(path), dynamo=True, input_names=spec.input_names,
                           output_names=output_names, opset_version=opset, verbose=False, optimize=True, **kwargs)
     return _rename_dims(load_onnx(path), spec)
@@ -275,20 +275,75 @@ def _quiet() -> Any:
         yield
 
 
+# packages torch's compiler imports when they are found, which a folder of the same name on the import path (the
+# working directory's triton/ that `trtc export-triton --repo triton` writes) hides
+SHADOWABLE = ("triton",)
+
+
+def shadowing_entries(names: tuple[str, ...] = SHADOWABLE) -> dict[str, Path]:
+    """Import path entries that hold a plain folder (no ``__init__.py``) named like one of ``names``, by entry: such
+    a folder imports as an empty namespace package in place of the real one."""
+    import sys
+
+    found: dict[str, Path] = {}
+    for entry in sys.path:
+        for name in names:
+            folder = Path(entry or ".") / name
+            if folder.is_dir() and not (folder / "__init__.py").is_file():
+                found[entry] = folder
+    return found
+
+
+@contextlib.contextmanager
+def _without_shadowing_folders() -> Any:
+    """Run the dynamo exporter with an import path that does not let a folder (``triton/``) stand in for the package
+    torch looks for: the entries holding one leave ``sys.path`` for the block (one log line), an empty namespace
+    package already imported under the name leaves ``sys.modules``; both come back after."""
+    import sys
+
+    entries = shadowing_entries()
+    modules = {n: sys.modules.pop(n) for n in SHADOWABLE if n in sys.modules
+               and getattr(sys.modules[n], "__file__", None) is None}
+    if not entries and not modules:
+        yield
+        return
+    for folder in entries.values():
+        log.info("%s shadows the %s package; the dynamo exporter runs without %s on the import path", folder,
+                 folder.name, folder.parent)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if p not in entries]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+        for name, module in modules.items():
+            sys.modules.setdefault(name, module)
+
+
 _OP = re.compile(r"(aten::[A-Za-z0-9_.]+|[A-Za-z0-9_]+::[A-Za-z0-9_.]+)")
 _LOC = re.compile(r'File "([^"]+)", line (\d+)')
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _summarize(err: BaseException) -> str:
-    """The first unsupported operator and the first source location named in an exporter error."""
-    text = str(err)
+    """The first unsupported operator and the first source location named in an exporter error; without an
+    operator, the innermost cause's own line (the exporter's wrapper says only which step failed)."""
+    text = _ANSI.sub("", str(err))
+    innermost = err
     cause = err.__cause__
     while cause is not None:
-        text += "\n" + str(cause)
+        text += "\n" + _ANSI.sub("", str(cause))
+        if str(cause).strip():
+            innermost = cause
         cause = cause.__cause__
     op = _OP.search(text)
     loc = _LOC.search(text)
-    parts = [f"unsupported operator {op.group(1)}" if op else _first_line(err)]
+    what = _ANSI.sub("", _first_line(innermost))
+    if innermost is not err:
+        what = f"{type(innermost).__name__}: {what}" if not what.startswith(type(innermost).__name__) else what
+    parts = [f"unsupported operator {op.group(1)}" if op else what]
     if loc:
         parts.append(f"at {loc.group(1)}:{loc.group(2)}")
     return " ".join(parts)

@@ -28,7 +28,7 @@ from compiler.backends.tensorrt.versions import NOT_INSTALLED, require_tensorrt
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import AccuracyGateError, InputError, TensorRTNotInstalled
 from compiler.core.files import directory_transaction, settle_modes
-from compiler.core.manifest import MANIFEST, Manifest, write_manifest
+from compiler.core.manifest import MANIFEST, Manifest, refuse_foreign_directory, write_manifest
 from compiler.core.progress import stage_timer
 from compiler.core.settings import MIN_COMPUTE_CAPABILITY, BuildSettings, ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
@@ -58,6 +58,7 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
     # before the export and the calibration, which take hours on a large model
     if build.engine != "none" and build.precision in MIN_COMPUTE_CAPABILITY and tensorrt_version() is not None:
         refuse_unsupported_precision(build.precision, environment(build))
+    refuse_foreign_directory(out, export.force, (FAILED_DIR,))
     early = export.spec if spec_is_complete(export) else None  # every check that needs no model, first
     if early is not None:
         refuse_oversized_buckets(early, build.buckets)

@@ -23,6 +23,7 @@ from compiler.core.manifest import (
     Manifest,
     SourceRecord,
     now,
+    refuse_foreign_directory,
     refuse_other_model,
     tool_versions,
     write_manifest,
@@ -122,6 +123,7 @@ def export_step(transaction: Transaction, model: ModelToExport, settings: Export
 
 def export_directory(settings: ExportSettings, command: str = "trtc export") -> Manifest:
     """Load, export, run the passes, verify and write ``OUT/model.onnx`` and ``OUT/manifest.json``."""
+    refuse_foreign_directory(settings.out, settings.force, ("failed",))
     if settings.spec is not None and spec_is_complete(settings):
         refuse_oversized_buckets(settings.spec, settings.buckets)
     model = model_to_export(settings)
