@@ -269,9 +269,10 @@ def _from_loader(spec_text: str, spec: ModelSpec) -> Iterator[tuple[str, dict[st
 
 
 def _random_samples(spec: ModelSpec, count: int, seed: int) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    batched = {s.name for s in spec.inputs if s.dims and s.dims[0] == BATCH_DIM}  # others: a sample is the input
     for i in range(count):
         feed = spec.example_feed(1, seed=seed + i)
-        yield f"random[{i}]", {k: v[0] for k, v in feed.items()}
+        yield f"random[{i}]", {k: v[0] if k in batched else v for k, v in feed.items()}
 
 
 def _from_images(images: list[Path], spec: ModelSpec, prep: ImagePreprocessing,

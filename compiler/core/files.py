@@ -39,12 +39,13 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def sha256_files(paths: list[Path]) -> str:
-    """One digest over several files (a graph and its external data), in the given order."""
+def sha256_files(paths: list[Path], digests: list[str] | None = None) -> str:
+    """One digest over several files (a graph and its external data), in the given order; ``digests``: each file's
+    own sha256 where already known (not read again)."""
     h = hashlib.sha256()
-    for p in paths:
+    for p, digest in zip(paths, digests or [sha256_file(p) for p in paths]):
         h.update(p.name.encode())
-        h.update(bytes.fromhex(sha256_file(p)))
+        h.update(bytes.fromhex(digest))
     return h.hexdigest()
 
 
@@ -67,9 +68,9 @@ def inside(directory: Path, relpath: Any, what: str = "file") -> Path:
         except (OSError, RuntimeError):  # a symlink loop
             bad = True
     if bad:
-        raise InputError(f"{directory}: the {what} {relpath!r} named in its records is not a relative path inside "
-                         "the directory (absolute, '..' or a symlink out of it); refusing it: rebuild the directory "
-                         "with `trtc build`")
+        raise InputError(f"{directory}: the {what} {relpath!r} named in its records leaves the directory (not a "
+                         "relative path inside it: absolute, '..' or a symlink out of it); refusing it: restore the "
+                         "manifest or rebuild the directory with `trtc build`")
     return path
 
 

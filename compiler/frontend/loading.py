@@ -406,10 +406,15 @@ def _dims_text(info: Any) -> str:
 
 
 def _declared_spec(info: Any, dtype: str) -> InputSpec:
-    """The spec of an input whose shape the file declares in fixed sizes; InputError naming ``--input`` otherwise."""
+    """The spec of an input as the file declares it: its fixed sizes, a dynamic first dimension (any other fixed)
+    read as the batch ``B``; InputError naming ``--input`` for other dynamic dimensions, whose ranges it needs."""
     tensor_type = info.type.tensor_type
     if tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in tensor_type.shape.dim):
         return InputSpec(info.name, tuple(int(d.dim_value) for d in tensor_type.shape.dim), dtype)
+    dims = tensor_type.shape.dim if tensor_type.HasField("shape") else []
+    if dims and not dims[0].HasField("dim_value") and all(d.HasField("dim_value") for d in dims[1:]):
+        # a dynamic first dimension and fixed others: the batch, its range from --buckets
+        return InputSpec(info.name, (BATCH_DIM, *(int(d.dim_value) for d in dims[1:])), dtype)
     letters = iter("STUVWXYZ")
     if tensor_type.HasField("shape"):
         dims = [str(d.dim_value) if d.HasField("dim_value") else (BATCH_DIM if k == 0 else next(letters, "S"))

@@ -84,7 +84,7 @@ def test_a_triton_folder_in_the_working_directory_does_not_stop_the_dynamo_expor
     assert "shadows the triton package" in " ".join((proc.stdout + proc.stderr).split())
 
 
-@pytest.mark.parametrize("key", ["onnx", "buckets", "inputs"])
+@pytest.mark.parametrize("key", ["onnx", "buckets"])
 @pytest.mark.parametrize("command", [["check"], ["bench", "--backends", "torch"], ["rebuild"],
                                      ["calibrate", "--fp16", "--calib-data", "random"],
                                      ["export-triton", "--repo", "{repo}"]])
@@ -118,3 +118,33 @@ def test_load_refuses_a_manifest_missing_a_key(built: Path, tmp_path: Path) -> N
     write_manifest_json(directory / "manifest.json", data)
     with pytest.raises(InputError, match="the key 'onnx' is missing"):
         compiler.load(directory, backend="onnxruntime")
+
+
+def test_a_changed_data_file_is_named_itself(built: Path, tmp_path: Path) -> None:
+    """Four bytes of model.onnx.data changed: `trtc calibrate` exits 2 with one line naming model.onnx.data (not the
+    graph, not another precision's file) as the file whose sha256 differs; the directory is left as it was."""
+    directory = tmp_path / "m"
+    shutil.copytree(built, directory)
+    with (directory / "model.onnx.data").open("r+b") as data:
+        data.write(b"\0\0\0\0")
+    before = {p.name: sha256_file(p) for p in directory.rglob("*") if p.is_file()}
+    result = CliRunner().invoke(cli, ["calibrate", "-q", str(directory), "--fp16", "--calib-data", "random"])
+    assert result.exit_code == 2, result.output
+    line = one_error_line(result.output)
+    assert f"{directory / 'model.onnx.data'} does not match its sha256" in line
+    assert {p.name: sha256_file(p) for p in directory.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("path", ["../elsewhere/model.onnx", "/tmp/model.onnx"])
+def test_a_manifest_path_out_of_the_directory_says_it_leaves_it(built: Path, tmp_path: Path, path: str) -> None:
+    """The fp32 entry's graph moved to a path with '..' or an absolute one (its files list untouched): `trtc check`
+    exits 2 with one line saying that path leaves the directory."""
+    directory = tmp_path / "m"
+    shutil.copytree(built, directory)
+    data = manifest_json(directory)
+    data["onnx"]["fp32"]["file"] = path
+    write_manifest_json(directory / "manifest.json", data)
+    result = CliRunner().invoke(cli, ["check", "-q", str(directory)])
+    assert result.exit_code == 2, result.output
+    line = one_error_line(result.output)
+    assert f"{path!r} named in its records leaves the directory" in line
