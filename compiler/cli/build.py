@@ -21,6 +21,8 @@ from compiler.cli.options import (
 from compiler.core import defaults
 from compiler.core.errors import InputError, TrtcError
 
+BEFORE = "interpreter start, torch import, options"  # what a command's time record holds before its own stages
+
 
 @cli.command("export")
 @model_options
@@ -41,13 +43,18 @@ def export_cmd(**kw: Any) -> None:
           --input input_ids:BxS:int64 --input attention_mask:BxS:int64 --dim S=1:128:512 --out build/tr
       trtc export --profile profiles/resnet_digits.toml
     """
-    from compiler.core.profile import export_settings
-    from compiler.core.report import print_export_summary
-    from compiler.pipeline.export import export_directory
+    from compiler.core.progress import recording_stages, stage_timer
 
-    settings = export_settings(kw, profile_of(kw))
-    manifest = export_directory(settings)
-    print_export_summary(manifest, settings.out)
+    with recording_stages(before=BEFORE) as times:
+        with stage_timer("imports"):
+            from compiler.core.profile import export_settings
+            from compiler.core.report import print_export_summary, print_stage_times
+            from compiler.pipeline.export import export_directory
+
+        settings = export_settings(kw, profile_of(kw))
+        manifest = export_directory(settings)
+        print_export_summary(manifest, settings.out)
+        print_stage_times(times)
 
 
 @cli.command("calibrate")
@@ -100,6 +107,18 @@ def build_cmd(precision: str | None, **kw: Any) -> None:
       trtc build --profile profiles/resnet_digits.toml
     Without TensorRT, everything but the engines is written and trtc exits with 4 (see trtc --help).
     """
+    from compiler.core.progress import recording_stages, stage_timer
+
+    with recording_stages(before=BEFORE) as times:
+        with stage_timer("imports"):  # the pipeline's modules: onnx, onnxruntime, calibration
+            import compiler.pipeline.build  # noqa: F401
+            from compiler.core.report import print_stage_times
+        _build(precision, kw)
+        print_stage_times(times)
+
+
+def _build(precision: str | None, kw: dict[str, Any]) -> None:
+    """``trtc build``'s body: settings from the options and the profile, the build, its summary."""
     from compiler.core.profile import build_settings, calibration_settings, export_settings
     from compiler.core.report import print_build_summary
     from compiler.core.settings import REDUCED_PRECISIONS

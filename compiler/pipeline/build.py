@@ -29,7 +29,7 @@ from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import AccuracyGateError, InputError, TensorRTNotInstalled
 from compiler.core.files import directory_transaction, settle_modes
 from compiler.core.manifest import MANIFEST, Manifest, refuse_foreign_directory, write_manifest
-from compiler.core.progress import stage_timer
+from compiler.core.progress import recording_stages, stage_timer
 from compiler.core.settings import MIN_COMPUTE_CAPABILITY, BuildSettings, ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.frontend.verify import FeedSource
@@ -39,6 +39,7 @@ from compiler.pipeline.export import (
     model_to_export,
     refuse_oversized_buckets,
     spec_is_complete,
+    write_timing,
 )
 
 __all__ = ["build_directory", "refuse_unsupported_precision", "FAILED_DIR"]
@@ -55,44 +56,50 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
 
     start = time.perf_counter()
     out = export.out
-    # before the export and the calibration, which take hours on a large model
-    if build.engine != "none" and build.precision in MIN_COMPUTE_CAPABILITY and tensorrt_version() is not None:
-        refuse_unsupported_precision(build.precision, environment(build))
-    refuse_foreign_directory(out, export.force, (FAILED_DIR,))
-    early = export.spec if spec_is_complete(export) else None  # every check that needs no model, first
-    if early is not None:
-        refuse_oversized_buckets(early, build.buckets)
-    calibration = _data_checked(calibration, early, out)
-    model = model_to_export(export, build.buckets)
-    spec = model.spec
-    if early is None:
-        refuse_oversized_buckets(spec, build.buckets)
-        calibration = _data_checked(calibration, spec, out)
-    with directory_transaction(out, command) as transaction:
-        stage = transaction.stage
-        feeds, feeds_from = _feeds_from_calibration_data(calibration, spec, export.max_batch)
-        manifest = export_step(transaction, model, export, feeds, feeds_from)
-        del model  # the PyTorch model is not needed past export: its memory goes back before calibration
-        if calibration is not None:
-            cache_file = CALIBRATION_FILES.get(calibration.precision)
-            cache = calibration.calib_cache or (out / cache_file if cache_file else None)
-            if cache_file and cache and Path(cache).is_file():
-                shutil.copy2(cache, stage / cache_file)
-            with stage_timer(f"{calibration.precision.upper()} calibration"):
-                outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
-            if outcome.record is None:
-                _keep_failed_attempt(stage, out, manifest)
-                raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "
-                                        f"attempt is in {out / FAILED_DIR})")
-            manifest = manifest.with_calibration(outcome.record)
-        missing: TensorRTNotInstalled | None = None
-        if build.engine == "none":
-            manifest = manifest.with_no_engines(build, "not built: --engine none")
-        else:
-            with stage_timer("engines"):
-                manifest, missing = _engines_into(stage, out, manifest, spec, build)
-        manifest = replace(manifest, build_seconds=round(time.perf_counter() - start, 2))
-        write_manifest(stage / MANIFEST, manifest)
+    with recording_stages() as times:
+        with stage_timer("checks before export"):
+            # before the export and the calibration, which take hours on a large model
+            if build.engine != "none" and build.precision in MIN_COMPUTE_CAPABILITY and tensorrt_version() is not None:
+                refuse_unsupported_precision(build.precision, environment(build))
+            refuse_foreign_directory(out, export.force, (FAILED_DIR,))
+            early = export.spec if spec_is_complete(export) else None  # every check that needs no model, first
+            if early is not None:
+                refuse_oversized_buckets(early, build.buckets)
+            calibration = _data_checked(calibration, early, out)
+        model = model_to_export(export, build.buckets)
+        spec = model.spec
+        if early is None:
+            with stage_timer("checks before export"):
+                refuse_oversized_buckets(spec, build.buckets)
+                calibration = _data_checked(calibration, spec, out)
+        with directory_transaction(out, command) as transaction:
+            stage = transaction.stage
+            with stage_timer("export inputs from the data"):
+                feeds, feeds_from = _feeds_from_calibration_data(calibration, spec, export.max_batch)
+            manifest = export_step(transaction, model, export, feeds, feeds_from)
+            with stage_timer("freeing the PyTorch model"):
+                del model  # not needed past export: its memory goes back before calibration
+            if calibration is not None:
+                cache_file = CALIBRATION_FILES.get(calibration.precision)
+                cache = calibration.calib_cache or (out / cache_file if cache_file else None)
+                if cache_file and cache and Path(cache).is_file():
+                    shutil.copy2(cache, stage / cache_file)
+                with stage_timer(f"{calibration.precision.upper()} calibration"):
+                    outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
+                if outcome.record is None:
+                    _keep_failed_attempt(stage, out, manifest)
+                    raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "
+                                            f"attempt is in {out / FAILED_DIR})")
+                manifest = manifest.with_calibration(outcome.record)
+            missing: TensorRTNotInstalled | None = None
+            if build.engine == "none":
+                manifest = manifest.with_no_engines(build, "not built: --engine none")
+            else:
+                with stage_timer("engines"):
+                    manifest, missing = _engines_into(stage, out, manifest, spec, build)
+            manifest = replace(manifest, build_seconds=round(time.perf_counter() - start, 2))
+            write_timing(stage, command, times)
+            write_manifest(stage / MANIFEST, manifest)
     if missing is not None:
         raise missing
     return manifest

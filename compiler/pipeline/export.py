@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from compiler.core.errors import InputError
-from compiler.core.files import Transaction, directory_transaction, sha256_file, space_for
+from compiler.core.files import Transaction, atomic_write_json, directory_transaction, sha256_file, space_for
 from compiler.core.manifest import (
     MANIFEST,
     FileRecord,
@@ -29,7 +29,7 @@ from compiler.core.manifest import (
     write_manifest,
 )
 from compiler.core.onnx_io import save_onnx
-from compiler.core.progress import stage_timer
+from compiler.core.progress import StageTimes, recording_stages, stage_timer
 from compiler.core.settings import ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.frontend.example_data import example_feeds
@@ -45,7 +45,8 @@ from compiler.frontend.passes import run_passes_unchecked
 from compiler.frontend.verify import ExportChecks, FeedSource
 
 __all__ = ["export_directory", "ModelToExport", "model_to_export", "export_step", "exported_into",
-           "source_fingerprint", "resolve_spec", "spec_is_complete", "refuse_oversized_buckets", "proto_bytes"]
+           "source_fingerprint", "resolve_spec", "spec_is_complete", "refuse_oversized_buckets", "proto_bytes",
+           "write_timing", "TIMING_JSON"]
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +102,15 @@ def model_to_export(settings: ExportSettings, buckets: tuple[int, ...] | None = 
 
     With ``buckets`` (``trtc build``), they and the dim ranges are checked against what the model declares.
     """
-    loaded = load_model(settings.source.path, factory=settings.source.factory, weights=settings.source.weights,
-                        trust_pickle=settings.source.trust_pickle)
-    spec = resolve_spec(loaded, settings.spec)
-    if buckets is not None:
-        check_against_model(loaded, spec, buckets)
-    return ModelToExport(loaded, spec, source_fingerprint(loaded))
+    with stage_timer("model loading"):
+        loaded = load_model(settings.source.path, factory=settings.source.factory, weights=settings.source.weights,
+                            trust_pickle=settings.source.trust_pickle)
+        spec = resolve_spec(loaded, settings.spec)
+        if buckets is not None:
+            check_against_model(loaded, spec, buckets)
+    with stage_timer("model fingerprint"):
+        fingerprint = source_fingerprint(loaded)
+    return ModelToExport(loaded, spec, fingerprint)
 
 
 def export_step(transaction: Transaction, model: ModelToExport, settings: ExportSettings,
@@ -123,17 +127,29 @@ def export_step(transaction: Transaction, model: ModelToExport, settings: Export
 
 def export_directory(settings: ExportSettings, command: str = "trtc export") -> Manifest:
     """Load, export, run the passes, verify and write ``OUT/model.onnx`` and ``OUT/manifest.json``."""
-    refuse_foreign_directory(settings.out, settings.force, ("failed",))
-    if settings.spec is not None and spec_is_complete(settings):
-        refuse_oversized_buckets(settings.spec, settings.buckets)
-    model = model_to_export(settings)
-    refuse_oversized_buckets(model.spec, settings.buckets)
-    if any(BATCH_DIM not in i.dims for i in model.spec.inputs):
-        log.warning("an input has no batch dimension B; batching applies only to inputs that have one")
-    with directory_transaction(settings.out, command) as transaction:
-        manifest = export_step(transaction, model, settings)
-        write_manifest(transaction.stage / MANIFEST, manifest)
+    with recording_stages() as times:
+        with stage_timer("checks before export"):
+            refuse_foreign_directory(settings.out, settings.force, ("failed",))
+            if settings.spec is not None and spec_is_complete(settings):
+                refuse_oversized_buckets(settings.spec, settings.buckets)
+        model = model_to_export(settings)
+        refuse_oversized_buckets(model.spec, settings.buckets)
+        if any(BATCH_DIM not in i.dims for i in model.spec.inputs):
+            log.warning("an input has no batch dimension B; batching applies only to inputs that have one")
+        with directory_transaction(settings.out, command) as transaction:
+            manifest = export_step(transaction, model, settings)
+            write_timing(transaction.stage, command, times)
+            write_manifest(transaction.stage / MANIFEST, manifest)
     return manifest
+
+
+TIMING_JSON = "report/timing.json"
+
+
+def write_timing(stage: Path, command: str, times: StageTimes) -> None:
+    """``report/timing.json`` into ``stage``: every stage of the command so far with its seconds, the process's
+    seconds and what no stage holds (``StageTimes.to_dict``); written last before the manifest."""
+    atomic_write_json(stage / TIMING_JSON, {"command": command, **times.to_dict()})
 
 
 def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: ExportSettings,
@@ -153,7 +169,8 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
                 "fallback_reason": result.fallback_reason}
     del result  # ``raw`` is the one reference to the exported proto: dropped once the passes no longer need it
     # on the GPU where there is one (TF32 off on both sides), judged on the CPU if a GPU check fails
-    checks = ExportChecks(loaded.module, spec.input_names, [o.name for o in raw.graph.output])
+    with stage_timer("export check setup"):
+        checks = ExportChecks(loaded.module, spec.input_names, [o.name for o in raw.graph.output])
     tol = settings.tolerance
     verification: dict[str, Any] = {"rtol": tol.rtol, "atol": tol.atol, "min_cosine": tol.min_cosine,
                                     "batches": settings.verify_batches,
@@ -167,7 +184,7 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     if checks.eager is None:  # the original ONNX checks the passes: from its file (ONNX Runtime reads the weights)
         original = loaded.onnx_path if loaded.is_onnx and loaded.onnx_path else work / "original.onnx"
         if not loaded.is_onnx or not loaded.onnx_path:
-            with space_for(stage, proto_bytes(raw)):
+            with stage_timer("writing the exported ONNX"), space_for(stage, proto_bytes(raw)):
                 save_onnx(raw, original)
     start = time.perf_counter()
     with stage_timer("graph passes"):
@@ -175,7 +192,7 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     del raw  # from here on the model lives in files: each copy held in memory was the weights once more
     passes_seconds = time.perf_counter() - start
     onnx_path = stage / FP32_ONNX
-    with space_for(stage, proto_bytes(folded)):
+    with stage_timer(f"writing {FP32_ONNX}"), space_for(stage, proto_bytes(folded)):
         save_onnx(folded, onnx_path)
     output_names = [o.name for o in folded.graph.output]
     del folded
@@ -185,10 +202,15 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
             feeds=feeds, feeds_from=feeds_from)]
     verification["reference"] = checks.reference_name
     verification["devices"] = checks.record()  # where the checks ran, as calibration records its provider
-    checks.close()
-    shutil.rmtree(work)
+    with stage_timer("export cleanup"):
+        checks.close()
+        shutil.rmtree(work)
+    with stage_timer("source snapshot"), space_for(stage, 0):
+        snapshot = snapshot_into(stage, loaded)
+    with stage_timer(f"{FP32_ONNX} digest"):
+        record = FileRecord.for_onnx(stage, onnx_path)
     source = SourceRecord(settings.source.describe(), loaded.format, fingerprint, settings.source.factory or None,
-                          snapshot_into(stage, loaded))
+                          snapshot)
     return Manifest(
         trtc_version=tool_versions()["trtc"],
         created=now(),
@@ -201,7 +223,7 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         export={**exported, "passes_seconds": round(passes_seconds, 3)},
         passes=tuple(asdict(p) for p in passes),
         verification=verification,
-        onnx={"fp32": FileRecord.for_onnx(stage, onnx_path)},
+        onnx={"fp32": record},
         precision="fp32",
     )
 
