@@ -86,17 +86,19 @@ class CalibrationData:
 
     def batches(self) -> Iterator[dict[str, np.ndarray]]:
         """Batches of up to ``batch_size`` samples; a change of shape (sequence length) starts a new batch."""
+        batched = {s.name for s in self.spec.inputs if s.dims and s.dims[0] == BATCH_DIM}
+        size = self.batch_size if batched else 1  # a model of fixed shapes takes one sample, as it is, per run
         pending: list[dict[str, np.ndarray]] = []
         for _, sample in self._checked_samples():
             if pending and any(pending[0][n].shape != sample[n].shape for n in sample):
-                yield _stack(pending)
+                yield _stack(pending, batched)
                 pending = []
             pending.append(sample)
-            if len(pending) == self.batch_size:
-                yield _stack(pending)
+            if len(pending) == size:
+                yield _stack(pending, batched)
                 pending = []
         if pending:
-            yield _stack(pending)
+            yield _stack(pending, batched)
 
     def _checked_samples(self) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
         for count, (where, sample) in enumerate(self.read()):
@@ -157,6 +159,9 @@ def checked_up_front(settings: CalibrationSettings, spec: ModelSpec | None, cach
     it as calibration will (names, shapes, dtypes, NaN/Inf in any sample, labels against the count). Returns the
     settings, ``batch_size`` lowered to the samples there are when it is larger (with a note)."""
     has_data = bool(settings.data or settings.loader)
+    if settings.calib_cache is not None and not Path(settings.calib_cache).is_file():
+        raise CalibrationError(f"--calib-cache {settings.calib_cache}: no such file; give the calibration.json of an "
+                               "earlier build, or calibration data")
     if not has_data and settings.precision in NEEDS_DATA and not (cache is not None and cache.is_file()):
         raise CalibrationError(f"--{settings.precision} needs calibration data: pass --calib-data PATH (.npz/.npy file "
                                "or folder, image folder) or --calib-loader pkg.module:fn (`--calib-data random` for "
@@ -206,6 +211,11 @@ def _arrays(path: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
         raise CalibrationError(f"{path}: not a readable numpy file ({err})") from err
 
 
+def _sample_rank(spec: Any) -> int:
+    """The rank of one sample of an input: its rank less the batch dimension, all of it without one."""
+    return len(spec.dims) - (1 if spec.dims and spec.dims[0] == BATCH_DIM else 0)
+
+
 def _from_arrays(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
     for path in files:
         arrays = _arrays(path, spec)
@@ -214,7 +224,7 @@ def _from_arrays(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, dict
             raise CalibrationError(f"{path}: no array for input {missing[0]!r} (it has {', '.join(arrays) or 'none'}); "
                                    "key the arrays by input name")
         first = spec.inputs[0]
-        batched = arrays[first.name].ndim == len(first.dims)
+        batched = arrays[first.name].ndim == _sample_rank(first) + 1
         count = len(arrays[first.name]) if batched else 1
         for i in range(count):
             yield f"{path.name}[{i}]", {s.name: arrays[s.name][i] if batched else arrays[s.name]
@@ -261,7 +271,7 @@ def _from_loader(spec_text: str, spec: ModelSpec) -> Iterator[tuple[str, dict[st
                                    "arrays keyed by input name")
         arrays = {k: np.asarray(v) for k, v in item.items()}
         first = spec.inputs[0]
-        if first.name in arrays and arrays[first.name].ndim == len(first.dims):
+        if first.name in arrays and arrays[first.name].ndim == _sample_rank(first) + 1:
             for j in range(len(arrays[first.name])):
                 yield f"loader item {i}[{j}]", {k: v[j] for k, v in arrays.items()}
         else:
@@ -337,6 +347,8 @@ def _check_sample(where: str, sample: dict[str, np.ndarray], spec: ModelSpec) ->
             raise CalibrationError(f"{where}: input {s.name!r} holds NaN or Inf; clean or drop that sample")
 
 
-def _stack(samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {n: np.stack([s[n] for s in samples]) for n in samples[0]}
+def _stack(samples: list[dict[str, np.ndarray]], batched: set[str]) -> dict[str, np.ndarray]:
+    """One batch of ``samples``: the inputs in ``batched`` (those with a batch dimension) stacked, the others as the
+    first sample has them (an input without a batch dimension is whole in every sample)."""
+    return {n: np.stack([s[n] for s in samples]) if n in batched else samples[0][n] for n in samples[0]}
 

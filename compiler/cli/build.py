@@ -72,13 +72,17 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
       trtc calibrate build/m --int4-weights --calib-data calib/ --int4-block 32 --int4-method awq
       trtc calibrate build/m --fp16 --calib-data calib/ --keep-fp32 Softmax
     """
-    from calibration.calibrate import calibrate_directory
+    from calibration.calibrate import CALIBRATION_FILES, calibrate_directory
+    from calibration.data import checked_up_front
     from compiler.core.profile import calibration_settings
     from compiler.core.report import print_accuracy
 
     if precision is None:
         raise InputError("choose --int8, --fp8, --int4-weights or --fp16")
     settings = calibration_settings(kw, precision)
+    cache = settings.calib_cache or (directory / CALIBRATION_FILES[precision] if precision in CALIBRATION_FILES
+                                     else None)
+    checked_up_front(settings, None, Path(cache) if cache else None)  # data where needed, before any model loads
     calibrate_directory(directory, settings)
     print_accuracy(directory)
 

@@ -542,7 +542,7 @@ def verified_onnx(directory: Path, record: FileRecord | None, precision: str = "
         changed = [str(f) for f, name, digest in zip(files, names, digests)
                    if record.file_sha256.get(name) not in (None, digest)]
         named = " or ".join(str(f) for f in files)  # a record of an older trtc: no digest per file
-        what_changed = (f"{changed[0]} does not match its sha256 in the manifest" if changed else
+        what_changed = (f"{changed[0]} does not match the sha256 in the manifest" if changed else
                         f"{named} do not match the sha256 in the manifest" if len(files) > 1
                         else f"{graph} does not match the sha256 in the manifest")
         raise InputError(f"{what_changed}: it was changed after export, so the {what} is not the verified model; "

@@ -57,10 +57,15 @@ def source_fingerprint(loaded: LoadedModel) -> str:
     """sha256 of the model file; for a factory, of its weights file or else of its state dict."""
     if loaded.source is not None:
         return sha256_file(loaded.source)
+    import torch
+
     h = hashlib.sha256()
     for name, tensor in loaded.module.state_dict().items():
         h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        values = tensor.detach().cpu().contiguous()
+        if values.dtype in (torch.bfloat16,) or values.dtype.is_complex:  # no numpy dtype: the same bytes as uint8
+            values = values.reshape(-1).view(torch.uint8)
+        h.update(values.numpy())  # the buffer itself, not a copy of it (tobytes() copied every weight once more)
     return h.hexdigest()
 
 

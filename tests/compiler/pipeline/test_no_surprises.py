@@ -131,7 +131,7 @@ def test_a_changed_data_file_is_named_itself(built: Path, tmp_path: Path) -> Non
     result = CliRunner().invoke(cli, ["calibrate", "-q", str(directory), "--fp16", "--calib-data", "random"])
     assert result.exit_code == 2, result.output
     line = one_error_line(result.output)
-    assert f"{directory / 'model.onnx.data'} does not match its sha256" in line
+    assert f"{directory / 'model.onnx.data'} does not match the sha256" in line
     assert {p.name: sha256_file(p) for p in directory.rglob("*") if p.is_file()} == before
 
 
@@ -148,3 +148,15 @@ def test_a_manifest_path_out_of_the_directory_says_it_leaves_it(built: Path, tmp
     assert result.exit_code == 2, result.output
     line = one_error_line(result.output)
     assert f"{path!r} named in its records leaves the directory" in line
+
+
+def test_calibrate_int8_without_data_is_refused_first(built: Path, tmp_path: Path) -> None:
+    """`trtc calibrate DIR --int8` with no data and no calibration cache: exit 2, one line saying INT8 needs
+    calibration data, and the directory as it was."""
+    directory = tmp_path / "m"
+    shutil.copytree(built, directory)
+    before = {p.name: sha256_file(p) for p in directory.rglob("*") if p.is_file()}
+    result = CliRunner().invoke(cli, ["calibrate", "-q", str(directory), "--int8"])
+    assert result.exit_code == 2, result.output
+    assert "--int8 needs calibration data" in one_error_line(result.output)
+    assert {p.name: sha256_file(p) for p in directory.rglob("*") if p.is_file()} == before

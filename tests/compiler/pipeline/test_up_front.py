@@ -79,3 +79,25 @@ def test_a_calibration_batch_larger_than_the_samples_shrinks_with_a_note(project
     assert "fewer than --calib-batch 64: batches of 5" in " ".join(result.output.split())
     data = read_manifest(project / "out").data["int8"]["calibration"]
     assert data["samples"] == 5 and data["batch_size"] == 5
+
+
+def test_a_fixed_shape_onnx_builds_int8_from_its_own_shapes(tmp_path: Path) -> None:
+    """An ONNX file of fixed input shape 1x4 (no batch dimension): `trtc build --int8` with calibration data of 6
+    samples shaped 1x4 and no --input exits 0, the manifest reads the shape from the file, and the INT8 model's
+    outputs are close to the FP32 model's in ONNX Runtime."""
+    import torch
+
+    from compiler.core.onnx_io import ort_session
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    torch.onnx.export(model, (torch.randn(1, 4),), str(tmp_path / "fixed.onnx"), dynamo=False, input_names=["x"])
+    x = np.random.default_rng(1).normal(size=(6, 1, 4)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", x=x)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["build", "-q", str(tmp_path / "fixed.onnx"), "--int8", "--calib-data",
+                                      str(tmp_path / "calib.npz"), "--engine", "none", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert read_manifest(out).inputs == ("x:1x4:float32",)
+    fp32 = ort_session(out / "model.onnx").run(None, {"x": x[0]})[0]
+    int8 = ort_session(out / "model.int8.onnx").run(None, {"x": x[0]})[0]
+    np.testing.assert_allclose(int8, fp32, rtol=0.1, atol=0.1)
