@@ -147,3 +147,31 @@ def test_a_state_dict_that_does_not_fit_names_its_keys(user_project: Path) -> No
                              "--input", "x:Bx4"], user_project / "out")
     assert "2 missing key(s): 2.weight, 2.bias" in line
     assert "1 unexpected key(s): extra.weight" in line
+
+
+def test_a_forward_that_raises_at_a_larger_batch_is_one_line(user_project: Path) -> None:
+    """A forward that raises only above batch 4, built with --buckets 1,8: the export check's eager run at batch 8
+    fails in one line naming the batch, the exception at the user's frame and --buckets."""
+    (user_project / "batchmods.py").write_text(textwrap.dedent('''
+        from torch import nn
+
+
+        class BigBatch(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l = nn.Linear(4, 4)
+
+            def forward(self, x):
+                if x.shape[0] > 4:
+                    raise RuntimeError("batch too large for this model")
+                return self.l(x)
+
+
+        def bigbatch():
+            return BigBatch()
+    '''))
+    line = one_line_failure(["export", "--model-factory", "batchmods:bigbatch", "--input", "x:Bx4", "--buckets", "1,8"],
+                            user_project / "out")
+    assert "the model's forward raised RuntimeError: batch too large for this model (at batchmods.py:" in line
+    assert "at batch 8 in eager PyTorch" in line and "--buckets" in line
+    sys.modules.pop("batchmods", None)
