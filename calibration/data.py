@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from compiler.core import defaults
-from compiler.core.errors import CalibrationError
+from compiler.core.errors import CalibrationError, user_code_failure
 from compiler.core.settings import CalibrationSettings, ImagePreprocessing
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
@@ -265,7 +265,7 @@ def _from_loader(spec_text: str, spec: ModelSpec) -> Iterator[tuple[str, dict[st
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise CalibrationError(f"--calib-loader {spec_text}: cannot load it ({err}); write pkg.module:fn") from err
-    for i, item in enumerate(fn()):
+    for i, item in enumerate(_user_items(fn, spec_text)):
         if not isinstance(item, dict):
             raise CalibrationError(f"--calib-loader {spec_text}: item {i} is a {type(item).__name__}, not a dict of "
                                    "arrays keyed by input name")
@@ -276,6 +276,22 @@ def _from_loader(spec_text: str, spec: ModelSpec) -> Iterator[tuple[str, dict[st
                 yield f"loader item {i}[{j}]", {k: v[j] for k, v in arrays.items()}
         else:
             yield f"loader item {i}", arrays
+
+
+def _user_items(fn: Callable[[], Any], spec_text: str) -> Iterator[Any]:
+    """The items of the user's loader function; what it raises, on the call or while iterating, is a
+    CalibrationError naming the loader, the exception and the user's frame."""
+    try:
+        items = iter(fn())
+        while True:
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            yield item
+    except Exception as err:  # the user's code: any exception is theirs to fix
+        raise CalibrationError(f"{user_code_failure(f'--calib-loader {spec_text}', err)}; fix the loader "
+                               "(--debug shows the whole traceback)") from err
 
 
 def _random_samples(spec: ModelSpec, count: int, seed: int) -> Iterator[tuple[str, dict[str, np.ndarray]]]:

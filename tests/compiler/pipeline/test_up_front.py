@@ -16,12 +16,18 @@ from compiler.core.manifest import read_manifest
 FACTORY = textwrap.dedent('''
     from pathlib import Path
 
+    import numpy as np
     from torch import nn
 
 
     def small():
         Path("factory-called").write_text("yes")
         return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+    def bad_loader():
+        yield {"x": np.zeros((1, 4), np.float32)}
+        raise ValueError("the loader is broken")
 ''')
 
 
@@ -57,6 +63,8 @@ def build(*args: str) -> tuple[int, str]:
     (["--int8", "--calib-data", "nan.npz"], "nan.npz[5]: input 'x' holds NaN or Inf"),
     (["--int8", "--calib-data", "ok.npz", "--eval-data", "nan.npz"], "nan.npz[5]: input 'x' holds NaN or Inf"),
     (["--buckets", "1,100000000000"], "--buckets 100000000000: a batch of 100000000000 holds"),
+    (["--int8", "--calib-loader", "upfront_models:bad_loader"],
+     "--calib-loader upfront_models:bad_loader raised ValueError: the loader is broken (at upfront_models.py:"),
 ])
 def test_refused_before_the_model_is_loaded(project: Path, args: list[str], needle: str) -> None:
     """Each bad option or data set: exit 2, one error line naming it, no output directory and the factory never
