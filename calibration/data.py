@@ -59,15 +59,15 @@ class CalibrationData:
     samples: int = 0
     fingerprint: str = ""
 
-    def scan(self) -> CalibrationData:
-        """Check every sample once, count them and fingerprint the data."""
+    def scan(self, fingerprint: bool = True) -> CalibrationData:
+        """Check every sample once, count them and (unless not ``fingerprint``: a check only) fingerprint the data."""
         h = hashlib.sha256()
         count = 0
         for _, sample in self._checked_samples():
-            for name in self.spec.input_names:
+            for name in self.spec.input_names if fingerprint else ():
                 h.update(name.encode())
                 h.update(str(sample[name].shape).encode())
-                h.update(np.ascontiguousarray(sample[name]).tobytes())
+                h.update(np.ascontiguousarray(sample[name]))  # the buffer, not a copy of it
             count += 1
         if count == 0:
             raise CalibrationError(f"{self.description}: no samples; give data with at least one sample")
@@ -115,21 +115,22 @@ class CalibrationData:
 def calibration_data(source: str | Path | None, spec: ModelSpec, *, loader: str | None = None,
                      batch_size: int = defaults.CALIB_BATCH, max_samples: int = defaults.CALIB_SAMPLES,
                      image: ImagePreprocessing | None = None,
-                     labels: str | Path | None = None, seed: int = 0) -> CalibrationData:
-    """Open a data source and check it fully (shapes, dtypes, NaN/Inf, count) before any model runs."""
+                     labels: str | Path | None = None, seed: int = 0, fingerprint: bool = True) -> CalibrationData:
+    """Open a data source and check it fully (shapes, dtypes, NaN/Inf, count) before any model runs; without
+    ``fingerprint``, a check only (no digest of the data: ``checked_up_front`` leaves that to the calibration)."""
     if batch_size < 1 or max_samples < 1:
         raise CalibrationError("--calib-batch and --calib-samples must be at least 1")
     if loader:
         if source:
             raise CalibrationError("give either --calib-data or --calib-loader, not both")
-        return _scan(CalibrationData(f"--calib-loader {loader}", spec, batch_size, max_samples,
+        return _scan(fingerprint, CalibrationData(f"--calib-loader {loader}", spec, batch_size, max_samples,
                                      lambda: _from_loader(loader, spec), repeatable=False))
     if source is None:
         raise CalibrationError("no calibration data: pass --calib-data PATH (.npz/.npy file or folder, image folder) "
                                "or --calib-loader pkg.module:fn; `--calib-data random` exists for smoke tests only")
     if str(source) == RANDOM:
         log.warning("calibrating on RANDOM data: scales will not fit real inputs; use this for smoke tests only")
-        return _scan(CalibrationData("random (smoke test only)", spec, batch_size, max_samples,
+        return _scan(fingerprint, CalibrationData("random (smoke test only)", spec, batch_size, max_samples,
                                      lambda: _random_samples(spec, max_samples, seed), is_random=True))
     path = Path(source)
     if not path.exists():
@@ -138,11 +139,11 @@ def calibration_data(source: str | Path | None, spec: ModelSpec, *, loader: str 
     if files:
         data = CalibrationData(str(path), spec, batch_size, max_samples, lambda: _from_arrays(files, spec))
         data.labels = _labels(files, labels, max_samples)
-        return _scan(data)
+        return _scan(fingerprint, data)
     images = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) if path.is_dir() else []
     if images:
         prep = image or ImagePreprocessing()
-        return _scan(CalibrationData(f"{path} ({len(images)} images)", spec, batch_size, max_samples,
+        return _scan(fingerprint, CalibrationData(f"{path} ({len(images)} images)", spec, batch_size, max_samples,
                                      lambda: _from_images(images, spec, prep)))
     raise CalibrationError(f"{path}: holds no .npz/.npy files or images; see `trtc calibrate --help` for the formats")
 
@@ -175,19 +176,20 @@ def checked_up_front(settings: CalibrationSettings, spec: ModelSpec | None, cach
     if has_data:
         count = settings.samples if settings.data == RANDOM else calibration_data(
             settings.data, spec, loader=settings.loader, batch_size=1, max_samples=settings.samples,
-            image=settings.image, labels=settings.labels if not settings.eval_data else None).samples
+            image=settings.image, labels=settings.labels if not settings.eval_data else None,
+            fingerprint=False).samples
         if count < batch:
             log.info("note: the calibration data hold %d samples, fewer than --calib-batch %d: batches of %d", count,
                      batch, count)
             batch = count
     if settings.eval_data and settings.eval_data != RANDOM:
         calibration_data(settings.eval_data, spec, batch_size=1, max_samples=1 << 62, image=settings.image,
-                         labels=settings.labels)
+                         labels=settings.labels, fingerprint=False)
     return settings if batch == settings.batch_size else dataclasses.replace(settings, batch_size=batch)
 
 
-def _scan(data: CalibrationData) -> CalibrationData:
-    return data.scan()
+def _scan(fingerprint: bool, data: CalibrationData) -> CalibrationData:
+    return data.scan(fingerprint)
 
 
 def _data_files(path: Path) -> list[Path]:
