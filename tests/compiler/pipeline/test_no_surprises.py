@@ -68,6 +68,7 @@ def test_two_precisions_at_once_are_refused(tmp_path: Path, flags: list[str], ne
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_a_triton_folder_in_the_working_directory_does_not_stop_the_dynamo_exporter(tmp_path: Path) -> None:
     """A triton/ model repository in the working directory (as `trtc export-triton --repo triton` writes it) would
     import as an empty `triton` package and break torch's dynamo exporter: in a fresh `python -m compiler.cli`
