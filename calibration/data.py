@@ -13,6 +13,7 @@ Data is read lazily, file by file, on every pass, so memory does not grow with t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import logging
@@ -26,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from compiler.core import defaults
-from compiler.core.errors import CalibrationError
-from compiler.core.settings import ImagePreprocessing
+from compiler.core.errors import CalibrationError, user_code_failure
+from compiler.core.settings import CalibrationSettings, ImagePreprocessing
 from compiler.core.specs import BATCH_DIM, ModelSpec
 
-__all__ = ["CalibrationData", "calibration_data", "RANDOM", "IMAGE_SUFFIXES"]
+__all__ = ["CalibrationData", "calibration_data", "RANDOM", "IMAGE_SUFFIXES", "checked_up_front", "NEEDS_DATA"]
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +59,22 @@ class CalibrationData:
     samples: int = 0
     fingerprint: str = ""
 
-    def scan(self) -> CalibrationData:
-        """Check every sample once, count them and fingerprint the data."""
+    def scan(self, fingerprint: bool = True) -> CalibrationData:
+        """Check every sample once, count them and (unless not ``fingerprint``: a check only) fingerprint the data."""
         h = hashlib.sha256()
         count = 0
         for _, sample in self._checked_samples():
-            for name in self.spec.input_names:
+            for name in self.spec.input_names if fingerprint else ():
                 h.update(name.encode())
                 h.update(str(sample[name].shape).encode())
-                h.update(np.ascontiguousarray(sample[name]).tobytes())
+                h.update(np.ascontiguousarray(sample[name]))  # the buffer, not a copy of it
             count += 1
+        if count == 0:
+            raise CalibrationError(f"{self.description}: no samples; give data with at least one sample")
         if count < self.batch_size:
-            raise CalibrationError(f"{self.description}: {count} samples, fewer than one batch of {self.batch_size}; "
-                                   "give more samples or a smaller --calib-batch")
+            log.info("note: %s holds %d samples, fewer than --calib-batch %d: batches of %d", self.description, count,
+                     self.batch_size, count)
+            self.batch_size = count
         self.samples, self.fingerprint = count, h.hexdigest()
         if self.labels is not None and len(self.labels) < count:
             raise CalibrationError(f"{self.description}: {len(self.labels)} labels for {count} samples")
@@ -82,17 +86,19 @@ class CalibrationData:
 
     def batches(self) -> Iterator[dict[str, np.ndarray]]:
         """Batches of up to ``batch_size`` samples; a change of shape (sequence length) starts a new batch."""
+        batched = {s.name for s in self.spec.inputs if s.dims and s.dims[0] == BATCH_DIM}
+        size = self.batch_size if batched else 1  # a model of fixed shapes takes one sample, as it is, per run
         pending: list[dict[str, np.ndarray]] = []
         for _, sample in self._checked_samples():
             if pending and any(pending[0][n].shape != sample[n].shape for n in sample):
-                yield _stack(pending)
+                yield _stack(pending, batched)
                 pending = []
             pending.append(sample)
-            if len(pending) == self.batch_size:
-                yield _stack(pending)
+            if len(pending) == size:
+                yield _stack(pending, batched)
                 pending = []
         if pending:
-            yield _stack(pending)
+            yield _stack(pending, batched)
 
     def _checked_samples(self) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
         for count, (where, sample) in enumerate(self.read()):
@@ -109,21 +115,22 @@ class CalibrationData:
 def calibration_data(source: str | Path | None, spec: ModelSpec, *, loader: str | None = None,
                      batch_size: int = defaults.CALIB_BATCH, max_samples: int = defaults.CALIB_SAMPLES,
                      image: ImagePreprocessing | None = None,
-                     labels: str | Path | None = None, seed: int = 0) -> CalibrationData:
-    """Open a data source and check it fully (shapes, dtypes, NaN/Inf, count) before any model runs."""
+                     labels: str | Path | None = None, seed: int = 0, fingerprint: bool = True) -> CalibrationData:
+    """Open a data source and check it fully (shapes, dtypes, NaN/Inf, count) before any model runs; without
+    ``fingerprint``, a check only (no digest of the data: ``checked_up_front`` leaves that to the calibration)."""
     if batch_size < 1 or max_samples < 1:
         raise CalibrationError("--calib-batch and --calib-samples must be at least 1")
     if loader:
         if source:
             raise CalibrationError("give either --calib-data or --calib-loader, not both")
-        return _scan(CalibrationData(f"--calib-loader {loader}", spec, batch_size, max_samples,
+        return _scan(fingerprint, CalibrationData(f"--calib-loader {loader}", spec, batch_size, max_samples,
                                      lambda: _from_loader(loader, spec), repeatable=False))
     if source is None:
         raise CalibrationError("no calibration data: pass --calib-data PATH (.npz/.npy file or folder, image folder) "
                                "or --calib-loader pkg.module:fn; `--calib-data random` exists for smoke tests only")
     if str(source) == RANDOM:
         log.warning("calibrating on RANDOM data: scales will not fit real inputs; use this for smoke tests only")
-        return _scan(CalibrationData("random (smoke test only)", spec, batch_size, max_samples,
+        return _scan(fingerprint, CalibrationData("random (smoke test only)", spec, batch_size, max_samples,
                                      lambda: _random_samples(spec, max_samples, seed), is_random=True))
     path = Path(source)
     if not path.exists():
@@ -132,17 +139,57 @@ def calibration_data(source: str | Path | None, spec: ModelSpec, *, loader: str 
     if files:
         data = CalibrationData(str(path), spec, batch_size, max_samples, lambda: _from_arrays(files, spec))
         data.labels = _labels(files, labels, max_samples)
-        return _scan(data)
+        return _scan(fingerprint, data)
     images = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) if path.is_dir() else []
     if images:
         prep = image or ImagePreprocessing()
-        return _scan(CalibrationData(f"{path} ({len(images)} images)", spec, batch_size, max_samples,
+        return _scan(fingerprint, CalibrationData(f"{path} ({len(images)} images)", spec, batch_size, max_samples,
                                      lambda: _from_images(images, spec, prep)))
     raise CalibrationError(f"{path}: holds no .npz/.npy files or images; see `trtc calibrate --help` for the formats")
 
 
-def _scan(data: CalibrationData) -> CalibrationData:
-    return data.scan()
+NEEDS_DATA = ("int8", "fp8")  # precisions whose ranges come from data (INT4's AWQ too, by its method)
+
+
+def checked_up_front(settings: CalibrationSettings, spec: ModelSpec | None, cache: Path | None = None,
+                     ) -> CalibrationSettings:
+    """Check the calibration and evaluation data of ``settings`` before any model is exported or calibrated.
+
+    Refuses (CalibrationError, one line) a precision that needs data and has none (INT8 and FP8 unless ``cache``,
+    a calibration.json to reuse, exists; INT4 with AWQ). With ``spec``, reads every sample of both once and checks
+    it as calibration will (names, shapes, dtypes, NaN/Inf in any sample, labels against the count). Returns the
+    settings, ``batch_size`` lowered to the samples there are when it is larger (with a note)."""
+    has_data = bool(settings.data or settings.loader)
+    if settings.calib_cache is not None and not Path(settings.calib_cache).is_file():
+        raise CalibrationError(f"--calib-cache {settings.calib_cache}: no such file; give the calibration.json of an "
+                               "earlier build, or calibration data")
+    if not has_data and settings.precision in NEEDS_DATA and not (cache is not None and cache.is_file()):
+        raise CalibrationError(f"--{settings.precision} needs calibration data: pass --calib-data PATH (.npz/.npy file "
+                               "or folder, image folder) or --calib-loader pkg.module:fn (`--calib-data random` for "
+                               "smoke tests only)")
+    if not has_data and settings.precision == "int4" and settings.int4_method == "awq":
+        raise CalibrationError("--int4-weights with --int4-method awq needs calibration data (--calib-data or "
+                               "--calib-loader) for its activation-aware scales; pass some, or use --int4-method rtn")
+    if spec is None:
+        return settings
+    batch = settings.batch_size
+    if has_data:
+        count = settings.samples if settings.data == RANDOM else calibration_data(
+            settings.data, spec, loader=settings.loader, batch_size=1, max_samples=settings.samples,
+            image=settings.image, labels=settings.labels if not settings.eval_data else None,
+            fingerprint=False).samples
+        if count < batch:
+            log.info("note: the calibration data hold %d samples, fewer than --calib-batch %d: batches of %d", count,
+                     batch, count)
+            batch = count
+    if settings.eval_data and settings.eval_data != RANDOM:
+        calibration_data(settings.eval_data, spec, batch_size=1, max_samples=1 << 62, image=settings.image,
+                         labels=settings.labels, fingerprint=False)
+    return settings if batch == settings.batch_size else dataclasses.replace(settings, batch_size=batch)
+
+
+def _scan(fingerprint: bool, data: CalibrationData) -> CalibrationData:
+    return data.scan(fingerprint)
 
 
 def _data_files(path: Path) -> list[Path]:
@@ -166,6 +213,11 @@ def _arrays(path: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
         raise CalibrationError(f"{path}: not a readable numpy file ({err})") from err
 
 
+def _sample_rank(spec: Any) -> int:
+    """The rank of one sample of an input: its rank less the batch dimension, all of it without one."""
+    return len(spec.dims) - (1 if spec.dims and spec.dims[0] == BATCH_DIM else 0)
+
+
 def _from_arrays(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
     for path in files:
         arrays = _arrays(path, spec)
@@ -174,7 +226,7 @@ def _from_arrays(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, dict
             raise CalibrationError(f"{path}: no array for input {missing[0]!r} (it has {', '.join(arrays) or 'none'}); "
                                    "key the arrays by input name")
         first = spec.inputs[0]
-        batched = arrays[first.name].ndim == len(first.dims)
+        batched = arrays[first.name].ndim == _sample_rank(first) + 1
         count = len(arrays[first.name]) if batched else 1
         for i in range(count):
             yield f"{path.name}[{i}]", {s.name: arrays[s.name][i] if batched else arrays[s.name]
@@ -215,23 +267,40 @@ def _from_loader(spec_text: str, spec: ModelSpec) -> Iterator[tuple[str, dict[st
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise CalibrationError(f"--calib-loader {spec_text}: cannot load it ({err}); write pkg.module:fn") from err
-    for i, item in enumerate(fn()):
+    for i, item in enumerate(_user_items(fn, spec_text)):
         if not isinstance(item, dict):
             raise CalibrationError(f"--calib-loader {spec_text}: item {i} is a {type(item).__name__}, not a dict of "
                                    "arrays keyed by input name")
         arrays = {k: np.asarray(v) for k, v in item.items()}
         first = spec.inputs[0]
-        if first.name in arrays and arrays[first.name].ndim == len(first.dims):
+        if first.name in arrays and arrays[first.name].ndim == _sample_rank(first) + 1:
             for j in range(len(arrays[first.name])):
                 yield f"loader item {i}[{j}]", {k: v[j] for k, v in arrays.items()}
         else:
             yield f"loader item {i}", arrays
 
 
+def _user_items(fn: Callable[[], Any], spec_text: str) -> Iterator[Any]:
+    """The items of the user's loader function; what it raises, on the call or while iterating, is a
+    CalibrationError naming the loader, the exception and the user's frame."""
+    try:
+        items = iter(fn())
+        while True:
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            yield item
+    except Exception as err:  # the user's code: any exception is theirs to fix
+        raise CalibrationError(f"{user_code_failure(f'--calib-loader {spec_text}', err)}; fix the loader "
+                               "(--debug shows the whole traceback)") from err
+
+
 def _random_samples(spec: ModelSpec, count: int, seed: int) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    batched = {s.name for s in spec.inputs if s.dims and s.dims[0] == BATCH_DIM}  # others: a sample is the input
     for i in range(count):
         feed = spec.example_feed(1, seed=seed + i)
-        yield f"random[{i}]", {k: v[0] for k, v in feed.items()}
+        yield f"random[{i}]", {k: v[0] if k in batched else v for k, v in feed.items()}
 
 
 def _from_images(images: list[Path], spec: ModelSpec, prep: ImagePreprocessing,
@@ -296,6 +365,8 @@ def _check_sample(where: str, sample: dict[str, np.ndarray], spec: ModelSpec) ->
             raise CalibrationError(f"{where}: input {s.name!r} holds NaN or Inf; clean or drop that sample")
 
 
-def _stack(samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {n: np.stack([s[n] for s in samples]) for n in samples[0]}
+def _stack(samples: list[dict[str, np.ndarray]], batched: set[str]) -> dict[str, np.ndarray]:
+    """One batch of ``samples``: the inputs in ``batched`` (those with a batch dimension) stacked, the others as the
+    first sample has them (an input without a batch dimension is whole in every sample)."""
+    return {n: np.stack([s[n] for s in samples]) if n in batched else samples[0][n] for n in samples[0]}
 

@@ -15,10 +15,13 @@ from compiler.cli.options import (
     calibration_options,
     export_options,
     model_options,
+    precision_options,
     profile_of,
 )
 from compiler.core import defaults
 from compiler.core.errors import InputError, TrtcError
+
+BEFORE = "interpreter start, torch import, options"  # what a command's time record holds before its own stages
 
 
 @cli.command("export")
@@ -40,24 +43,23 @@ def export_cmd(**kw: Any) -> None:
           --input input_ids:BxS:int64 --input attention_mask:BxS:int64 --dim S=1:128:512 --out build/tr
       trtc export --profile profiles/resnet_digits.toml
     """
-    from compiler.core.profile import export_settings
-    from compiler.core.report import print_export_summary
-    from compiler.pipeline.export import export_directory
+    from compiler.core.progress import recording_stages, stage_timer
 
-    settings = export_settings(kw, profile_of(kw))
-    manifest = export_directory(settings)
-    print_export_summary(manifest, settings.out)
+    with recording_stages(before=BEFORE) as times:
+        with stage_timer("imports"):
+            from compiler.core.profile import export_settings
+            from compiler.core.report import print_export_summary, print_stage_times
+            from compiler.pipeline.export import export_directory
+
+        settings = export_settings(kw, profile_of(kw))
+        manifest = export_directory(settings)
+        print_export_summary(manifest, settings.out)
+        print_stage_times(times)
 
 
 @cli.command("calibrate")
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
-              "calibration data; --fp32-rest for an FP32 rest).")
-@click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
-@click.option("--fp8", "precision", flag_value="fp8", help="FP8 (E4M3) Q/DQ on convolutions and GEMMs, FP16 for the "
-              "rest (needs calibration data; engines need compute capability 8.9+).")
-@click.option("--int4-weights", "precision", flag_value="int4", help="INT4 weight-only: block-wise INT4 weights "
-              "for MatMul/Gemm, FP16 activations (see --int4-block, --int4-method).")
+@precision_options("int8", "fp16", "fp8", "int4")
 @calibration_options
 @common_options
 def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
@@ -70,13 +72,17 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
       trtc calibrate build/m --int4-weights --calib-data calib/ --int4-block 32 --int4-method awq
       trtc calibrate build/m --fp16 --calib-data calib/ --keep-fp32 Softmax
     """
-    from calibration.calibrate import calibrate_directory
+    from calibration.calibrate import CALIBRATION_FILES, calibrate_directory
+    from calibration.data import checked_up_front
     from compiler.core.profile import calibration_settings
     from compiler.core.report import print_accuracy
 
     if precision is None:
         raise InputError("choose --int8, --fp8, --int4-weights or --fp16")
     settings = calibration_settings(kw, precision)
+    cache = settings.calib_cache or (directory / CALIBRATION_FILES[precision] if precision in CALIBRATION_FILES
+                                     else None)
+    checked_up_front(settings, None, Path(cache) if cache else None)  # data where needed, before any model loads
     calibrate_directory(directory, settings)
     print_accuracy(directory)
 
@@ -86,14 +92,7 @@ def calibrate_cmd(directory: Path, precision: str | None, **kw: Any) -> None:
 @click.option("--out", type=click.Path(path_type=Path), help="Output directory (default build/<model name>).")
 @click.option("--buckets", type=BucketsType(), help="Batch buckets, one engine each (default "
               f"{buckets_text(defaults.BUCKETS)}).")
-@click.option("--int8", "precision", flag_value="int8", help="INT8 with explicit Q/DQ, FP16 for the rest (needs "
-              "--calib-data; --fp32-rest for an FP32 rest).")
-@click.option("--fp16", "precision", flag_value="fp16", help="FP16 with sensitive parts kept in FP32.")
-@click.option("--fp8", "precision", flag_value="fp8", help="FP8 (E4M3) Q/DQ on convolutions and GEMMs, FP16 for the "
-              "rest (needs --calib-data; engines need a GPU of compute capability 8.9+).")
-@click.option("--int4-weights", "precision", flag_value="int4", help="INT4 weight-only: block-wise INT4 weights "
-              "for MatMul/Gemm, FP16 activations.")
-@click.option("--fp32", "precision", flag_value="fp32", help="FP32 (the default).")
+@precision_options("int8", "fp16", "fp8", "int4", "fp32")
 @click.option("--engine", type=click.Choice(["tensorrt", "none"]),
               help="'none' stops after the ONNX and calibration artifacts, on purpose (exit 0).")
 @export_options
@@ -112,6 +111,18 @@ def build_cmd(precision: str | None, **kw: Any) -> None:
       trtc build --profile profiles/resnet_digits.toml
     Without TensorRT, everything but the engines is written and trtc exits with 4 (see trtc --help).
     """
+    from compiler.core.progress import recording_stages, stage_timer
+
+    with recording_stages(before=BEFORE) as times:
+        with stage_timer("imports"):  # the pipeline's modules: onnx, onnxruntime, calibration
+            import compiler.pipeline.build  # noqa: F401
+            from compiler.core.report import print_stage_times
+        _build(precision, kw)
+        print_stage_times(times)
+
+
+def _build(precision: str | None, kw: dict[str, Any]) -> None:
+    """``trtc build``'s body: settings from the options and the profile, the build, its summary."""
     from compiler.core.profile import build_settings, calibration_settings, export_settings
     from compiler.core.report import print_build_summary
     from compiler.core.settings import REDUCED_PRECISIONS

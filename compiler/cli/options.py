@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ from compiler.core.settings import HARDWARE_COMPAT_LEVELS
 from compiler.core.specs import DimRange, InputSpec, parse_buckets, parse_dim_range, parse_input_spec
 
 __all__ = ["InputSpecType", "DimType", "BucketsType", "PercentType", "model_options", "tolerance_options",
-           "calibration_options", "build_options", "export_options", "buckets_text", "profile_of"]
+           "calibration_options", "build_options", "export_options", "buckets_text", "profile_of", "precision_options",
+           "PRECISION_FLAGS"]
 
 
 class InputSpecType(click.ParamType):
@@ -112,6 +114,44 @@ def export_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                       help="Real inputs for the export and pass checks: one array per input name, as --calib-data "
                       "(default: generated values).")(fn)
     return click.option("--opset", type=int, help="ONNX opset (default: the exporter's choice).")(fn)
+
+
+PRECISION_FLAGS = {  # precision: (flag, help)
+    "int8": ("--int8", "INT8 with explicit Q/DQ, FP16 for the rest (needs calibration data; --fp32-rest for an FP32 "
+             "rest)."),
+    "fp16": ("--fp16", "FP16 with sensitive parts kept in FP32."),
+    "fp8": ("--fp8", "FP8 (E4M3) Q/DQ on convolutions and GEMMs, FP16 for the rest (needs calibration data; engines "
+            "need a GPU of compute capability 8.9+)."),
+    "int4": ("--int4-weights", "INT4 weight-only: block-wise INT4 weights for MatMul/Gemm, FP16 activations (see "
+             "--int4-block, --int4-method)."),
+    "fp32": ("--fp32", "FP32 (the default)."),
+}
+
+
+def precision_options(*precisions: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One flag per precision (``PRECISION_FLAGS``), passed to the command as ``precision`` (None when none is
+    given). Two flags together are refused in one line: a build makes one precision, and --int8 already runs what
+    is not INT8 in FP16, which is what --int8 --fp16 would ask for."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            given = [p for p in precisions if kw.pop(f"precision_{p}", False)]
+            if len(given) > 1:
+                flags = " and ".join(PRECISION_FLAGS[p][0] for p in given)
+                reduced = [p for p in given if p != "fp16"]
+                hint = (f"; {PRECISION_FLAGS[reduced[0]][0]} alone already runs what is not "
+                        f"{reduced[0].upper()} in FP16 (--fp32-rest: FP32)" if "fp16" in given and len(reduced) == 1
+                        and reduced[0] in ("int8", "fp8") else "")
+                raise InputError(f"{flags} given together: a build makes one precision, choose one{hint}")
+            return fn(*args, precision=given[0] if given else None, **kw)
+
+        for precision in reversed(precisions):
+            flag, text = PRECISION_FLAGS[precision]
+            wrapper = click.option(flag, f"precision_{precision}", is_flag=True, help=text)(wrapper)
+        return wrapper
+
+    return decorate
 
 
 def buckets_text(buckets: tuple[int, ...]) -> str:

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 
 __all__ = ["Capabilities", "capabilities", "tensorrt_version", "version_tuple", "cuda_available", "ort_providers",
-           "checking_providers", "TENSORRT_MISSING"]
+           "checking_providers", "TENSORRT_MISSING", "available_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -129,3 +129,21 @@ def checking_providers(available: list[str] | None = None, cuda: bool | None = N
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
 
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can give a process now: Linux's ``MemAvailable`` (page cache it can drop
+    included), else free physical pages; None where neither can be read."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None

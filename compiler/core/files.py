@@ -9,6 +9,7 @@ name is used only inside that directory (``inside``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -23,9 +24,11 @@ from compiler.core.errors import DirectoryLocked, InputError
 
 __all__ = ["sha256_file", "sha256_files", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
            "staging_dir", "commit_staged", "directory_lock", "directory_transaction", "Transaction", "read_json",
-           "file_mode", "current_umask", "settle_modes", "require_directory", "inside"]
+           "file_mode", "current_umask", "settle_modes", "require_directory", "inside", "space_for", "write_failure"]
 
 LOCK_NAME = ".trtc.lock"
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a full file system or a used-up quota: free space, or write elsewhere
+READ_ONLY = (errno.EROFS,)
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
@@ -36,12 +39,13 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def sha256_files(paths: list[Path]) -> str:
-    """One digest over several files (a graph and its external data), in the given order."""
+def sha256_files(paths: list[Path], digests: list[str] | None = None) -> str:
+    """One digest over several files (a graph and its external data), in the given order; ``digests``: each file's
+    own sha256 where already known (not read again)."""
     h = hashlib.sha256()
-    for p in paths:
+    for p, digest in zip(paths, digests or [sha256_file(p) for p in paths]):
         h.update(p.name.encode())
-        h.update(bytes.fromhex(sha256_file(p)))
+        h.update(bytes.fromhex(digest))
     return h.hexdigest()
 
 
@@ -64,10 +68,50 @@ def inside(directory: Path, relpath: Any, what: str = "file") -> Path:
         except (OSError, RuntimeError):  # a symlink loop
             bad = True
     if bad:
-        raise InputError(f"{directory}: the {what} {relpath!r} named in its records is not a relative path inside "
-                         "the directory (absolute, '..' or a symlink out of it); refusing it: rebuild the directory "
-                         "with `trtc build`")
+        raise InputError(f"{directory}: the {what} {relpath!r} named in its records leaves the directory (not a "
+                         "relative path inside it: absolute, '..' or a symlink out of it); refusing it: restore the "
+                         "manifest or rebuild the directory with `trtc build`")
     return path
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def write_failure(err: OSError, directory: Path, needed: int | None = None) -> InputError | None:
+    """The one-line InputError for an OSError the user fixes outside trtc, or None for any other OSError.
+
+    ``ENOSPC``/``EDQUOT`` (a full disk or quota): the path, the space free there and, with ``needed`` (bytes of the
+    write that failed), how much more it needs. ``EROFS``: the path lies on a read-only file system. These come from
+    the operating system on the real write; tests raise them from the write itself (an ``OSError`` with that
+    ``errno``), which is the same path through this function."""
+    where = Path(err.filename) if isinstance(err.filename, (str, os.PathLike)) else directory
+    if err.errno in READ_ONLY:
+        return InputError(f"{where}: a read-only file system, so {directory} cannot be written; choose another "
+                          "--out directory on a writable disk")
+    if err.errno not in FULL:
+        return None
+    try:
+        free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
+    except OSError:
+        free = 0
+    need = (f"writing {_mib(needed)} needs {_mib(max(needed - free, 1))} more than the {_mib(free)} free"
+            if needed else f"{_mib(free)} free")
+    return InputError(f"no space left on the disk of {directory} ({where}; {need}); free space there or choose "
+                      "another --out directory (the directory's previous contents are unchanged)")
+
+
+@contextlib.contextmanager
+def space_for(directory: Path, nbytes: int) -> Iterator[None]:
+    """Around a write of about ``nbytes`` into ``directory``: a full disk or quota becomes ``write_failure``'s
+    InputError naming the bytes it needs; other errors pass unchanged."""
+    try:
+        yield
+    except OSError as err:
+        failure = write_failure(err, directory, nbytes) if err.errno in FULL else None
+        if failure is None:
+            raise
+        raise failure from err
 
 
 def current_umask() -> int:
@@ -222,9 +266,20 @@ def directory_lock(out_dir: Path, command: str) -> Iterator[None]:
     """
     require_directory(out_dir)
     created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
     lock_path = out_dir / LOCK_NAME
-    fd = _locked(lock_path, out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd = _locked(lock_path, out_dir)
+    except OSError as err:
+        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        failure = write_failure(err, out_dir)
+        if failure is None and err.errno in (errno.EACCES, errno.EPERM):
+            failure = InputError(f"{err.filename or out_dir}: permission denied, so {out_dir} cannot be written; "
+                                 "choose another --out directory or fix its permissions")
+        if failure is None:
+            raise
+        raise failure from err
     try:
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command}).encode())
@@ -280,7 +335,13 @@ def directory_transaction(out_dir: Path, command: str) -> Iterator[Transaction]:
     was (the staging folder is removed, or cleaned by the next lock holder); an error the caller wants to
     report *after* committing (say, the accuracy report of a failed gate) is raised after the block.
     """
-    with directory_lock(out_dir, command), staging_dir(out_dir) as stage:
-        transaction = Transaction(out_dir, stage)
-        yield transaction
-        transaction.commit()
+    try:
+        with directory_lock(out_dir, command), staging_dir(out_dir) as stage:
+            transaction = Transaction(out_dir, stage)
+            yield transaction
+            transaction.commit()
+    except OSError as err:  # a full or read-only disk anywhere in the block: one line, the old contents kept
+        failure = write_failure(err, out_dir) if err.errno in FULL + READ_ONLY else None
+        if failure is None:
+            raise
+        raise failure from err

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Self
 from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.files import atomic_write_json, inside, read_json, sha256_file, sha256_files
+from compiler.core.manifest_shape import malformed
 from compiler.core.onnx_io import onnx_files
 from compiler.core.settings import BuildSettings, hardware_compat_level
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
@@ -32,12 +33,15 @@ from compiler.core.version import __version__
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "Manifest", "FileRecord", "EngineRecord", "SourceRecord", "ShapeRange",
            "CalibrationRecord", "read_manifest", "write_manifest", "settings_to_dict", "settings_from_dict",
-           "recorded_tf32", "tool_versions", "refuse_other_model", "now", "verified_onnx", "verified_file"]
+           "recorded_tf32", "tool_versions", "refuse_other_model", "refuse_foreign_directory", "now", "verified_onnx",
+           "verified_file"]
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+REQUIRED = {  # keys every manifest has from its export on, and what each holds; read_manifest refuses one without
+    "buckets": "the batch buckets", "onnx": "the ONNX files and their sha256"}  # (no inputs: a model without any)
 
 
 def now() -> str:
@@ -102,6 +106,7 @@ class FileRecord(_Record):
     sha256: str
     files: tuple[str, ...] = ()
     bytes: int | None = None
+    file_sha256: Mapping[str, str] = field(default_factory=dict)  # each of ``files`` by its own sha256
     extra: Mapping[str, Any] = field(default_factory=dict)
     _CONVERT: ClassVar[Mapping[str, Any]] = {"files": tuple}
 
@@ -114,8 +119,10 @@ class FileRecord(_Record):
     def for_onnx(cls, directory: Path, path: Path) -> FileRecord:
         """The record of the ONNX graph ``path`` inside ``directory`` and its external data: one digest for all."""
         found = onnx_files(path)
-        return cls(path.relative_to(directory).as_posix(), sha256_files(found),
-                   tuple(f.relative_to(directory).as_posix() for f in found), sum(f.stat().st_size for f in found))
+        names = tuple(f.relative_to(directory).as_posix() for f in found)
+        digests = [sha256_file(f) for f in found]  # each file read once: the record's digest is made of these
+        return cls(names[0], sha256_files(found, digests), names, sum(f.stat().st_size for f in found),
+                   dict(zip(names, digests)))
 
     @classmethod
     def for_file(cls, directory: Path, path: Path) -> FileRecord:
@@ -282,7 +289,7 @@ class Manifest(_Record):
     def from_json(cls, data: Mapping[str, Any]) -> Manifest:
         """The manifest of a JSON object (``schema_version`` aside, which ``read_manifest`` checks). InputError when a
         key has the wrong shape or the build settings do not parse."""
-        problem = _malformed(data)
+        problem = malformed(data)
         if problem:
             raise InputError(f"{problem}; the manifest is damaged, rebuild the directory with `trtc build`")
         build = data.get("build") or {}  # an empty build section records nothing
@@ -373,7 +380,8 @@ class Manifest(_Record):
     def named_files(self) -> list[tuple[str, str]]:
         """(what, relative path) of every file the manifest names: ONNX and data files, engines and their layer
         files, the source snapshot."""
-        paths = [(f"{precision} ONNX", name) for precision, record in self.onnx.items() for name in record.names]
+        paths = [(f"{precision} ONNX", name) for precision, record in self.onnx.items()
+                 for name in dict.fromkeys((record.file, *record.names))]
         for engine in self.engines:
             paths += list(zip(("engine", "layer file"), engine.names))
         if self.source is not None and self.source.snapshot is not None:
@@ -442,10 +450,18 @@ def read_manifest(directory: Path) -> Manifest:
     if version != SCHEMA_VERSION:
         raise InputError(f"{path}: schema_version {version!r}, this trtc reads {SCHEMA_VERSION}; rebuild the "
                          "directory with this version of trtc")
+    missing = next((key for key in REQUIRED if key not in data), None)
+    if missing is not None:
+        raise InputError(f"{path}: the key {missing!r} is missing ({REQUIRED[missing]}); the manifest is damaged: "
+                         "restore it or rebuild the directory with `trtc build`")
     try:
         manifest = Manifest.from_json(data)
     except InputError as err:
         raise InputError(f"{path}: {err}") from err
+    if manifest.precision not in manifest.onnx:
+        raise InputError(f"{path}: 'onnx' has no entry for its precision {manifest.precision!r} (it has "
+                         f"{', '.join(sorted(manifest.onnx)) or 'none'}); the manifest is damaged: restore it or "
+                         "rebuild the directory with `trtc build`")
     for what, name in manifest.named_files():
         inside(Path(directory), name, what)
     return manifest
@@ -471,6 +487,21 @@ def refuse_other_model(directory: Path, source_sha256: str, force: bool) -> None
     if old_sha and old_sha != source_sha256:
         raise InputError(f"{directory} holds the build of another model ({source.get('path')}); choose another --out "
                          "directory or pass --force to replace it")
+
+
+def refuse_foreign_directory(directory: Path, force: bool, own: tuple[str, ...] = ()) -> None:
+    """Refuse (InputError, one line) to write into an existing, non-empty ``directory`` that holds no trtc build
+    (no ``manifest.json``): its files are the user's (a model.onnx of their own, say), which a build would replace.
+    ``own`` names entries trtc leaves there itself (``failed``); the lock and staging folders never count.
+    ``force`` writes anyway."""
+    if force or not directory.is_dir() or (directory / MANIFEST).is_file():
+        return
+    theirs = sorted(p.name for p in directory.iterdir()
+                    if p.name not in (*own, ".trtc.lock") and not p.name.startswith(".staging-"))
+    if theirs:
+        shown = ", ".join(theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
+        raise InputError(f"{directory} is not empty and holds no trtc build (it has {shown}); choose a new or empty "
+                         "--out directory, or pass --force to write into it (files of the same names are replaced)")
 
 
 # --- files and digests -----------------------------------------------------------------------------------------------
@@ -506,77 +537,17 @@ def verified_onnx(directory: Path, record: FileRecord | None, precision: str = "
         raise InputError(f"{', '.join(missing)} missing: the directory's ONNX is incomplete; restore it or "
                          "re-run `trtc build`")
     graph = files[names.index(record.file)]
-    if sha256_files(files) != record.sha256:
-        raise InputError(f"{graph} does not match the sha256 in the manifest: it was changed after export, so it "
-                         "is not the verified model; restore it or re-run `trtc build` to re-export")
+    digests = [sha256_file(f) for f in files]
+    if sha256_files(files, digests) != record.sha256:
+        changed = [str(f) for f, name, digest in zip(files, names, digests)
+                   if record.file_sha256.get(name) not in (None, digest)]
+        named = " or ".join(str(f) for f in files)  # a record of an older trtc: no digest per file
+        what_changed = (f"{changed[0]} does not match the sha256 in the manifest" if changed else
+                        f"{named} do not match the sha256 in the manifest" if len(files) > 1
+                        else f"{graph} does not match the sha256 in the manifest")
+        raise InputError(f"{what_changed}: it was changed after export, so the {what} is not the verified model; "
+                         "restore it or re-run `trtc build` to re-export")
     referenced = {p.resolve() for p in onnx_files(graph)}
     if not referenced <= {f.resolve() for f in files}:
         raise InputError(f"{graph} refers to data files the manifest does not list; re-run `trtc build`")
     return graph
-
-
-# --- the shape of the JSON: the keys commands read, checked once so that a damaged or hand-edited manifest is one
-# InputError rather than a TypeError deep in a reader (a dozen type checks do not justify a schema library)
-
-def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
-    return isinstance(value, kind) and not (isinstance(value, bool) and kind in (int, (int, float)))
-
-
-def _list_of(value: Any, kind: type, nonempty: bool = False) -> bool:
-    return isinstance(value, list) and all(_is(v, kind) for v in value) and (bool(value) or not nonempty)
-
-
-def _counts(value: Any) -> bool:
-    return _list_of(value, int, nonempty=True) and min(value) > 0
-
-
-def _shapes_ok(shapes: Any) -> bool:
-    return isinstance(shapes, dict) and all(
-        isinstance(s, dict) and all(_list_of(s.get(k), int, nonempty=True) for k in ("min", "opt", "max"))
-        for s in shapes.values())
-
-
-def _entry_ok(entry: Any) -> bool:
-    """An ``onnx`` entry or a snapshot record: file and sha256 strings, files a list of strings."""
-    return (isinstance(entry, dict) and _is(entry.get("file"), str) and _is(entry.get("sha256"), str)
-            and ("files" not in entry or _list_of(entry["files"], str, nonempty=True)))
-
-
-def _engine_ok(entry: Any) -> bool:
-    if not (isinstance(entry, dict) and _is(entry.get("bucket"), int) and entry["bucket"] > 0 and _entry_ok(entry)):
-        return False
-    layers = entry.get("layers")
-    return ((_is(entry.get("profile", 0), int) and entry.get("profile", 0) >= 0)
-            and ("shapes" not in entry or _shapes_ok(entry["shapes"]))
-            and (layers is None or (isinstance(layers, dict) and _is(layers.get("file"), str)))
-            and all(_is(entry.get(k, ""), str) for k in ("onnx", "onnx_sha256")))
-
-
-def _malformed(m: Mapping[str, Any]) -> str | None:
-    """What is wrong with the shape of manifest ``m``, or None. Keys that are absent are not checked here."""
-    if not isinstance(m, Mapping):
-        return "it is not a JSON object"
-    source, build = m.get("source", {}), m.get("build") or {}
-    checks = {
-        "inputs": lambda: _list_of(m["inputs"], str, nonempty=True),
-        "dims": lambda: isinstance(m["dims"], dict) and all(_is(v, str) for v in m["dims"].values()),
-        "output_names": lambda: _list_of(m["output_names"], str),
-        "buckets": lambda: _counts(m["buckets"]),
-        "precision": lambda: _is(m["precision"], str),
-        "source": lambda: isinstance(source, dict) and all(_is(source.get(k, ""), str)
-                                                           for k in ("path", "format", "factory", "sha256"))
-        and ("snapshot" not in source or _entry_ok(source["snapshot"])),
-        "onnx": lambda: isinstance(m["onnx"], dict) and all(_entry_ok(e) for e in m["onnx"].values()),
-        "build": lambda: isinstance(build, dict) and ("buckets" not in build or _counts(build["buckets"]))
-        and all(build.get(k) is None or _is(build[k], str) for k in ("precision", "timing_cache", "engine")),
-        "engines": lambda: isinstance(m["engines"], list) and all(_engine_ok(e) for e in m["engines"]),
-        "environment": lambda: m["environment"] is None or isinstance(m["environment"], dict),
-        "engines_note": lambda: m["engines_note"] is None or _is(m["engines_note"], str),
-    }
-    for key, ok in checks.items():
-        if key in m and not ok():
-            if key == "engines" and isinstance(m["engines"], list):
-                index = next(i for i, e in enumerate(m["engines"]) if not _engine_ok(e))
-                return f"engines[{index}] lacks bucket, file or sha256, or has a value of the wrong type"
-            return f"'{key}' is malformed"
-    return None

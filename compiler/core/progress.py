@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["stage_timer", "progress", "INTERVAL_S", "is_terminal"]
+__all__ = ["stage_timer", "progress", "INTERVAL_S", "is_terminal", "StageTimes", "recording_stages",
+           "process_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +31,84 @@ def is_terminal() -> bool:
     return bool(Console(stderr=True).is_terminal)
 
 
+_START = time.perf_counter()  # where /proc cannot say when the process started: this module's import
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (interpreter start and imports included): from Linux's /proc, else since
+    this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return max(0.0, float(f.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _START
+
+
+@dataclass
+class StageTimes:
+    """The stages of one command, in the order they first ran, with their seconds (a stage that runs twice adds up);
+    stages inside another stage count in the outer one only. ``record`` adds a time measured elsewhere."""
+
+    stages: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)  # when recording began
+    before: float = 0.0  # process seconds before recording began (interpreter start, imports, options)
+
+    def record(self, name: str, seconds: float) -> None:
+        self.stages[name] = self.stages.get(name, 0.0) + seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"stages": {name: s}, "process_seconds": s, "unaccounted_seconds": s}``: the process's seconds so far
+        and the part of them no stage holds, rounded to 10 ms."""
+        total = self.before + time.perf_counter() - self.started
+        stages = {name: round(seconds, 2) for name, seconds in self.stages.items()}
+        return {"stages": stages, "process_seconds": round(total, 2),
+                "unaccounted_seconds": round(total - sum(self.stages.values()), 2)}
+
+
+_RECORDING: list[StageTimes] = []  # the record of the command running now, if any
+_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def recording_stages(before: str | None = None) -> Iterator[StageTimes]:
+    """Record every outermost ``stage_timer`` of the block. With ``before``, the process's seconds until now
+    (``process_seconds``: interpreter start, imports, reading the options) are its first stage, so named; without,
+    inside another record, that record (a library call inside a command's record adds to it)."""
+    if _RECORDING and before is None:  # inside a command's record: the same record
+        yield _RECORDING[-1]
+        return
+    times = StageTimes()
+    if before is not None:
+        times.before = process_seconds()
+        times.record(before, times.before)
+    _RECORDING.append(times)
+    try:
+        yield times
+    finally:
+        _RECORDING.remove(times)
+
+
 @contextlib.contextmanager
 def stage_timer(name: str) -> Iterator[None]:
     """Log ``name: 3.2 s`` when the block ends (``name: failed after 3.2 s`` when it raises).
 
     The line is INFO where stderr is not a terminal and DEBUG on a terminal, where the summary
-    tables say the same.
+    tables say the same. Inside ``recording_stages``, an outermost stage is recorded too.
     """
     start = time.perf_counter()
     level = logging.DEBUG if is_terminal() else logging.INFO
+    _DEPTH[0] += 1
     try:
         yield
     except BaseException:
         log.log(level, "%s: failed after %.1f s", name, time.perf_counter() - start)
         raise
+    finally:
+        _DEPTH[0] -= 1
+        if _DEPTH[0] == 0 and _RECORDING:
+            _RECORDING[-1].record(name, time.perf_counter() - start)
     log.log(level, "%s: %.1f s", name, time.perf_counter() - start)
 
 

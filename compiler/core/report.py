@@ -10,7 +10,7 @@ from rich.table import Table
 
 from compiler.core.manifest import MANIFEST, Manifest, read_manifest
 
-__all__ = ["print_export_summary", "console"]
+__all__ = ["print_export_summary", "console", "print_stage_times"]
 
 console = Console()
 
@@ -91,3 +91,15 @@ def print_build_summary(out: Path, manifest: Manifest | None = None) -> None:
     console.print(table)
     if manifest.engines_note:
         console.print(f"engines: not built ({manifest.engines_note.removeprefix('not built: ')})")
+
+
+def print_stage_times(times: Any) -> None:
+    """The table of a command's stages (a ``compiler.core.progress.StageTimes``): each stage's seconds, then what no
+    stage holds and the process's seconds so far; the same record as the directory's report/timing.json."""
+    record = times.to_dict()
+    table = Table("stage", "seconds", title="time")
+    for name, seconds in record["stages"].items():
+        table.add_row(name, f"{seconds:.2f}")
+    table.add_row("(outside every stage)", f"{record['unaccounted_seconds']:.2f}")
+    table.add_row("total", f"{record['process_seconds']:.2f}")
+    console.print(table)

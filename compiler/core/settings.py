@@ -212,6 +212,15 @@ class GateSettings:
         ("calibration", "max_fallback", INT, "layers the gate may keep in FP32"), convert=int))
     sensitivity_samples: int = defaults.SENSITIVITY_SAMPLES  # samples used to score each layer alone
 
+    def __post_init__(self) -> None:
+        if not -1 <= self.min_cosine <= 1:
+            raise InputError(f"--min-cosine {self.min_cosine:g}: a cosine lies in [-1, 1]; use e.g. 0.99")
+        if not 0 <= self.max_accuracy_drop <= 100:
+            raise InputError(f"--max-accuracy-drop {self.max_accuracy_drop:g}: top-1 points lie in [0, 100]; "
+                             "use e.g. 0.5")
+        if self.max_fallback < 0:
+            raise InputError(f"--max-fallback {self.max_fallback}: a number of layers, at least 0")
+
 
 @dataclass(frozen=True)
 class CalibrationSettings:
@@ -261,6 +270,10 @@ class CalibrationSettings:
         if not self.method:
             object.__setattr__(self, "method", defaults.FP8_CALIB_METHOD if self.precision == "fp8"
                                else defaults.CALIB_METHOD)
+        if self.samples < 1:
+            raise InputError(f"--calib-samples {self.samples}: calibration needs at least one sample")
+        if self.batch_size < 1:
+            raise InputError(f"--calib-batch {self.batch_size}: a batch holds at least one sample")
         if self.method not in defaults.CALIB_METHODS:
             raise InputError(f"--calib-method {self.method!r}: use one of {', '.join(defaults.CALIB_METHODS)}")
         if not 50 < self.percentile <= 100:

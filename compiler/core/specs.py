@@ -106,6 +106,18 @@ class ModelSpec:
     def input_names(self) -> list[str]:
         return [i.name for i in self.inputs]
 
+    def sample_bytes(self) -> int:
+        """Bytes of one sample of every input with each dynamic dimension at its max (the batch at 1)."""
+        values = {name: r.max for name, r in self.dims.items()}
+        values[BATCH_DIM] = 1
+        total = 0
+        for spec in self.inputs:
+            n = 2 if spec.dtype == "bfloat16" else np.dtype(spec.dtype).itemsize
+            for d in spec.shape(values):
+                n *= d
+            total += n
+        return total
+
     def opt_values(self, batch: int) -> dict[str, int]:
         """Dimension values for a run at ``batch`` with every other dynamic dimension at its opt."""
         values = {name: r.opt for name, r in self.dims.items()}

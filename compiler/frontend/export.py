@@ -18,7 +18,7 @@ from typing import Any
 
 import onnx
 
-from compiler.core.errors import ExportError, InputError
+from compiler.core.errors import ExportError, InputError, raised_by_user_code, user_code_failure
 from compiler.core.onnx_io import load_onnx
 from compiler.core.specs import BATCH_DIM, INTEGER_DTYPES, ModelSpec
 from compiler.frontend.loading import LoadedModel, onnx_input_spec
@@ -102,26 +102,78 @@ _REJECTS = (RuntimeError, TypeError, ValueError, IndexError, AssertionError)
 
 def _check_model_accepts(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...], from_data: bool = False,
                          ) -> None:
-    """Run the eager model once on the example inputs, so a wrong shape spec or value range fails clearly, early."""
+    """Run the eager model once on the example inputs, so that a wrong shape spec or value range, a forward that
+    raises or one that returns None fails clearly, early, in one line that shows the user's frame."""
     import torch
 
     try:
         with torch.inference_mode():
-            loaded.module(*args)
-    except _REJECTS as err:
-        culprit = None if from_data else _rejected_values(loaded, spec, args)
-        if culprit is not None:
-            raise InputError(f"the model rejects the example values of input {culprit.name!r} "
-                             f"({culprit.describe_values()}): {_first_line(err)}; give the values it accepts as "
-                             f"--input '{culprit.name}:{'x'.join(map(str, culprit.dims))}:{culprit.dtype}[LOW,HIGH)' "
-                             "or pass --example-data with real inputs") from err
-        shapes = ", ".join(f"{i.name}={tuple(a.shape)}" for i, a in zip(spec.inputs, args))
-        where = "the first samples of the given data" if from_data else "inputs shaped like --input " + \
-            " ".join(str(i) for i in spec.inputs)
-        values = "; ".join(f"{i.name}: {i.describe_values()}" for i in spec.inputs if i.dtype in INTEGER_DTYPES)
-        hint = "fix that data (--example-data, or --calib-data without it)" if from_data else \
-            "fix the --input shapes" + (f" or the integer inputs' value ranges ({values})" if values else "")
-        raise InputError(f"the model rejects {where} ({shapes}): {_first_line(err)}; {hint}") from err
+            out = loaded.module(*args)
+    except Exception as err:  # the user's forward: whatever it raises is theirs, shown at their frame
+        raise InputError(_rejection(loaded, spec, args, from_data, err)) from err
+    if out is None or (isinstance(out, (tuple, list)) and out and all(o is None for o in out)):
+        raise InputError(f"the model's forward returned None ({_forward_location(loaded.module)}): there is no "
+                         "output to export; return the output tensor(s) from forward")
+
+
+def _rejection(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...], from_data: bool,
+               err: BaseException) -> str:
+    """The message for a forward that raised on the example inputs: which inputs, what the user can change."""
+    failure = user_code_failure("the model's forward", err)
+    culprit = None if from_data else _rejected_values(loaded, spec, args)
+    if culprit is not None:
+        return (f"the model rejects the example values of input {culprit.name!r} ({culprit.describe_values()}): "
+                f"{failure}; give the values it accepts as --input "
+                f"'{culprit.name}:{'x'.join(map(str, culprit.dims))}:{culprit.dtype}[LOW,HIGH)' or pass --example-data "
+                "with real inputs")
+    shapes = ", ".join(f"{i.name}={tuple(a.shape)}" for i, a in zip(spec.inputs, args))
+    if from_data and _fails_on_spec_values(loaded, spec, args):
+        return (f"the model fails in eager PyTorch on the first samples of the given data ({shapes}) and on "
+                f"generated inputs of the same shapes: {failure}; fix the model (the data are not the cause)")
+    if from_data:
+        return (f"the model rejects the first samples of the given data ({shapes}): {failure}; fix that data "
+                "(--example-data, or --calib-data without it)")
+    if raised_by_user_code(err):  # the forward's own line raised: the model first, the shapes perhaps
+        return (f"{failure} on inputs shaped like {shapes}; fix the model's forward, or the --input shapes if they "
+                "are wrong (--debug shows the whole traceback)")
+    values = "; ".join(f"{i.name}: {i.describe_values()}" for i in spec.inputs if i.dtype in INTEGER_DTYPES)
+    hint = "fix the --input shapes" + (f" or the integer inputs' value ranges ({values})" if values else "")
+    return (f"the model rejects inputs shaped like --input {' '.join(str(i) for i in spec.inputs)} ({shapes}): "
+            f"{failure}; {hint}, or the model")
+
+
+def _fails_on_spec_values(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...]) -> bool:
+    """Whether the model raises on the spec's generated values at the shapes of ``args`` too (the data are not
+    what it fails on)."""
+    import torch
+
+    batch = int(args[0].shape[0]) if args and args[0].dim() else 1
+    feed = spec.example_feed(batch=batch, values={d: int(a.shape[k]) for i, a in zip(spec.inputs, args)
+                                                  for k, d in enumerate(i.dims) if isinstance(d, str)})
+    try:
+        with torch.inference_mode():
+            loaded.module(*(torch.from_numpy(feed[i.name]) for i in spec.inputs))
+    except Exception:  # any failure answers the question
+        return True
+    return False
+
+
+def _forward_location(module: Any) -> str:
+    """``file:line in Class.forward`` of a module's forward, for a message; the class name where it has no file."""
+    import inspect
+
+    forward = getattr(type(module), "forward", None)
+    name = f"{type(module).__name__}.forward"
+    try:
+        path = inspect.getsourcefile(forward) if forward is not None else None
+        line = inspect.getsourcelines(forward)[1] if forward is not None else 0
+    except (OSError, TypeError):
+        return name
+    if not path:
+        return name
+    with contextlib.suppress(ValueError):  # a file outside the working directory keeps its full path
+        path = str(Path(path).resolve().relative_to(Path.cwd()))
+    return f"{name} at {path}:{line}"
 
 
 def _rejected_values(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...]) -> Any:
@@ -155,7 +207,7 @@ def _dynamo_export(loaded: LoadedModel, args: tuple[Any, ...], spec: ModelSpec, 
     kwargs: dict[str, Any] = {}
     if loaded.exported_program is None:
         kwargs["dynamic_shapes"] = _matching_parameters(loaded.module, dynamic_shapes)
-    with _quiet():
+    with _without_shadowing_folders(), _quiet():
         torch.onnx.export(target, args, str(path), dynamo=True, input_names=spec.input_names,
                           output_names=output_names, opset_version=opset, verbose=False, optimize=True, **kwargs)
     return _rename_dims(load_onnx(path), spec)
@@ -223,20 +275,75 @@ def _quiet() -> Any:
         yield
 
 
+# packages torch's compiler imports when they are found, which a folder of the same name on the import path (the
+# working directory's triton/ that `trtc export-triton --repo triton` writes) hides
+SHADOWABLE = ("triton",)
+
+
+def shadowing_entries(names: tuple[str, ...] = SHADOWABLE) -> dict[str, Path]:
+    """Import path entries that hold a plain folder (no ``__init__.py``) named like one of ``names``, by entry: such
+    a folder imports as an empty namespace package in place of the real one."""
+    import sys
+
+    found: dict[str, Path] = {}
+    for entry in sys.path:
+        for name in names:
+            folder = Path(entry or ".") / name
+            if folder.is_dir() and not (folder / "__init__.py").is_file():
+                found[entry] = folder
+    return found
+
+
+@contextlib.contextmanager
+def _without_shadowing_folders() -> Any:
+    """Run the dynamo exporter with an import path that does not let a folder (``triton/``) stand in for the package
+    torch looks for: the entries holding one leave ``sys.path`` for the block (one log line), an empty namespace
+    package already imported under the name leaves ``sys.modules``; both come back after."""
+    import sys
+
+    entries = shadowing_entries()
+    modules = {n: sys.modules.pop(n) for n in SHADOWABLE if n in sys.modules
+               and getattr(sys.modules[n], "__file__", None) is None}
+    if not entries and not modules:
+        yield
+        return
+    for folder in entries.values():
+        log.info("%s shadows the %s package; the dynamo exporter runs without %s on the import path", folder,
+                 folder.name, folder.parent)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if p not in entries]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+        for name, module in modules.items():
+            sys.modules.setdefault(name, module)
+
+
 _OP = re.compile(r"(aten::[A-Za-z0-9_.]+|[A-Za-z0-9_]+::[A-Za-z0-9_.]+)")
 _LOC = re.compile(r'File "([^"]+)", line (\d+)')
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _summarize(err: BaseException) -> str:
-    """The first unsupported operator and the first source location named in an exporter error."""
-    text = str(err)
+    """The first unsupported operator and the first source location named in an exporter error; without an
+    operator, the innermost cause's own line (the exporter's wrapper says only which step failed)."""
+    text = _ANSI.sub("", str(err))
+    innermost = err
     cause = err.__cause__
     while cause is not None:
-        text += "\n" + str(cause)
+        text += "\n" + _ANSI.sub("", str(cause))
+        if str(cause).strip():
+            innermost = cause
         cause = cause.__cause__
     op = _OP.search(text)
     loc = _LOC.search(text)
-    parts = [f"unsupported operator {op.group(1)}" if op else _first_line(err)]
+    what = _ANSI.sub("", _first_line(innermost))
+    if innermost is not err:
+        what = f"{type(innermost).__name__}: {what}" if not what.startswith(type(innermost).__name__) else what
+    parts = [f"unsupported operator {op.group(1)}" if op else what]
     if loc:
         parts.append(f"at {loc.group(1)}:{loc.group(2)}")
     return " ".join(parts)

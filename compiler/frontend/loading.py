@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from compiler.core.errors import InputError
+from compiler.core.errors import InputError, user_code_failure
 from compiler.core.specs import BATCH_DIM, DTYPES, DimRange, InputSpec, ModelSpec
 
 if TYPE_CHECKING:
@@ -170,7 +170,11 @@ def _from_factory(spec: str, weights: Path | None) -> LoadedModel:
     fn = getattr(mod, attr, None)
     if not callable(fn):
         raise InputError(f"--model-factory {spec}: {module_name} has no callable {attr!r}")
-    module = fn()
+    try:
+        module = fn()
+    except Exception as err:  # the user's code: any exception is theirs to fix, shown at their frame
+        raise InputError(f"{user_code_failure(f'--model-factory {spec}', err)}; fix the factory (--debug shows the "
+                         "whole traceback)") from err
     if not isinstance(module, torch.nn.Module):
         raise InputError(f"--model-factory {spec} returned a {type(module).__name__}, not an nn.Module")
     if weights is not None:
@@ -183,12 +187,33 @@ def _from_factory(spec: str, weights: Path | None) -> LoadedModel:
                              f"({_first_line(err)}); save it with torch.save(model.state_dict(), PATH)") from err
         if not isinstance(state, dict):
             raise InputError(f"{weights}: holds a {type(state).__name__}, not a state dict")
-        try:
-            module.load_state_dict(state)
-        except RuntimeError as err:
-            raise InputError(f"{weights}: does not fit {spec} ({_first_line(err)})") from err
+        _load_state_dict(module, state, weights, spec)
     source = weights
     return LoadedModel("factory", source, module=module.eval())
+
+
+def _load_state_dict(module: Any, state: dict[str, Any], weights: Path, factory: str) -> None:
+    """``module.load_state_dict(state)``; InputError naming the first missing and unexpected keys, or the first
+    tensor whose shape differs, when the state dict does not fit the factory's model."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
+              if k in state and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(own[k].shape)]
+
+    def first(keys: list[str], n: int = 3) -> str:
+        return ", ".join(keys[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
+
+    problems = ([f"{len(missing)} missing key(s): {first(missing)}"] if missing else []) + \
+        ([f"{len(unexpected)} unexpected key(s): {first(unexpected)}"] if unexpected else []) + \
+        ([f"{len(shapes)} shape mismatch(es): {first(shapes, 2)} (file vs model)"] if shapes else [])
+    if problems:
+        raise InputError(f"{weights}: does not fit the model of {factory}: {'; '.join(problems)}; save the state dict "
+                         "of the same architecture, or fix the factory")
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as err:
+        raise InputError(f"{weights}: does not fit {factory} ({_first_line(err)})") from err
 
 
 def snapshot_into(directory: Path, loaded: LoadedModel) -> FileRecord | None:
@@ -381,10 +406,15 @@ def _dims_text(info: Any) -> str:
 
 
 def _declared_spec(info: Any, dtype: str) -> InputSpec:
-    """The spec of an input whose shape the file declares in fixed sizes; InputError naming ``--input`` otherwise."""
+    """The spec of an input as the file declares it: its fixed sizes, a dynamic first dimension (any other fixed)
+    read as the batch ``B``; InputError naming ``--input`` for other dynamic dimensions, whose ranges it needs."""
     tensor_type = info.type.tensor_type
     if tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in tensor_type.shape.dim):
         return InputSpec(info.name, tuple(int(d.dim_value) for d in tensor_type.shape.dim), dtype)
+    dims = tensor_type.shape.dim if tensor_type.HasField("shape") else []
+    if dims and not dims[0].HasField("dim_value") and all(d.HasField("dim_value") for d in dims[1:]):
+        # a dynamic first dimension and fixed others: the batch, its range from --buckets
+        return InputSpec(info.name, (BATCH_DIM, *(int(d.dim_value) for d in dims[1:])), dtype)
     letters = iter("STUVWXYZ")
     if tensor_type.HasField("shape"):
         dims = [str(d.dim_value) if d.HasField("dim_value") else (BATCH_DIM if k == 0 else next(letters, "S"))

@@ -30,7 +30,7 @@ from compiler.backends.base import Runner
 from compiler.backends.onnxrt_runner import OnnxRuntimeRunner
 from compiler.backends.registry import check_runner
 from compiler.core.capabilities import checking_providers
-from compiler.core.errors import InputError, VerificationError, first_line
+from compiler.core.errors import InputError, VerificationError, first_line, user_code_failure
 from compiler.core.settings import Tolerance
 from compiler.core.specs import ModelSpec
 
@@ -39,6 +39,7 @@ __all__ = ["Comparison", "Tolerance", "compare_outputs", "checked", "verify_runn
            "FeedSource", "CheckingDevices", "checking_devices", "EagerReference", "fp32_math",
            "ExportChecks"]
 
+FORWARD = "the model's forward"  # the user's code, as messages name it
 log = logging.getLogger(__name__)
 
 FeedSource = Callable[[int], dict[str, np.ndarray]]  # batch size -> one feed at that batch
@@ -413,6 +414,12 @@ class ExportChecks:
                 except errors as err:
                     raise InputError(f"ONNX Runtime cannot run the original model on {inputs}: {ort_message(err)}; "
                                      f"{hint}") from err
+                except Exception as err:  # the user's forward, in eager PyTorch: theirs to fix, at their frame
+                    if self.eager is None:
+                        raise
+                    raise InputError(f"{user_code_failure(FORWARD, err)} at batch {batch} "
+                                     f"in eager PyTorch (the checks run batches {', '.join(map(str, batches))}); "
+                                     "fix the model, or lower --buckets to the batches it takes") from err
                 try:
                     got = runner.infer(feed)
                 except errors as err:

@@ -28,12 +28,19 @@ from compiler.backends.tensorrt.versions import NOT_INSTALLED, require_tensorrt
 from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import AccuracyGateError, InputError, TensorRTNotInstalled
 from compiler.core.files import directory_transaction, settle_modes
-from compiler.core.manifest import MANIFEST, Manifest, write_manifest
-from compiler.core.progress import stage_timer
+from compiler.core.manifest import MANIFEST, Manifest, refuse_foreign_directory, write_manifest
+from compiler.core.progress import recording_stages, stage_timer
 from compiler.core.settings import MIN_COMPUTE_CAPABILITY, BuildSettings, ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.frontend.verify import FeedSource
-from compiler.pipeline.export import FP32_ONNX, export_step, model_to_export
+from compiler.pipeline.export import (
+    FP32_ONNX,
+    export_step,
+    model_to_export,
+    refuse_oversized_buckets,
+    spec_is_complete,
+    write_timing,
+)
 
 __all__ = ["build_directory", "refuse_unsupported_precision", "FAILED_DIR"]
 
@@ -49,39 +56,66 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
 
     start = time.perf_counter()
     out = export.out
-    # before the export and the calibration, which take hours on a large model
-    if build.engine != "none" and build.precision in MIN_COMPUTE_CAPABILITY and tensorrt_version() is not None:
-        refuse_unsupported_precision(build.precision, environment(build))
-    model = model_to_export(export, build.buckets)
-    spec = model.spec
-    with directory_transaction(out, command) as transaction:
-        stage = transaction.stage
-        feeds, feeds_from = _feeds_from_calibration_data(calibration, spec, export.max_batch)
-        manifest = export_step(transaction, model, export, feeds, feeds_from)
-        del model  # the PyTorch model is not needed past export: its memory goes back before calibration
-        if calibration is not None:
-            cache_file = CALIBRATION_FILES.get(calibration.precision)
-            cache = calibration.calib_cache or (out / cache_file if cache_file else None)
-            if cache_file and cache and Path(cache).is_file():
-                shutil.copy2(cache, stage / cache_file)
-            with stage_timer(f"{calibration.precision.upper()} calibration"):
-                outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
-            if outcome.record is None:
-                _keep_failed_attempt(stage, out, manifest)
-                raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "
-                                        f"attempt is in {out / FAILED_DIR})")
-            manifest = manifest.with_calibration(outcome.record)
-        missing: TensorRTNotInstalled | None = None
-        if build.engine == "none":
-            manifest = manifest.with_no_engines(build, "not built: --engine none")
-        else:
-            with stage_timer("engines"):
-                manifest, missing = _engines_into(stage, out, manifest, spec, build)
-        manifest = replace(manifest, build_seconds=round(time.perf_counter() - start, 2))
-        write_manifest(stage / MANIFEST, manifest)
+    with recording_stages() as times:
+        with stage_timer("checks before export"):
+            # before the export and the calibration, which take hours on a large model
+            if build.engine != "none" and build.precision in MIN_COMPUTE_CAPABILITY and tensorrt_version() is not None:
+                refuse_unsupported_precision(build.precision, environment(build))
+            refuse_foreign_directory(out, export.force, (FAILED_DIR,))
+            early = export.spec if spec_is_complete(export) else None  # every check that needs no model, first
+            if early is not None:
+                refuse_oversized_buckets(early, build.buckets)
+            calibration = _data_checked(calibration, early, out)
+        model = model_to_export(export, build.buckets)
+        spec = model.spec
+        if early is None:
+            with stage_timer("checks before export"):
+                refuse_oversized_buckets(spec, build.buckets)
+                calibration = _data_checked(calibration, spec, out)
+        with directory_transaction(out, command) as transaction:
+            stage = transaction.stage
+            with stage_timer("export inputs from the data"):
+                feeds, feeds_from = _feeds_from_calibration_data(calibration, spec, export.max_batch)
+            manifest = export_step(transaction, model, export, feeds, feeds_from)
+            with stage_timer("freeing the PyTorch model"):
+                del model  # not needed past export: its memory goes back before calibration
+            if calibration is not None:
+                cache_file = CALIBRATION_FILES.get(calibration.precision)
+                cache = calibration.calib_cache or (out / cache_file if cache_file else None)
+                if cache_file and cache and Path(cache).is_file():
+                    shutil.copy2(cache, stage / cache_file)
+                with stage_timer(f"{calibration.precision.upper()} calibration"):
+                    outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
+                if outcome.record is None:
+                    _keep_failed_attempt(stage, out, manifest)
+                    raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "
+                                            f"attempt is in {out / FAILED_DIR})")
+                manifest = manifest.with_calibration(outcome.record)
+            missing: TensorRTNotInstalled | None = None
+            if build.engine == "none":
+                manifest = manifest.with_no_engines(build, "not built: --engine none")
+            else:
+                with stage_timer("engines"):
+                    manifest, missing = _engines_into(stage, out, manifest, spec, build)
+            manifest = replace(manifest, build_seconds=round(time.perf_counter() - start, 2))
+            write_timing(stage, command, times)
+            write_manifest(stage / MANIFEST, manifest)
     if missing is not None:
         raise missing
     return manifest
+
+
+def _data_checked(calibration: Any | None, spec: ModelSpec | None, out: Path) -> Any | None:
+    """``calibration`` after ``checked_up_front`` (data there where needed; with ``spec``, every sample read and
+    checked): before the export, so that bad data fail in seconds rather than after it."""
+    from calibration.calibrate import CALIBRATION_FILES
+    from calibration.data import checked_up_front
+
+    if calibration is None:
+        return None
+    cache_file = CALIBRATION_FILES.get(calibration.precision)
+    cache = calibration.calib_cache or (out / cache_file if cache_file else None)
+    return checked_up_front(calibration, spec, Path(cache) if cache else None)
 
 
 def _feeds_from_calibration_data(calibration: Any | None, spec: ModelSpec, max_batch: int,

@@ -16,19 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from compiler.core.errors import InputError
-from compiler.core.files import Transaction, directory_transaction, sha256_file
+from compiler.core.files import Transaction, atomic_write_json, directory_transaction, sha256_file, space_for
 from compiler.core.manifest import (
     MANIFEST,
     FileRecord,
     Manifest,
     SourceRecord,
     now,
+    refuse_foreign_directory,
     refuse_other_model,
     tool_versions,
     write_manifest,
 )
 from compiler.core.onnx_io import save_onnx
-from compiler.core.progress import stage_timer
+from compiler.core.progress import StageTimes, recording_stages, stage_timer
 from compiler.core.settings import ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.frontend.example_data import example_feeds
@@ -44,7 +45,8 @@ from compiler.frontend.passes import run_passes_unchecked
 from compiler.frontend.verify import ExportChecks, FeedSource
 
 __all__ = ["export_directory", "ModelToExport", "model_to_export", "export_step", "exported_into",
-           "source_fingerprint", "resolve_spec"]
+           "source_fingerprint", "resolve_spec", "spec_is_complete", "refuse_oversized_buckets", "proto_bytes",
+           "write_timing", "TIMING_JSON"]
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,24 @@ def source_fingerprint(loaded: LoadedModel) -> str:
     """sha256 of the model file; for a factory, of its weights file or else of its state dict."""
     if loaded.source is not None:
         return sha256_file(loaded.source)
+    import torch
+
     h = hashlib.sha256()
     for name, tensor in loaded.module.state_dict().items():
         h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        values = tensor.detach().cpu().contiguous()
+        if values.dtype in (torch.bfloat16,) or values.dtype.is_complex:  # no numpy dtype: the same bytes as uint8
+            values = values.reshape(-1).view(torch.uint8)
+        h.update(values.numpy())  # the buffer itself, not a copy of it (tobytes() copied every weight once more)
     return h.hexdigest()
+
+
+def spec_is_complete(settings: ExportSettings) -> bool:
+    """Whether ``settings.spec`` (``--input``) is the model's whole input spec before the model is read: true for
+    PyTorch models; an ONNX file's inputs are merged with what the file declares."""
+    path = settings.source.path
+    return settings.spec is not None and (bool(settings.source.factory) or (path is not None
+                                                                         and path.suffix.lower() != ".onnx"))
 
 
 def resolve_spec(loaded: LoadedModel, spec: ModelSpec | None) -> ModelSpec:
@@ -92,12 +107,15 @@ def model_to_export(settings: ExportSettings, buckets: tuple[int, ...] | None = 
 
     With ``buckets`` (``trtc build``), they and the dim ranges are checked against what the model declares.
     """
-    loaded = load_model(settings.source.path, factory=settings.source.factory, weights=settings.source.weights,
-                        trust_pickle=settings.source.trust_pickle)
-    spec = resolve_spec(loaded, settings.spec)
-    if buckets is not None:
-        check_against_model(loaded, spec, buckets)
-    return ModelToExport(loaded, spec, source_fingerprint(loaded))
+    with stage_timer("model loading"):
+        loaded = load_model(settings.source.path, factory=settings.source.factory, weights=settings.source.weights,
+                            trust_pickle=settings.source.trust_pickle)
+        spec = resolve_spec(loaded, settings.spec)
+        if buckets is not None:
+            check_against_model(loaded, spec, buckets)
+    with stage_timer("model fingerprint"):
+        fingerprint = source_fingerprint(loaded)
+    return ModelToExport(loaded, spec, fingerprint)
 
 
 def export_step(transaction: Transaction, model: ModelToExport, settings: ExportSettings,
@@ -114,13 +132,29 @@ def export_step(transaction: Transaction, model: ModelToExport, settings: Export
 
 def export_directory(settings: ExportSettings, command: str = "trtc export") -> Manifest:
     """Load, export, run the passes, verify and write ``OUT/model.onnx`` and ``OUT/manifest.json``."""
-    model = model_to_export(settings)
-    if any(BATCH_DIM not in i.dims for i in model.spec.inputs):
-        log.warning("an input has no batch dimension B; batching applies only to inputs that have one")
-    with directory_transaction(settings.out, command) as transaction:
-        manifest = export_step(transaction, model, settings)
-        write_manifest(transaction.stage / MANIFEST, manifest)
+    with recording_stages() as times:
+        with stage_timer("checks before export"):
+            refuse_foreign_directory(settings.out, settings.force, ("failed",))
+            if settings.spec is not None and spec_is_complete(settings):
+                refuse_oversized_buckets(settings.spec, settings.buckets)
+        model = model_to_export(settings)
+        refuse_oversized_buckets(model.spec, settings.buckets)
+        if any(BATCH_DIM not in i.dims for i in model.spec.inputs):
+            log.warning("an input has no batch dimension B; batching applies only to inputs that have one")
+        with directory_transaction(settings.out, command) as transaction:
+            manifest = export_step(transaction, model, settings)
+            write_timing(transaction.stage, command, times)
+            write_manifest(transaction.stage / MANIFEST, manifest)
     return manifest
+
+
+TIMING_JSON = "report/timing.json"
+
+
+def write_timing(stage: Path, command: str, times: StageTimes) -> None:
+    """``report/timing.json`` into ``stage``: every stage of the command so far with its seconds, the process's
+    seconds and what no stage holds (``StageTimes.to_dict``); written last before the manifest."""
+    atomic_write_json(stage / TIMING_JSON, {"command": command, **times.to_dict()})
 
 
 def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: ExportSettings,
@@ -140,7 +174,8 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
                 "fallback_reason": result.fallback_reason}
     del result  # ``raw`` is the one reference to the exported proto: dropped once the passes no longer need it
     # on the GPU where there is one (TF32 off on both sides), judged on the CPU if a GPU check fails
-    checks = ExportChecks(loaded.module, spec.input_names, [o.name for o in raw.graph.output])
+    with stage_timer("export check setup"):
+        checks = ExportChecks(loaded.module, spec.input_names, [o.name for o in raw.graph.output])
     tol = settings.tolerance
     verification: dict[str, Any] = {"rtol": tol.rtol, "atol": tol.atol, "min_cosine": tol.min_cosine,
                                     "batches": settings.verify_batches,
@@ -154,14 +189,16 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     if checks.eager is None:  # the original ONNX checks the passes: from its file (ONNX Runtime reads the weights)
         original = loaded.onnx_path if loaded.is_onnx and loaded.onnx_path else work / "original.onnx"
         if not loaded.is_onnx or not loaded.onnx_path:
-            save_onnx(raw, original)
+            with stage_timer("writing the exported ONNX"), space_for(stage, proto_bytes(raw)):
+                save_onnx(raw, original)
     start = time.perf_counter()
     with stage_timer("graph passes"):
         folded, passes = run_passes_unchecked(raw)  # checked below, as the export check is
     del raw  # from here on the model lives in files: each copy held in memory was the weights once more
     passes_seconds = time.perf_counter() - start
     onnx_path = stage / FP32_ONNX
-    save_onnx(folded, onnx_path)
+    with stage_timer(f"writing {FP32_ONNX}"), space_for(stage, proto_bytes(folded)):
+        save_onnx(folded, onnx_path)
     output_names = [o.name for o in folded.graph.output]
     del folded
     with stage_timer("pass check"):
@@ -170,10 +207,15 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
             feeds=feeds, feeds_from=feeds_from)]
     verification["reference"] = checks.reference_name
     verification["devices"] = checks.record()  # where the checks ran, as calibration records its provider
-    checks.close()
-    shutil.rmtree(work)
+    with stage_timer("export cleanup"):
+        checks.close()
+        shutil.rmtree(work)
+    with stage_timer("source snapshot"), space_for(stage, 0):
+        snapshot = snapshot_into(stage, loaded)
+    with stage_timer(f"{FP32_ONNX} digest"):
+        record = FileRecord.for_onnx(stage, onnx_path)
     source = SourceRecord(settings.source.describe(), loaded.format, fingerprint, settings.source.factory or None,
-                          snapshot_into(stage, loaded))
+                          snapshot)
     return Manifest(
         trtc_version=tool_versions()["trtc"],
         created=now(),
@@ -186,9 +228,40 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         export={**exported, "passes_seconds": round(passes_seconds, 3)},
         passes=tuple(asdict(p) for p in passes),
         verification=verification,
-        onnx={"fp32": FileRecord.for_onnx(stage, onnx_path)},
+        onnx={"fp32": record},
         precision="fp32",
     )
+
+
+def proto_bytes(model: Any) -> int:
+    """About how many bytes an ONNX model takes on disk: its initializers' data (in the proto or counted by their
+    external ``length``) and a little for the graph."""
+    total = 0
+    for tensor in model.graph.initializer:
+        length = next((int(e.value) for e in tensor.external_data if e.key == "length"), 0)
+        total += length or len(tensor.raw_data) or 4 * max(len(tensor.float_data), len(tensor.int64_data) * 2)
+    return total + (1 << 16) + 256 * len(model.graph.node)
+
+
+def _gib(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size / 4:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def refuse_oversized_buckets(spec: ModelSpec, buckets: tuple[int, ...]) -> None:
+    """InputError (before any export) when the largest bucket's inputs alone, at the max of every dynamic dim, take
+    more bytes than this machine has available: the export check runs that batch in memory."""
+    from compiler.core.capabilities import available_memory
+
+    largest, per_sample, available = max(buckets), spec.sample_bytes(), available_memory()
+    if available is None or per_sample == 0 or largest * per_sample <= available:
+        return
+    fits = max(1, available // per_sample)
+    raise InputError(f"--buckets {largest}: a batch of {largest} holds {_gib(largest * per_sample)} of inputs "
+                     f"({_gib(per_sample)} a sample), more than the {_gib(available)} of memory available here, and "
+                     f"the export is checked at the largest bucket; use buckets of at most {fits}")
 
 
 def check_against_model(loaded: LoadedModel, spec: ModelSpec, buckets: tuple[int, ...]) -> None:

@@ -195,10 +195,12 @@ def test_nan_or_inf_names_the_sample(tmp_path: Path, bad: float) -> None:
     assert message.startswith("calib.npz[3]: input 'images' holds NaN or Inf"), message
 
 
-def test_fewer_samples_than_one_batch(tmp_path: Path) -> None:
+def test_fewer_samples_than_one_batch_shrink_the_batch(tmp_path: Path) -> None:
+    """Three samples with --calib-batch 16: the data open with batches of 3 (one batch of all three samples)."""
     np.savez(tmp_path / "calib.npz", images=_images(3))
-    message = _error(tmp_path / "calib.npz", batch_size=16)
-    assert "3 samples, fewer than one batch of 16" in message and "--calib-batch" in message
+    data = calibration_data(tmp_path / "calib.npz", IMAGES, batch_size=16)
+    assert data.batch_size == 3 and data.samples == 3
+    assert [b["images"].shape[0] for b in data.batches()] == [3]
 
 
 def test_nonexistent_path_empty_folder_and_other_files(tmp_path: Path) -> None:

@@ -62,3 +62,37 @@ def test_a_build_logs_every_stage_with_its_time(monkeypatch: pytest.MonkeyPatch,
     for stage in ("export:", "export check:", "graph passes:", "pass check:", "INT8 calibration:"):
         assert stage in text, (stage, result.output)
     assert "16/48 samples (33%)" in text and "48/48 samples in" in text, result.output
+
+
+def test_a_record_holds_each_outermost_stage_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside recording_stages, outermost stages are recorded in order (a repeated one adds up), an inner stage counts
+    in its outer one only, the 'before' stage holds the process's seconds until the record began, and the record's
+    stages plus what no stage holds make its process seconds."""
+    import time
+
+    monkeypatch.setattr(progress_module, "process_seconds", lambda: 5.0)
+    with progress_module.recording_stages(before="start") as times:
+        with stage_timer("a"), stage_timer("inner"):
+            time.sleep(0.02)
+        with stage_timer("b"):
+            pass
+        with stage_timer("a"):
+            time.sleep(0.02)
+        with progress_module.recording_stages() as same:  # a library call inside a command: the same record
+            assert same is times
+    record = times.to_dict()
+    assert list(record["stages"]) == ["start", "a", "b"]
+    assert record["stages"]["start"] == 5.0 and record["stages"]["a"] >= 0.04
+    assert abs(sum(record["stages"].values()) + record["unaccounted_seconds"] - record["process_seconds"]) < 0.02
+    with stage_timer("outside"):  # no record open: nothing is kept
+        pass
+    assert "outside" not in times.stages
+
+
+def test_process_seconds_counts_from_the_process_start() -> None:
+    """process_seconds is positive and at least the time since this test began."""
+    import time
+
+    start = time.perf_counter()
+    seconds = progress_module.process_seconds()
+    assert seconds >= time.perf_counter() - start and seconds > 0

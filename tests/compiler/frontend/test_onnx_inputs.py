@@ -54,6 +54,17 @@ def test_numeric_names_rank_0_and_declared_shapes_need_no_input_option(tmp_path:
     np.testing.assert_array_equal(got, 2 * x)
 
 
+def test_a_dynamic_batch_with_fixed_other_dims_needs_no_input_option(tmp_path: Path) -> None:
+    """An input declared Nx3 (a named first dimension, the others fixed): built with --buckets 1,8 and no --input,
+    exit 0, the manifest reads it as x:Bx3, and the ONNX written runs a batch of 8 as Relu."""
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor("x", ["N", 3])], [tensor("y", ["N", 3])])
+    code, output, out = export(tmp_path, model, "--buckets", "1,8")
+    assert code == 0, output
+    assert manifest(out)["inputs"] == ["x:Bx3:float32"]
+    x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(8, 3)
+    np.testing.assert_array_equal(ort_session(out / "model.onnx").run(None, {"x": x})[0], np.maximum(x, 0))
+
+
 def test_a_model_without_inputs_exports(tmp_path: Path) -> None:
     """A graph of constants only: nothing to feed, exit 0, a manifest that reads back with no inputs, and the ONNX
     written computes the constants."""
@@ -89,7 +100,7 @@ REFUSED = {
     "float64": (tensor("x", [2], TensorProto.DOUBLE), "is double, which TensorRT does not take"),
     "uint16": (tensor("x", [2], TensorProto.UINT16), "is uint16, which TensorRT does not take"),
     "zero-size": (tensor("x", [0, 2]), "has a zero-size dimension (0x2)"),
-    "open shape": (tensor("x", ["N", 2]), "has no fixed shape in the file (Nx2); pass --input 'x:Bx2:float32'"),
+    "open shape": (tensor("x", ["N", "M"]), "has no fixed shape in the file (NxM); pass --input 'x:BxS:float32'"),
 }
 
 
@@ -213,7 +224,8 @@ def test_run_passes_checks_its_result_and_says_so() -> None:
 def test_run_passes_wants_feeds_where_the_model_leaves_shapes_open() -> None:
     """Without feeds, run_passes generates values for declared shapes; with an open one it asks for --input (the spec)
     or feeds, and where ONNX Runtime fails on the generated values it says to give feeds."""
-    open_shape = make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor("x", ["N", 3])], [tensor("y", ["N", 3])])
+    open_shape = make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor("x", ["N", "M"])],
+                            [tensor("y", ["N", "M"])])
     with pytest.raises(InputError, match="no fixed shape"):
         run_passes(open_shape)
     with pytest.raises(InputError, match="give feeds that it accepts"):

@@ -183,7 +183,7 @@ def test_rebuild_refuses_an_onnx_changed_after_export(exported_dir: Path) -> Non
     with (exported_dir / "model.onnx.data").open("r+b") as data:
         data.write(b"\0\0\0\0")  # a "small fix" to the weights, which the manifest's verification never saw
     before = _snapshot(exported_dir)
-    with pytest.raises(InputError, match=r"model\.onnx does not match the sha256 in the manifest"):
+    with pytest.raises(InputError, match=r"model\.onnx\.data does not match the sha256 in the manifest"):
         rebuild_directory(exported_dir, if_stale=False, build_step=fake_engine_build_step_for_tests, env=A100)
     assert _snapshot(exported_dir) == before
 

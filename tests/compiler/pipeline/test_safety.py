@@ -114,7 +114,7 @@ def test_merge_never_reads_or_writes_outside_the_directories(built: Path, tmp_pa
     result = trtc("merge", str(copy), str(job))
 
     assert result.exit_code == 2
-    assert "not a relative path inside the directory" in one_line_error(result)
+    assert "leaves the directory" in one_line_error(result)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == around  # nothing written
     assert files_in(copy) == before
 
@@ -131,7 +131,7 @@ def test_every_command_and_load_refuse_an_onnx_outside_the_directory(copy: Path,
         result = trtc(*args)
         assert result.exit_code == 2, (args, result.output)
         assert "'../elsewhere/model.int8.onnx'" in one_line_error(result)
-    with pytest.raises(InputError, match="not a relative path inside the directory"):
+    with pytest.raises(InputError, match="leaves the directory"):
         compiler.load(copy, backend="onnxruntime")
     assert not (tmp_path / "repo").exists()
 
@@ -142,7 +142,7 @@ def test_check_refuses_an_absolute_engine_path(copy: Path, tmp_path: Path) -> No
     write_manifest_json(copy / "manifest.json", manifest)
     result = trtc("check", str(copy))
     assert result.exit_code == 2
-    assert "is not a relative path inside the directory" in one_line_error(result)
+    assert "leaves the directory" in one_line_error(result)
 
 
 def test_rebuild_never_deletes_a_file_outside_the_directory(copy: Path, tmp_path: Path) -> None:
@@ -151,7 +151,7 @@ def test_rebuild_never_deletes_a_file_outside_the_directory(copy: Path, tmp_path
     manifest = manifest_of(copy)
     manifest["engines"][0]["layers"] = {"file": "../victim.json"}  # rebuild removes files of buckets it drops
     write_manifest_json(copy / "manifest.json", manifest)
-    with pytest.raises(InputError, match="not a relative path inside the directory"):
+    with pytest.raises(InputError, match="leaves the directory"):
         rebuild_directory(copy, if_stale=False, settings_override=BuildSettings(buckets=(2,), precision="int8"),
                           build_step=fake_engine_build_step_for_tests, env=H200_ENV)
     assert victim.read_text() == "keep me"
@@ -172,7 +172,7 @@ def test_an_onnx_is_read_only_after_its_sha256_matches(copy: Path) -> None:
     data = bytearray(graph.read_bytes())
     data[-1] ^= 0x01  # still a loadable graph, no longer the verified one
     graph.write_bytes(bytes(data))
-    with pytest.raises(InputError, match="does not match the sha256"):
+    with pytest.raises(InputError, match="does not match"):
         compiler.load(copy, backend="onnxruntime")
 
 
@@ -324,7 +324,7 @@ def test_torch_backend_and_bench_run_the_weights_the_build_exported(built: Path)
 def test_a_changed_snapshot_is_refused(copy: Path) -> None:
     snapshot = copy / "source" / "state_dict.pt"
     snapshot.write_bytes(snapshot.read_bytes()[:-8])
-    with pytest.raises(InputError, match="does not match the sha256"):
+    with pytest.raises(InputError, match="does not match"):
         compiler.load(copy, backend="torch")
 
 
