@@ -67,7 +67,7 @@ class CalibrationData:
             for name in self.spec.input_names if fingerprint else ():
                 h.update(name.encode())
                 h.update(str(sample[name].shape).encode())
-                h.update(np.ascontiguousarray(sample[name]))  # the buffer, not a copy of it
+                h.update(np.ascontiguousarray(sample[name]).data)  # the buffer, not a copy of it
             count += 1
         if count == 0:
             raise CalibrationError(f"{self.description}: no samples; give data with at least one sample")
