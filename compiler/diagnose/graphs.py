@@ -198,6 +198,7 @@ def comparison_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, emu
     precisions = layer_precisions(candidate, cand_types)
     emulate = emulate_fp16 and _holds_fp16(cand_types)
     run = fp16_rounding_emulation(candidate) if emulate else candidate
+    layout = reference  # node names and tensor names as the graph has them (emulation keeps both, and adds)
     if emulate_fp16 and _holds_fp16(ref_types):  # two precision graphs: the first one rounds as FP16 does too
         reference = fp16_rounding_emulation(reference)
     held_types = {name: TensorProto.FLOAT if emulate_fp16 and kind == TensorProto.FLOAT16 else kind
@@ -228,12 +229,12 @@ def comparison_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, emu
     del part
 
     build = _Builder(merged.graph)
-    ref_nodes = dict(zip(_names(reference.graph), reference.graph.node))
+    ref_nodes = dict(zip(_names(layout.graph), layout.graph.node))
     cand_nodes = dict(zip(_names(candidate.graph), candidate.graph.node))
     shared = [name for name, node in ref_nodes.items() if node.op_type not in NOT_LAYERS and node.output
               and name in cand_nodes and cand_nodes[name].op_type == node.op_type and cand_nodes[name].output
               and ref_types.get(node.output[0]) in _FLOATS]
-    layers = _layers(reference, shared, precisions)
+    layers = _layers(layout, shared, precisions)
     cones = _Cones(run, reference, build, cand_types, held_types, emulate, rename)
     comparisons, not_isolated = [], {}
     for layer in layers:
@@ -247,7 +248,7 @@ def comparison_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, emu
         comparisons.append(Comparison(layer.name, "accumulated", _stats(build, rename(cand_out), ref_out)))
     if outputs:
         cand_outputs = {o.name for o in candidate.graph.output}
-        for out in reference.graph.output:
+        for out in layout.graph.output:
             if out.name in cand_outputs and ref_types.get(out.name) in _FLOATS:
                 comparisons.append(Comparison(out.name, "output", _stats(build, rename(out.name), out.name)))
     for comparison in comparisons:
@@ -295,6 +296,7 @@ class _Cones:
         self.varying = varying  # tensors that depend on the inputs: the rest are the candidate's constants
         self.held = {i.name for i in reference.graph.input} | {o for n in reference.graph.node for o in n.output}
         self.boundaries: dict[str, str] = {}
+        self.walks: dict[str, bool] = {}
 
     def isolated(self, layer: str, output: str) -> str:
         """The name of the isolated copy of ``layer``'s ``output`` (the candidate's name of it)."""
@@ -312,14 +314,15 @@ class _Cones:
                 return copies[tensor]
             if tensor not in self.varying:
                 result = self.rename(tensor)  # a constant of the candidate: its weights, scales, shapes
-            elif not target and tensor in self.held:
+            elif not target and tensor in self.held and not self.walkable(tensor):
                 result = self.boundary(tensor)
             else:
                 source = self.producers.get(tensor)
                 if source is None or (source is not node and source.op_type not in _AROUND_A_LAYER):
                     raise _NotIsolable(f"its input {tensor} comes from {source.op_type if source else 'nowhere'}, "
                                        "which the reference does not hold")
-                ins = [value(t) for t in source.input]
+                # between the layer and its output (the rounding casts of emulation) nothing is the reference's
+                ins = [value(t, target=target and source is not node) for t in source.input]
                 copy = onnx.NodeProto()
                 copy.CopyFrom(source)
                 copy.name = self.build.fresh(prefix + (source.name or source.op_type))
@@ -336,6 +339,17 @@ class _Cones:
             return result
 
         return value(output, target=True)
+
+    def walkable(self, tensor: str) -> bool:
+        """Whether ``tensor`` comes from Q/DQ and casts of constants and of tensors the reference holds: the
+        candidate's own precision, even where the reference holds a tensor of the same name (another build's Q/DQ)."""
+        if tensor not in self.walks:
+            self.walks[tensor] = False  # a cycle is no walk
+            source = self.producers.get(tensor)
+            self.walks[tensor] = tensor not in self.varying or (
+                source is not None and source.op_type in _AROUND_A_LAYER
+                and all(t in self.held or self.walkable(t) for t in source.input if t))
+        return self.walks[tensor]
 
     def boundary(self, tensor: str) -> str:
         """The reference's ``tensor`` in the candidate's type: FP16 (rounded in FP32 under emulation) where the
