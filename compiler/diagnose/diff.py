@@ -238,7 +238,7 @@ def diff_batches(directory: Path, manifest: Manifest, data: Path | None, samples
         if data is None:
             raise InputError(f"no data to compare on: {why}; pass --data FILE.npz (one array per input)")
         what = why
-    batches = calibration_data(data, manifest.spec, batch_size=batch_size, max_samples=samples)
+    batches = calibration_data(data, manifest.spec, batch_size=min(batch_size, samples), max_samples=samples)
     return batches, what
 
 
