@@ -98,7 +98,7 @@ def main() -> None:
                                  "--calib-batch", "2", "--max-fallback", "0", "-q"])
     rows.append({"command": f"trtc calibrate --int8 ({args.samples} samples)", "peak_rss_mib": round(peak),
                  "seconds": round(seconds, 1)})
-    peak, seconds, output = peak_rss(["diff", str(out), "--samples", str(args.samples), "--no-plot"])
+    peak, seconds, _ = peak_rss(["diff", str(out), "--samples", str(args.samples), "--no-plot"])
     rows.append({"command": f"trtc diff ({args.samples} samples)", "peak_rss_mib": round(peak),
                  "seconds": round(seconds, 1)})
     report = json.loads((out / "report" / "diff.json").read_text())

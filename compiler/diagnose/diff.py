@@ -165,7 +165,7 @@ def compare_graphs(reference: Path, candidate: Path, batches: Iterable[dict[str,
                         total[stat] = max(total[stat], value) if stat == "max_abs" else total[stat] + value
             samples += leading_samples(batch) or 1
     finally:
-        provider = runner.provider
+        provider = str(getattr(runner, "provider", "")) or providers[0]
         runner.release()
     if not samples:
         raise InputError("the data holds no samples; pass --data with at least one")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 from onnx import TensorProto, helper
@@ -40,10 +41,10 @@ NOT_LAYERS = QDQ_NODE_TYPES | {"Constant", "Shape", "Size", "Cast"}
 # the nodes a precision puts between a layer and the tensors both graphs hold: an isolated layer runs them too
 _AROUND_A_LAYER = QDQ_NODE_TYPES | {"Cast"}
 _FLOATS = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE})
-_QUANTIZED = {TensorProto.INT8: "int8", TensorProto.UINT8: "int8", TensorProto.INT4: "int4", TensorProto.UINT4: "int4",
+_QUANTIZED: dict[int, str] = {TensorProto.INT8: "int8", TensorProto.UINT8: "int8", TensorProto.INT4: "int4", TensorProto.UINT4: "int4",
               TensorProto.FLOAT8E4M3FN: "fp8", TensorProto.FLOAT8E4M3FNUZ: "fp8", TensorProto.FLOAT8E5M2: "fp8",
               TensorProto.FLOAT8E5M2FNUZ: "fp8"}
-_FLOAT_NAMES = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
+_FLOAT_NAMES: dict[int, str] = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
 _ORDER = ("int4", "fp8", "int8")  # a layer with INT4 weights and INT8 inputs is listed as INT4
 # the sums of one comparison, in the order of its outputs
 STATS = ("diff_sq", "ref_sq", "got_sq", "dot", "max_abs", "count", "got_count")
@@ -150,7 +151,7 @@ class _Builder:
         self.taken.add(name)
         return name
 
-    def node(self, op: str, inputs: list[str], base: str, **attrs: object) -> str:
+    def node(self, op: str, inputs: list[str], base: str, **attrs: Any) -> str:
         out = self.fresh(base)
         self.graph.node.append(helper.make_node(op, inputs, [out], name=self.fresh(f"{out}_node"), **attrs))
         return out
@@ -264,7 +265,7 @@ def _layers(reference: onnx.ModelProto, shared: list[str], precisions: dict[str,
     """The shared layers in the reference's graph order, each with the compared layers just upstream of it."""
     wanted = set(shared)
     reaching: dict[str, frozenset[str]] = {}  # tensor -> the compared layers whose output reaches it directly
-    found = []
+    found: list[Layer] = []
     for name, node in zip(_names(reference.graph), reference.graph.node):
         upstream = frozenset().union(*(reaching.get(t, frozenset()) for t in node.input))
         if name in wanted:

@@ -73,7 +73,8 @@ def inspect_tables(facts: dict[str, Any]) -> list[Table | str]:
                      + (" as a build would make them" if any(p.get("planned") for p in facts["profiles"]) else ""),
                      ["bucket", "profile", "shapes"])
     for p in facts["profiles"]:
-        profiles.rows.append([str(p["bucket"]), str(p["profile"]), "; ".join(f"{n} {s}" for n, s in p["shapes"].items())])
+        shapes = "; ".join(f"{n} {s}" for n, s in p["shapes"].items())
+        profiles.rows.append([str(p["bucket"]), str(p["profile"]), shapes])
     items.append(profiles)
     graphs = Table("graphs", ["precision", "file", "size", "layers by precision", "kept out"])
     for g in facts["graphs"]:
@@ -85,8 +86,9 @@ def inspect_tables(facts: dict[str, Any]) -> list[Table | str]:
     engines = Table("engines", ["bucket", "file", "size", "built in", "TensorRT", "GPU", "compatibility", "runs here",
                                 "layers"])
     for e in facts["engines"]:
-        compat = ", ".join(x for x in [e["hardware_compat"] if e["hardware_compat"] != "none" else "",
-                                       "version-compatible" if e["version_compatible"] else ""] if x) or "this GPU model"
+        levels = [e["hardware_compat"] if e["hardware_compat"] != "none" else "",
+                  "version-compatible" if e["version_compatible"] else ""]
+        compat = ", ".join(x for x in levels if x) or "this GPU model"
         layers = e.get("layers") or {}
         summary = (", ".join(f"{n} {t}" for t, n in sorted(layers["by_precision"].items()))
                    if layers.get("by_precision") else ("-" if not layers else "unreadable"))

@@ -64,9 +64,9 @@ def detector() -> torch.nn.Module:
 def calibrated(tmp: Path, factory: str, inputs: list[str], dims: dict[str, str], data: dict[str, np.ndarray]) -> Path:
     np.savez(tmp / "data.npz", **data)
     directory = export(tmp / "m", factory, inputs, dims)
-    result = CliRunner().invoke(cli, ["calibrate", str(directory), "-q", "--int8", "--calib-data", str(tmp / "data.npz"),
-                                      "--eval-data", str(tmp / "data.npz"), "--min-cosine", "0.5",
-                                      "--max-fallback", "0"])
+    data_file = str(tmp / "data.npz")
+    result = CliRunner().invoke(cli, ["calibrate", str(directory), "-q", "--int8", "--calib-data", data_file,
+                                      "--eval-data", data_file, "--min-cosine", "0.5", "--max-fallback", "0"])
     assert result.exit_code == 0, result.output
     return directory
 
