@@ -31,6 +31,7 @@ from compiler.core.errors import InputError
 from compiler.core.files import read_json
 from compiler.core.manifest import Manifest, read_manifest
 from compiler.core.onnx_io import TemporaryOnnxFile, load_onnx_by_reference
+from compiler.core.progress import progress
 from compiler.core.settings import REDUCED_PRECISIONS
 from compiler.core.worker import mark_step
 from compiler.diagnose.graphs import STATS, ComparisonModel, Layer, comparison_model
@@ -155,15 +156,18 @@ def compare_graphs(reference: Path, candidate: Path, batches: Iterable[dict[str,
     sums = {(c.name, c.kind): dict.fromkeys(STATS, 0.0) for c in compared.comparisons}
     counts = [name for c in compared.comparisons for stat, name in zip(STATS, c.outputs) if stat.endswith("count")]
     samples = 0
+    expected = getattr(batches, "samples", 0)  # a CalibrationData knows its count once scanned
     try:
-        for index, batch in enumerate(batches):
-            for outs in _sliced(runner, batch, budget_bytes, f"diff, batch {index}", counts):
-                for comparison in compared.comparisons:
-                    total = sums[(comparison.name, comparison.kind)]
-                    for stat, name in zip(STATS, comparison.outputs):
-                        value = float(outs[name])
-                        total[stat] = max(total[stat], value) if stat == "max_abs" else total[stat] + value
-            samples += leading_samples(batch) or 1
+        with progress(f"comparing {len(compared.layers)} layers", int(expected) if expected else 0) as advance:
+            for index, batch in enumerate(batches):
+                for count, outs in _sliced(runner, batch, budget_bytes, f"diff, batch {index}", counts):
+                    for comparison in compared.comparisons:
+                        total = sums[(comparison.name, comparison.kind)]
+                        for stat, name in zip(STATS, comparison.outputs):
+                            value = float(outs[name])
+                            total[stat] = max(total[stat], value) if stat == "max_abs" else total[stat] + value
+                    advance(count)
+                samples += leading_samples(batch) or 1
     finally:
         provider = str(getattr(runner, "provider", "")) or providers[0]
         runner.release()
@@ -173,13 +177,14 @@ def compare_graphs(reference: Path, candidate: Path, batches: Iterable[dict[str,
 
 
 def _sliced(runner: Runner, batch: dict[str, np.ndarray], budget_bytes: int, step: str, counts: list[str],
-            ) -> Iterator[dict[str, np.ndarray]]:
+            ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
     """``runner`` on ``batch`` in slices of samples whose compared tensors (their counts: what one run holds of
-    them at most) stay under ``budget_bytes``: the first slice is one sample, which measures them."""
+    them at most) stay under ``budget_bytes``: (samples, outputs) per slice. The first slice is one sample, which
+    measures them. A batch whose inputs share no leading dimension, or a fixed-batch model, runs whole."""
     size = leading_samples(batch) if takes_any_batch(runner) else 0
     if size <= 1:
         mark_step(step)
-        yield runner.infer(batch)
+        yield max(1, size), runner.infer(batch)
         return
     start, width = 0, 1
     while start < size:
@@ -189,7 +194,7 @@ def _sliced(runner: Runner, batch: dict[str, np.ndarray], budget_bytes: int, ste
         if start == 0:
             per_sample = 4 * sum(int(outs[name]) for name in counts)
             width = max(1, budget_bytes // max(1, per_sample))
-        yield outs
+        yield stop - start, outs
         start = stop
 
 

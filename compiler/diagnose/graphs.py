@@ -41,9 +41,10 @@ NOT_LAYERS = QDQ_NODE_TYPES | {"Constant", "Shape", "Size", "Cast"}
 # the nodes a precision puts between a layer and the tensors both graphs hold: an isolated layer runs them too
 _AROUND_A_LAYER = QDQ_NODE_TYPES | {"Cast"}
 _FLOATS = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE})
-_QUANTIZED: dict[int, str] = {TensorProto.INT8: "int8", TensorProto.UINT8: "int8", TensorProto.INT4: "int4", TensorProto.UINT4: "int4",
-              TensorProto.FLOAT8E4M3FN: "fp8", TensorProto.FLOAT8E4M3FNUZ: "fp8", TensorProto.FLOAT8E5M2: "fp8",
-              TensorProto.FLOAT8E5M2FNUZ: "fp8"}
+_QUANTIZED: dict[int, str] = {
+    TensorProto.INT8: "int8", TensorProto.UINT8: "int8", TensorProto.INT4: "int4", TensorProto.UINT4: "int4",
+    TensorProto.FLOAT8E4M3FN: "fp8", TensorProto.FLOAT8E4M3FNUZ: "fp8", TensorProto.FLOAT8E5M2: "fp8",
+    TensorProto.FLOAT8E5M2FNUZ: "fp8"}
 _FLOAT_NAMES: dict[int, str] = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
 _ORDER = ("int4", "fp8", "int8")  # a layer with INT4 weights and INT8 inputs is listed as INT4
 # the sums of one comparison, in the order of its outputs

@@ -155,3 +155,26 @@ def test_plot_is_a_png_and_without_matplotlib_a_note(digits_copy: Path, monkeypa
     assert "matplotlib is not installed: no diff.png (pip install 'trtc[plot]')" in result.output
     report = json.loads((digits_copy / "report" / "diff.json").read_text())
     assert report["plot"]["file"] is None and "matplotlib" in report["plot"]["note"]
+
+
+def test_fp16_graph_layers_are_fp16_and_its_output_matches_onnx_runtime(digits_copy: Path,
+                                                                         digits_int8: DigitsBuild) -> None:
+    """After `trtc calibrate --fp16`, `trtc diff --precision fp16` lists the Convs as fp16 layers whose isolated
+    relative error is at FP16's rounding level (under 1e-2), and its output row equals a separate ONNX Runtime run
+    of the FP16 graph under the gate's FP16 emulation."""
+    calibrated = CliRunner().invoke(cli, ["calibrate", str(digits_copy), "-q", "--fp16", "--calib-data",
+                                          str(digits_int8.calib), "--eval-data", str(digits_int8.eval)])
+    assert calibrated.exit_code == 0, calibrated.output
+    result = diff(digits_copy, "--precision", "fp16", "--no-plot")
+    assert result.exit_code == 0, result.output
+    report = json.loads((digits_copy / "report" / "diff.json").read_text())
+    convs = [r for r in report["layers"] if r["op_type"] == "Conv"]
+    assert convs and all(r["precision"] == "fp16" and r["isolated"]["relative"] < 1e-2 for r in convs)
+    manifest = read_manifest(digits_copy)
+    with np.load(digits_int8.eval) as data:
+        images = data["images"][:256]
+    want = ort_session(manifest.onnx_for(digits_copy, "fp32")).run(None, {"images": images})[0].astype(np.float64)
+    emulated = fp16_rounding_emulation(load_onnx(manifest.onnx_for(digits_copy, "fp16")))
+    got = ort_session(emulated).run(None, {"images": images})[0].astype(np.float64)
+    relative = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert report["outputs"]["linear"]["relative"] == pytest.approx(relative, rel=1e-3)
