@@ -17,6 +17,7 @@ with the number of layers or their size: only the activations of the run itself 
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -206,29 +207,35 @@ def comparison_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, emu
     held_types = {name: TensorProto.FLOAT if emulate_fp16 and kind == TensorProto.FLOAT16 else kind
                   for name, kind in ref_types.items()}
 
-    merged = onnx.ModelProto()
-    merged.CopyFrom(reference)  # by reference: the weights are not in the proto
-    del merged.graph.output[:]
-    del merged.graph.value_info[:]
+    view = weightless_copy(run) if emulate else run  # the candidate's names, for the isolated copies
+    if emulate:
+        merged = run  # made here: renamed in place, so that its FP32 weights are never copied
+    else:
+        merged = onnx.ModelProto()
+        merged.CopyFrom(run)  # by reference: no weight is in the proto
     merged.ir_version = min(max(reference.ir_version, candidate.ir_version), MAX_IR_VERSION)
     versions = {o.domain or "": o.version for o in reference.opset_import}
     for o in candidate.opset_import:
         versions[o.domain or ""] = max(versions.get(o.domain or "", 0), o.version)
     del merged.opset_import[:]
     merged.opset_import.extend(helper.make_opsetid(domain, version) for domain, version in versions.items())
-    known = {(f.domain, f.name) for f in merged.functions}
-    merged.functions.extend(f for f in candidate.functions if (f.domain, f.name) not in known)
+    known = {(f.domain, f.name) for f in candidate.functions}
+    merged.functions.extend(f for f in reference.functions if (f.domain, f.name) not in known)
 
     def rename(name: str) -> str:
         return name if name in inputs else CANDIDATE + name
 
-    part = onnx.GraphProto()
-    part.CopyFrom(run.graph)
-    _rename_graph(part, rename)
-    merged.graph.node.extend(part.node)
-    merged.graph.initializer.extend(part.initializer)
-    merged.graph.sparse_initializer.extend(part.sparse_initializer)
-    del part
+    graph = merged.graph
+    _rename_graph(graph, rename)
+    for items in (graph.input, graph.output, graph.value_info):
+        del items[:]
+    graph.input.extend(reference.graph.input)
+    candidate_nodes = len(graph.node)
+    graph.node.extend(reference.graph.node)
+    graph.initializer.extend(reference.graph.initializer)  # by reference (or FP16-emulated: a second build's)
+    graph.sparse_initializer.extend(reference.graph.sparse_initializer)
+    ranks = [j / max(1, candidate_nodes) for j in range(candidate_nodes)]
+    ranks += [i / max(1, len(reference.graph.node)) for i in range(len(reference.graph.node))]
 
     build = _Builder(merged.graph)
     ref_nodes = dict(zip(_names(layout.graph), layout.graph.node))
@@ -237,7 +244,8 @@ def comparison_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, emu
               and name in cand_nodes and cand_nodes[name].op_type == node.op_type and cand_nodes[name].output
               and ref_types.get(node.output[0]) in _FLOATS]
     layers = _layers(layout, shared, precisions)
-    cones = _Cones(run, reference, build, cand_types, held_types, emulate, rename)
+    cones = _Cones(view, reference, build, cand_types, held_types, emulate, rename)
+    position = {name: i / max(1, len(ref_nodes)) for i, name in enumerate(ref_nodes)}
     comparisons, not_isolated = [], {}
     for layer in layers:
         ref_out, cand_out = ref_nodes[layer.name].output[0], cand_nodes[layer.name].output[0]
@@ -246,20 +254,54 @@ def comparison_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, emu
         except _NotIsolable as err:
             not_isolated[layer.name] = str(err)
         else:
+            ranks += [position[layer.name]] * (len(graph.node) - len(ranks))  # the copy runs beside the layer
             comparisons.append(Comparison(layer.name, "isolated", _stats(build, isolated, ref_out)))
         comparisons.append(Comparison(layer.name, "accumulated", _stats(build, rename(cand_out), ref_out)))
+        ranks += [-1.0] * (len(graph.node) - len(ranks))  # the sums run as soon as both sides are there
     if outputs:
         cand_outputs = {o.name for o in candidate.graph.output}
         for out in layout.graph.output:
             if out.name in cand_outputs and ref_types.get(out.name) in _FLOATS:
                 comparisons.append(Comparison(out.name, "output", _stats(build, rename(out.name), out.name)))
+    ranks += [-1.0] * (len(graph.node) - len(ranks))
+    _run_in_step(graph, ranks)
     for comparison in comparisons:
         for name, stat in zip(comparison.outputs, STATS):
             kind = TensorProto.INT64 if stat.endswith("count") else TensorProto.FLOAT
-            merged.graph.output.append(helper.make_tensor_value_info(name, kind, []))
+            graph.output.append(helper.make_tensor_value_info(name, kind, []))
     log.info("comparing %d layers (%d isolated) and %d outputs", len(layers), len(layers) - len(not_isolated),
              sum(c.kind == "output" for c in comparisons))
     return ComparisonModel(merged, layers, comparisons, not_isolated)
+
+
+def _run_in_step(graph: onnx.GraphProto, ranks: list[float]) -> None:
+    """Order ``graph``'s nodes so that both graphs advance together and each comparison's sums run as soon as its
+    two tensors exist (the session runs in node order): a compared tensor is freed once its sums ran, so a run
+    holds about what the two graphs' own inference holds. ``ranks``: per node, how far along its graph it is (0 to
+    1; -1 for as soon as it can run). A topological sort (Kahn's) that always takes the lowest rank ready."""
+    nodes = list(graph.node)
+    producer = {o: k for k, node in enumerate(nodes) for o in node.output if o}
+    users: list[list[int]] = [[] for _ in nodes]
+    waiting = [0] * len(nodes)
+    for k, node in enumerate(nodes):
+        for p in {producer[t] for t in [*node.input, *_outer(node)] if t in producer and producer[t] != k}:
+            users[p].append(k)
+            waiting[k] += 1
+    ready = [(ranks[k], k) for k in range(len(nodes)) if not waiting[k]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(k)
+        for user in users[k]:
+            waiting[user] -= 1
+            if not waiting[user]:
+                heapq.heappush(ready, (ranks[user], user))
+    if len(order) != len(nodes):
+        log.debug("the comparison graph has a cycle: its nodes stay in their order")
+        return
+    del graph.node[:]
+    graph.node.extend(nodes[k] for k in order)
 
 
 def _layers(reference: onnx.ModelProto, shared: list[str], precisions: dict[str, str]) -> list[Layer]:
@@ -291,7 +333,7 @@ class _Cones:
         graph = run.graph
         self.producers = {o: node for node in graph.node for o in node.output if o}
         self.by_name = dict(zip(_names(graph), graph.node))
-        varying = {i.name for i in graph.input}
+        varying = {i.name for i in reference.graph.input}  # the view may list weights as inputs: not these
         for node in graph.node:
             if any(t in varying for t in [*node.input, *_outer(node)]):
                 varying.update(node.output)
