@@ -13,6 +13,8 @@ from compiler.diagnose.inspect import PRECISION_ORDER
 
 __all__ = ["Table", "render", "inspect_tables", "layer_table", "diff_tables"]
 
+_ENGINE_ORDER = ("INT4", "FP8", "INT8", "FP16", "BF16", "FP32")
+
 
 @dataclass
 class Table:
@@ -90,7 +92,9 @@ def inspect_tables(facts: dict[str, Any]) -> list[Table | str]:
                   "version-compatible" if e["version_compatible"] else ""]
         compat = ", ".join(x for x in levels if x) or "this GPU model"
         layers = e.get("layers") or {}
-        summary = (", ".join(f"{n} {t}" for t, n in sorted(layers["by_precision"].items()))
+        by = layers.get("by_precision") or {}
+        summary = (", ".join(f"{by[t]} {t}" for t in sorted(by, key=lambda t: _ENGINE_ORDER.index(t)
+                                                                if t in _ENGINE_ORDER else len(_ENGINE_ORDER)))
                    if layers.get("by_precision") else ("-" if not layers else "unreadable"))
         built = f"{e['build_seconds']:.1f} s" if isinstance(e["build_seconds"], (int, float)) else "-"
         engines.rows.append([str(e["bucket"]), e["file"], _size(e["bytes"]), built, str(e["tensorrt"] or "?"),

@@ -120,3 +120,43 @@ def test_help_shows_examples() -> None:
     for command, example in (("inspect", "trtc inspect build/m --layers"), ("diff", "trtc diff build/m")):
         result = run(command, "--help")
         assert result.exit_code == 0 and example in result.output
+
+
+def test_inspect_reads_engine_records_and_their_layer_reports(digits_int8: DigitsBuild, tmp_path: Path) -> None:
+    """An engine recorded by a build elsewhere (TensorRT 10.12 on an H200, with a layer report in TensorRT 10's
+    layout) shows its TensorRT version, GPU, size, build time and compatibility; whether it runs here is
+    `trtc check`'s answer (here: no, with check's reason); its layers are counted by the type they read."""
+    from compiler.core.manifest import EngineRecord, read_manifest, write_manifest
+    from compiler.core.settings import BuildSettings
+    from compiler.pipeline.check import check_directory
+
+    directory = tmp_path / "m"
+    shutil.copytree(digits_int8.directory, directory)
+    (directory / "engines").mkdir()
+    (directory / "engines" / "b1.engine").write_bytes(b"\0" * 2048)
+    layer = {"Inputs": [{"Name": "x", "Format/Datatype": "Row major linear Int8"}],
+             "Outputs": [{"Name": "y", "Format/Datatype": "Row major linear FP32"}]}
+    half = {"Inputs": [{"Name": "y", "Format/Datatype": "Row major linear FP16 format"}], "Outputs": []}
+    (directory / "engines" / "b1.layers.json").write_text(json.dumps({"Layers": [layer, layer, half]}))
+    from compiler.core.files import sha256_file
+
+    manifest = read_manifest(directory)
+    engine = EngineRecord(1, "engines/b1.engine", sha256_file(directory / "engines" / "b1.engine"), bytes=2048,
+                          build_seconds=3.5, layers={"file": "engines/b1.layers.json", "count": 3},
+                          onnx="model.int8.onnx", onnx_sha256=manifest.onnx["int8"].sha256)
+    environment = {"tensorrt": "10.12.0", "gpu": "NVIDIA H200", "compute_capability": "9.0", "platform": "linux"}
+    write_manifest(directory / "manifest.json", manifest.with_engines(
+        BuildSettings(buckets=(1,), precision="int8"), environment, [engine]))
+    result = run("inspect", directory, "--json")
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.output)["engines"][0]
+    assert (row["tensorrt"], row["gpu"], row["compute_capability"]) == ("10.12.0", "NVIDIA H200", "9.0")
+    assert (row["bytes"], row["build_seconds"], row["precision"], row["hardware_compat"]) == (2048, 3.5, "int8",
+                                                                                            "none")
+    check = check_directory(directory)
+    assert row["runs_here"] is (not check.stale)
+    if check.stale:
+        assert row["why_not"] == check.stale[0].reason
+    assert row["layers"] == {"file": "engines/b1.layers.json", "count": 3, "by_precision": {"INT8": 2, "FP16": 1}}
+    table = run("inspect", directory)
+    assert table.exit_code == 0 and "2 INT8, 1 FP16" in table.output and "NVIDIA H200 (9.0)" in table.output
