@@ -8,7 +8,7 @@ with psutil. The table also gives the bytes of the compared tensors per sample, 
 ONNX Runtime would need for one sample, against the calibration budget (``CALIB_MEMORY_BUDGET``).
 
 Usage:
-    python benchmarks/diff_memory.py [--samples 4] [--work /tmp/trtc-diff-mem]
+    python benchmarks/diff_memory.py [--samples 8] [--diff-samples 1,4,8] [--work /tmp/trtc-diff-mem]
         [--out benchmarks/results/diff_memory.json]
 """
 
@@ -80,7 +80,9 @@ def peak_rss(args: list[str]) -> tuple[float, float, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=4, help="samples calibrated and compared")
+    parser.add_argument("--samples", type=int, default=8, help="samples calibrated (and the gate's)")
+    parser.add_argument("--diff-samples", type=lambda t: [int(v) for v in t.split(",")], default=[1, 4, 8],
+                        help="the diffs' sample counts, comma-separated: peak RSS flat in them")
     parser.add_argument("--work", type=Path, default=Path("/tmp/trtc-diff-mem"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "diff_memory.json")
     args = parser.parse_args()
@@ -98,9 +100,10 @@ def main() -> None:
                                  "--calib-batch", "2", "--max-fallback", "0", "-q"])
     rows.append({"command": f"trtc calibrate --int8 ({args.samples} samples)", "peak_rss_mib": round(peak),
                  "seconds": round(seconds, 1)})
-    peak, seconds, _ = peak_rss(["diff", str(out), "--samples", str(args.samples), "--no-plot"])
-    rows.append({"command": f"trtc diff ({args.samples} samples)", "peak_rss_mib": round(peak),
-                 "seconds": round(seconds, 1)})
+    for samples in args.diff_samples:
+        peak, seconds, _ = peak_rss(["diff", str(out), "--samples", str(samples), "--no-plot"])
+        rows.append({"command": f"trtc diff ({samples} samples)", "peak_rss_mib": round(peak),
+                     "seconds": round(seconds, 1)})
     report = json.loads((out / "report" / "diff.json").read_text())
     from compiler.core import defaults
     from compiler.core.manifest import read_manifest

@@ -12,6 +12,7 @@ the calibration budget, measured on the first sample, as calibration's slices ar
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import platform
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from calibration.slices import leading_samples, takes_any_batch
 from compiler.backends.base import Runner
@@ -152,7 +154,10 @@ def compare_graphs(reference: Path, candidate: Path, batches: Iterable[dict[str,
     compared = comparison_model(load_onnx_by_reference(reference), load_onnx_by_reference(candidate),
                                 emulate_fp16=providers[0] == "CPUExecutionProvider")
     with TemporaryOnnxFile(compared.model, prefix="trtc-diff-") as path:
-        compared.model.Clear()  # ONNX Runtime reads the file: the proto's copy of new weights goes
+        # ONNX Runtime reads the file; the proto was the last holder of its memory (protobuf frees a message's
+        # arena only with the message itself, not on Clear), so its FP32-emulated weights go before the session loads
+        compared.model = onnx.ModelProto()
+        gc.collect()  # the builder's closures and records hold the graph in reference cycles
         runner = check_runner("onnxruntime", str(path), providers, exact_qdq=True, memory_arena=False,
                               in_node_order=True)
         runner.activate()

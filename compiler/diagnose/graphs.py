@@ -263,6 +263,8 @@ def comparison_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, emu
         for out in layout.graph.output:
             if out.name in cand_outputs and ref_types.get(out.name) in _FLOATS:
                 comparisons.append(Comparison(out.name, "output", _stats(build, rename(out.name), out.name)))
+    pairs = [(rename(cand_nodes[layer.name].output[0]), ref_nodes[layer.name].output[0]) for layer in layers]
+    _in_lockstep(build, pairs, range(candidate_nodes), range(candidate_nodes, candidate_nodes + len(layout.graph.node)))
     ranks += [-1.0] * (len(graph.node) - len(ranks))
     _run_in_step(graph, ranks)
     for comparison in comparisons:
@@ -272,6 +274,26 @@ def comparison_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, emu
     log.info("comparing %d layers (%d isolated) and %d outputs", len(layers), len(layers) - len(not_isolated),
              sum(c.kind == "output" for c in comparisons))
     return ComparisonModel(merged, layers, comparisons, not_isolated)
+
+
+def _in_lockstep(build: _Builder, pairs: list[tuple[str, str]], candidate: range, reference: range) -> None:
+    """Make each graph's next layers wait for the other graph's output of each compared layer, so that neither runs
+    ahead holding its compared tensors until the other catches up (ONNX Runtime runs fused nodes late, in the order
+    it made them). Past each compared pair (c, r) the candidate's layers read ``Reshape(c, Shape(r))`` and the
+    reference's ``Reshape(r, Shape(c))``: the same values (a reshape to its own shape, no copy on ONNX Runtime's
+    CPU), with the other tensor as a dependency. The comparisons themselves read c and r."""
+    graph = build.graph
+    waits: dict[str, str] = {}
+    for c, r in pairs:
+        for mine, other in ((c, r), (r, c)):
+            if mine not in waits:
+                shape = build.node("Shape", [other], f"{mine}_waits_shape")
+                waits[mine] = build.node("Reshape", [mine, shape], f"{mine}_waits")
+    for k in [*candidate, *reference]:
+        node = graph.node[k]
+        for i, name in enumerate(node.input):
+            if name in waits:
+                node.input[i] = waits[name]
 
 
 def _run_in_step(graph: onnx.GraphProto, ranks: list[float]) -> None:
