@@ -19,7 +19,7 @@ LAYERS = [
     ("compiler.core",),
     ("compiler.backends",),
     ("compiler.frontend", "calibration"),
-    ("compiler.serve", "compiler.pipeline", "compiler.bench"),
+    ("compiler.serve", "compiler.pipeline", "compiler.bench", "compiler.diagnose"),
     ("compiler.cli", "compiler"),
 ]
 MAX_LINES = 600

@@ -21,11 +21,13 @@ class OnnxRuntimeRunner(Runner):
     """
 
     def __init__(self, model: str | Path | Any, providers: Sequence[Any] | None = None, *, threads: int = 0,
-                 memory_arena: bool = True, outputs: Sequence[str] | None = None) -> None:
+                 memory_arena: bool = True, outputs: Sequence[str] | None = None,
+                 in_node_order: bool = False) -> None:
         super().__init__()
         self.model = model
         self.providers = list(providers) if providers else None
         self.threads, self.memory_arena = threads, memory_arena
+        self.in_node_order = in_node_order
         self._wanted = list(outputs) if outputs is not None else None
         self.name = "onnxruntime"
         self.provider = ""
@@ -39,7 +41,7 @@ class OnnxRuntimeRunner(Runner):
 
         self.providers = self.providers or ort_providers()
         self.session = ort_session(self.model, self.providers, threads=self.threads,
-                                   memory_arena=self.memory_arena)
+                                   memory_arena=self.memory_arena, in_node_order=self.in_node_order)
         self.provider = provider = self.session.get_providers()[0]  # what it runs on
         self.name = f"onnxruntime[{provider}]"
         self.device = "cuda" if provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"

@@ -7,12 +7,12 @@ import contextlib
 import os
 import sys
 
-from compiler.cli import bench, build, engines, triton
+from compiler.cli import bench, build, diagnose, engines, triton
 from compiler.cli.group import cli
 
 __all__ = ["cli", "main"]
 
-_COMMANDS = (build, engines, bench, triton)  # imported for their commands, which register on ``cli``
+_COMMANDS = (build, engines, bench, triton, diagnose)  # imported for their commands, which register on ``cli``
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ __all__ = [
     "BENCH_ITERATIONS", "BENCH_MIN_SECONDS", "BENCH_WARMUP", "BENCH_WARMUP_SECONDS", "BENCH_SEED",
     "BENCH_MAX_SPREAD", "BENCH_MAX_REGRESSION", "BENCH_THREADS",
     "SERVE_BACKEND", "CONTEXTS", "CUDA_GRAPHS", "ORT_THREADS", "MAX_WAIT_MS",
+    "DIFF_SAMPLES", "DIFF_TOP",
 ]
 
 # --- export ---------------------------------------------------------------------------------------------------------
@@ -88,3 +89,7 @@ CONTEXTS = 2  # execution contexts an Engines pools: batches that run at once
 CUDA_GRAPHS = True  # replay a CUDA graph per bucket where the backend can capture one
 ORT_THREADS = 0  # ONNX Runtime intra-op threads for serving; 0: its own choice (one sleeping thread per CUDA context)
 MAX_WAIT_MS = 10.0  # how long a batcher's oldest request waits for others before its batch starts
+
+# --- diagnosis (trtc diff) ------------------------------------------------------------------------------------------
+DIFF_SAMPLES = 256  # samples of the data trtc diff compares on (the digits' whole evaluation split is 300)
+DIFF_TOP = 15  # layers in the printed table, worst first (diff.json has all)
