@@ -215,8 +215,8 @@ class GateSettings:
     def __post_init__(self) -> None:
         if not -1 <= self.min_cosine <= 1:
             raise InputError(f"--min-cosine {self.min_cosine:g}: a cosine lies in [-1, 1]; use e.g. 0.99")
-        if not 0 <= self.max_accuracy_drop <= 100:
-            raise InputError(f"--max-accuracy-drop {self.max_accuracy_drop:g}: top-1 points lie in [0, 100]; "
+        if self.max_accuracy_drop > 100:  # a negative drop is a gain the gate demands: strict, not wrong
+            raise InputError(f"--max-accuracy-drop {self.max_accuracy_drop:g}: top-1 points are at most 100; "
                              "use e.g. 0.5")
         if self.max_fallback < 0:
             raise InputError(f"--max-fallback {self.max_fallback}: a number of layers, at least 0")
