@@ -264,7 +264,9 @@ def _gate_peak_rss(samples: int, budget: int) -> int:
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # a fixed mmap threshold: glibc's dynamic one rises after the first large free, and freed slices may then stay
+    # in its heap run after run, which measures the allocator's caching, not what the gate holds
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
     done = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(samples), str(budget)], env=env,
                           capture_output=True, text=True, check=True)
     return int(done.stdout.split()[-1])
