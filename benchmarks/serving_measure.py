@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import process_clients
+from compiler.core import defaults
 
 
 def wall(fn: Callable[[], Any], repeat: int) -> float:
@@ -180,13 +181,15 @@ class InstantEngines:
 
 def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests: int, max_wait_ms: float,
                 mode: str = "threads", check_rows: bool = True, client_processes: int | None = None,
-                in_flight: int | None = None, cap_s: float | None = None) -> dict[str, Any]:
+                in_flight: int | None = None, cap_s: float | None = None,
+                switch_interval: float | None = defaults.SWITCH_INTERVAL_S) -> dict[str, Any]:
     """``clients`` callers of single-row requests, each sending its next when answered, until ``requests``
     are answered (or ``cap_s`` seconds have passed: no client sends after that, so that a collapsed configuration
     costs the run no more than that). ``mode``: "threads" (a thread per client blocking in ``submit``), "asyncio" (one
     event loop, a coroutine per client awaiting ``infer``, as an asyncio server's handlers would) or
     "processes" (a ``ProcessBatcher`` and client threads in ``client_processes`` other processes, as a
-    server with several worker processes would), "processes-asyncio" (the same with coroutines)."""
+    server with several worker processes would), "processes-asyncio" (the same with coroutines). ``switch_interval``:
+    ``DynamicBatcher``'s (None: the interpreter's as it is)."""
     from compiler.serve.batcher import DynamicBatcher
 
     pool = feed_of(engines, model, clients, seed=7)
@@ -229,7 +232,7 @@ def batcher_run(engines: Any, model: Model, workers: int, clients: int, requests
                          "client_cores": ran["cpu_seconds"] / seconds if seconds else 0.0}
     else:
         batcher = DynamicBatcher(counting, max_wait_ms=max_wait_ms, workers=workers,  # type: ignore[arg-type]
-                                 timeout=30.0)
+                                 timeout=30.0, switch_interval=switch_interval)
         loop = process_clients.ClosedLoop(requests, time.monotonic() + cap_s if cap_s is not None else float("inf"))
         begin = time.perf_counter()
         if mode == "asyncio":

@@ -48,6 +48,7 @@ from compiler.backends.feeds import CheckedFeed, as_kind
 from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
+from compiler.serve import switching
 from compiler.serve.batching import BatchPolicy
 from compiler.serve.waits import BatcherClosed, OverdueWaits, RequestTimeout
 
@@ -202,10 +203,13 @@ class DynamicBatcher:
     how many batches form and run side by side (give the engines at least as many buffer sets; on a GPU each
     worker keeps two batches in flight when the engines have two sets per worker). A worker is two threads: one
     forms and starts batches, one waits for each started batch (without the GIL) and answers it.
+    ``switch_interval``: the interpreter's GIL switch interval at most, in seconds, while the batcher is open
+    (``compiler.serve.switching``; None leaves it as it is).
     """
 
     def __init__(self, engines: _Engines, *, max_batch: int | None = None, max_wait_ms: float = defaults.MAX_WAIT_MS,
-                 timeout: float | None = 10.0, workers: int = 1) -> None:
+                 timeout: float | None = 10.0, workers: int = 1,
+                 switch_interval: float | None = defaults.SWITCH_INTERVAL_S) -> None:
         self._policy = BatchPolicy.of(engines.buckets, max_batch, max_wait_ms, timeout)  # ``compiler.serve.batching``
         if workers < 1:
             raise InputError(f"workers={workers}: the batcher needs at least one worker")
@@ -234,6 +238,7 @@ class DynamicBatcher:
         self._threads = [thread for i, flight in enumerate(flights) for thread in (
             threading.Thread(target=self._form, args=(flight,), name=f"trtc-batcher-{i}", daemon=True),
             threading.Thread(target=self._answer, args=(flight,), name=f"trtc-batcher-{i}-answers", daemon=True))]
+        self._switching = switching.hold(switch_interval)  # given back by ``close``
         for thread in self._threads:
             thread.start()
 
@@ -334,6 +339,10 @@ class DynamicBatcher:
             thread.join(timeout=timeout)
             if thread.is_alive():
                 log.warning("batcher worker %s did not stop within %.0f s", thread.name, timeout)
+        with self._lock:
+            given_back, self._switching = self._switching, False
+        if given_back:
+            switching.release()
 
     # -- the workers' side --
 
