@@ -4,9 +4,10 @@ and given back by the last.
 A thread that asks for the GIL while another runs Python waits until that one blocks, or until the switch interval
 has passed and it is asked to let go. A ``DynamicBatcher``'s threads start and answer batches between its callers'
 bursts of Python (64 client threads answered at once, an event loop resuming its coroutines): each hand-off could
-wait up to 5 ms, once or twice per batch. On an H200 host, 64 threads calling ``submit`` on ONNX Runtime's CUDA
-provider served 3.9-4.1 k req/s at a p99 of 27-28 ms with 5 ms, 6.2-6.4 k at 13 ms with 0.5 ms (1 ms: 5.9-6.3 k;
-0.2 ms: 5.9-6.0 k, the switches themselves then cost); torch with CUDA graphs 2.7-2.9 k against 4.3 k.
+wait up to 5 ms, once or twice per batch. On an H200 host, 64 threads calling ``submit`` served 5,164 req/s at a
+p99 of 15.7 ms with 0.5 ms against 4,810 at 18.7 ms with 5 ms (ONNX Runtime's CUDA provider, one context), and torch
+with CUDA graphs 3,588 at 23.0 ms against 3,465 at 28.4 ms (``benchmarks/serving_gpu.py``, its threads cells). Much
+shorter intervals pay for the switches themselves.
 
 The interval is the process's: only a batcher that asks for a shorter one than the current sets it, and the last
 of those to close restores the value found before the first, unless someone else changed it meanwhile. Pure-Python
