@@ -33,7 +33,7 @@ from onnx import helper, numpy_helper
 from calibration.qdq import PLACEMENT, QdqPolicy, node_names, placement
 from calibration.weights import INT4_MAX, WeightChannels, int4_weight, raise_opset
 from compiler.core import defaults
-from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, tensor_array
+from compiler.core.onnx_io import MAX_IR_VERSION, FreshNames, copy_fields, tensor_array
 
 __all__ = ["INT4_OPSET", "Int4Policy", "Int4Report", "Int4Layer", "AwqSearch", "int4_layers", "awq_inputs",
            "awq_scales",
@@ -231,15 +231,7 @@ def int4_model_from(model: onnx.ModelProto, policy: Int4Policy | None = None, aw
     out.ir_version = min(max(out.ir_version, 10), MAX_IR_VERSION)
     source = model.graph
     graph = copy_fields(source, out.graph, skip={"node", "initializer"})
-    taken = {t.name for t in source.initializer} | {i.name for i in source.input}
-    taken |= {name for n in source.node for name in [*n.input, *n.output, n.name]}
-
-    def fresh(base: str) -> str:
-        name, k = base, 1
-        while name in taken:
-            name, k = f"{base}_{k}", k + 1
-        taken.add(name)
-        return name
+    fresh = FreshNames(source)
 
     constants = {t.name: t for t in source.initializer}
     by_node = {layer.node: layer for layer in layers}

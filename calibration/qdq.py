@@ -56,7 +56,7 @@ from calibration.weights import (
     matmul_weight,
     scale_for,
 )
-from compiler.core.onnx_io import MAX_IR_VERSION, copy_fields, tensor_array
+from compiler.core.onnx_io import MAX_IR_VERSION, FreshNames, copy_fields, tensor_array
 
 __all__ = ["PLACEMENT", "OpRule", "WeightChannels", "QDQ_PRECISIONS", "QdqPolicy", "QdqReport", "tensors_to_calibrate",
            "quantizable_nodes", "placement", "node_names", "qdq_model_from"]
@@ -460,24 +460,6 @@ def _check_amax(plan: _Plan, amax: Mapping[str, float]) -> dict[str, float]:
     return values
 
 
-class _Names:
-    """Fresh tensor and node names that collide with nothing in the graph."""
-
-    def __init__(self, graph: onnx.GraphProto) -> None:
-        self.used: set[str] = {t.name for t in graph.initializer} | {i.name for i in graph.input}
-        for node in graph.node:
-            self.used.update(node.input)
-            self.used.update(node.output)
-            self.used.add(node.name)
-
-    def fresh(self, base: str) -> str:
-        name, n = base, 1
-        while name in self.used:
-            name, n = f"{base}_{n}", n + 1
-        self.used.add(name)
-        return name
-
-
 def _subgraph_inputs(graph: onnx.GraphProto) -> set[str]:
     """Every tensor name read by a node of ``graph`` or of any nested subgraph."""
     read: set[str] = set()
@@ -515,12 +497,12 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
     out.ir_version = min(out.ir_version, MAX_IR_VERSION)
     source = model.graph
     graph = copy_fields(source, out.graph, skip={"node", "initializer"})
-    names = _Names(source)
+    fresh = FreshNames(source)
     constants = _constants(source)
     new_inits: list[onnx.TensorProto] = []
 
     def scale_and_zero(base: str, scale: np.ndarray) -> tuple[str, str]:
-        scale_name, zero_name = names.fresh(f"{base}_scale"), names.fresh(f"{base}_zero_point")
+        scale_name, zero_name = fresh(f"{base}_scale"), fresh(f"{base}_zero_point")
         new_inits.append(numpy_helper.from_array(scale.astype(np.float32), scale_name))
         new_inits.append(numpy_helper.from_array(np.zeros(scale.shape, dtype=FP8 if fp8 else np.int8), zero_name))
         return scale_name, zero_name
@@ -531,11 +513,11 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
     for t in plan.activations:
         scale = scale_for(np.array(amax_values[t], dtype=np.float32), FP8_MAX if fp8 else INT8_MAX)
         scale_name, zero_name = scale_and_zero(t, scale)
-        q_out, dq_out = names.fresh(f"{t}_quantized"), names.fresh(f"{t}_dequantized")
+        q_out, dq_out = fresh(f"{t}_quantized"), fresh(f"{t}_dequantized")
         pair_nodes[t] = [
-            helper.make_node("QuantizeLinear", [t, scale_name, zero_name], [q_out], name=names.fresh(f"{t}_Quantize")),
+            helper.make_node("QuantizeLinear", [t, scale_name, zero_name], [q_out], name=fresh(f"{t}_Quantize")),
             helper.make_node("DequantizeLinear", [q_out, scale_name, zero_name], [dq_out],
-                             name=names.fresh(f"{t}_Dequantize")),
+                             name=fresh(f"{t}_Dequantize")),
         ]
         dequantized[t] = dq_out
 
@@ -548,12 +530,12 @@ def qdq_model_from(model: onnx.ModelProto, amax: Mapping[str, float],
             # read from its file when the model was loaded by reference; raises for weights never loaded
             quantize = fp8_weight if fp8 else int8_weight
             q_weight, scale = quantize(tensor_array(constants[q.tensor]), q.axis)
-            int8_name = names.fresh(f"{q.tensor}_quantized")
+            int8_name = fresh(f"{q.tensor}_quantized")
             new_inits.append(numpy_helper.from_array(q_weight, int8_name))
             scale_name, zero_name = scale_and_zero(q.tensor, scale)
-            dq_out = names.fresh(f"{q.tensor}_dequantized")
+            dq_out = fresh(f"{q.tensor}_dequantized")
             dq = helper.make_node("DequantizeLinear", [int8_name, scale_name, zero_name], [dq_out],
-                                  name=names.fresh(f"{q.tensor}_Dequantize"))
+                                  name=fresh(f"{q.tensor}_Dequantize"))
             if q.axis is not None:
                 dq.attribute.append(helper.make_attribute("axis", q.axis))
             weight_dq[(q.tensor, q.axis)] = (dq_out, dq)

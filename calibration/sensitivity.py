@@ -13,7 +13,7 @@ import onnx
 from calibration.slices import CHUNK_VALUES, sliced_runs, takes_any_batch
 from compiler.backends.registry import check_runner
 from compiler.core import defaults
-from compiler.core.onnx_io import TemporaryOnnxFile
+from compiler.core.onnx_io import FreshNames, TemporaryOnnxFile
 
 __all__ = ["layer_errors"]
 
@@ -75,16 +75,8 @@ def _with_fp32_twins(candidate: onnx.ModelProto, reference: onnx.ModelProto, lay
     out = onnx.ModelProto()
     out.CopyFrom(candidate)
     graph = out.graph
-    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input}
-    taken |= {name for node in graph.node for name in [*node.input, *node.output, node.name]}
+    fresh = FreshNames(graph)
     available = {i.name for i in graph.input} | {o for node in graph.node for o in node.output}
-
-    def fresh(base: str) -> str:
-        name, k = base, 1
-        while name in taken:
-            name, k = f"{base}_{k}", k + 1
-        taken.add(name)
-        return name
 
     def as_float(tensor: str) -> str:
         cast = fresh(f"{tensor}_twin_fp32")

@@ -25,7 +25,7 @@ __all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "
            "SESSION_POLICY", "SessionRule", "graph_holds", "session_rules", "ort_log_severity",
            "apply_ort_log_severity", "TemporaryOnnxFile",
            "outer_scope_names",
-           "copy_fields", "weightless_copy",
+           "copy_fields", "weightless_copy", "FreshNames",
            "MAX_IR_VERSION"]
 
 log = logging.getLogger(__name__)
@@ -459,3 +459,21 @@ def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
         elif t.name not in inputs:
             g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     return skeleton
+
+
+class FreshNames:
+    """Tensor and node names that collide with nothing in ``graph`` (its initializers, inputs, and every node's
+    inputs, outputs and name), nor with any name this handed out before."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.used: set[str] = {t.name for t in graph.initializer} | {i.name for i in graph.input}
+        self.used |= {name for node in graph.node for name in [*node.input, *node.output, node.name]}
+
+    def __call__(self, base: str) -> str:
+        """``base``, or ``base_1``, ``base_2``, ... : the first one not used yet, from then on used."""
+        name, k = base, 1
+        while name in self.used:
+            name, k = f"{base}_{k}", k + 1
+        self.used.add(name)
+        return name
+

@@ -30,7 +30,7 @@ from calibration.fp16 import QDQ_NODE_TYPES
 from calibration.fp16_rounding import fp16_rounding_emulation
 from calibration.weights import raise_opset
 from compiler.core.errors import InputError
-from compiler.core.onnx_io import MAX_IR_VERSION, weightless_copy
+from compiler.core.onnx_io import MAX_IR_VERSION, FreshNames, weightless_copy
 
 __all__ = ["Layer", "Comparison", "ComparisonModel", "comparison_model", "layer_precisions", "tensor_types",
            "STATS", "NOT_LAYERS", "INTEGER"]
@@ -143,15 +143,7 @@ class _Builder:
 
     def __init__(self, graph: onnx.GraphProto) -> None:
         self.graph = graph
-        self.taken = {t.name for t in graph.initializer} | {i.name for i in graph.input}
-        self.taken |= {name for node in graph.node for name in [*node.input, *node.output, node.name]}
-
-    def fresh(self, base: str) -> str:
-        name, k = base, 1
-        while name in self.taken:
-            name, k = f"{base}_{k}", k + 1
-        self.taken.add(name)
-        return name
+        self.fresh = FreshNames(graph)
 
     def node(self, op: str, inputs: list[str], base: str, **attrs: Any) -> str:
         out = self.fresh(base)
