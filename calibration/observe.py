@@ -36,7 +36,7 @@ from calibration.masks import (
     padding_mask,
     padding_mask_inputs,
 )
-from calibration.max_abs import add_max_abs_reductions, input_max_abs, scalar_max_abs
+from calibration.max_abs import add_max_abs_reductions, input_max_abs, reduced_max_abs, scalar_max_abs
 from calibration.statistics import DEFAULT_BINS, AbsHistogram, CalibrationStats
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
@@ -72,7 +72,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     ``progress`` gets the number of samples after each slice. With ``exclude_masked`` (the default),
     padding and mask biases stay out as calibration/masks.py describes. ``max_abs_names``: tensors whose
     max |x| is measured in the same pass, as ``collect_max_abs`` with its defaults measures it (every value
-    counted, reduced inside the graph, only a scalar per tensor leaves ONNX Runtime), into
+    counted, reduced inside the graph, only scalars per tensor leave ONNX Runtime), into
     ``CalibrationStats.max_abs``: the FP16 remainder of an INT8 model needs no second pass over the data.
 
     On the GPU: when the session runs on ONNX Runtime's CUDA provider and torch sees CUDA (``device="auto"``
@@ -143,8 +143,8 @@ def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_name
     Built for FP16 overflow detection, so by default every value counts, padding and mask biases
     included: a -1e9 bias overflows FP16 as surely as an activation does (a -inf bias gives inf). Pass
     ``exclude_masked=True`` for the same exclusions as ``collect_histograms``. Raises as it does.
-    Without exclusions the max |x| is reduced inside the graph (Abs and ReduceMax per tensor), as
-    ``collect_histograms``' ``max_abs_names`` are: only one number per tensor leaves ONNX Runtime, which
+    Without exclusions the max |x| is reduced inside the graph (``add_max_abs_reductions``), as
+    ``collect_histograms``' ``max_abs_names`` are: only a few numbers per tensor leave ONNX Runtime, which
     keeps reusing its buffers, so memory is that of plain inference however many tensors are measured,
     and each batch runs whole (``budget_bytes`` then does not apply). ``progress`` gets the number of
     samples after each run. The model's own infinities (calibration/masks.py) are left out of the max: FP16
@@ -225,14 +225,14 @@ class _Probe:
     bias_cone: frozenset[str]
     weights_dir: Path | None = None  # loaded from a file without its external weights, which stay there
     max_abs_names: tuple[str, ...] = ()  # tensors whose max |x| (all values) is measured too
-    # of those computed by nodes: the in-graph scalar outputs (max |x| of finite values, count of infinite ones)
-    reduced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # of those computed by nodes: the in-graph scalar outputs (``add_max_abs_reductions``: bounds, or exact)
+    reduced: dict[str, tuple[str, ...]] = field(default_factory=dict)
     outputs: frozenset[str] = frozenset()  # the model's own graph outputs
 
     @property
     def reduced_outputs(self) -> list[str]:
         """The graph outputs the in-graph reductions added, in the order a run returns them."""
-        return [o for pair in self.reduced.values() for o in pair if o]
+        return [o for outs in self.reduced.values() for o in outs if o]
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,9 @@ class _Observed:
     # until the histograms have read them.
     ort_values: list[Any] = field(default_factory=list)
     infinite: dict[str, int] = field(default_factory=dict)  # the model's own infinities left out, per tensor
+    # tensors whose bounds were not finite on this run: nothing else was read, the run must go again with their
+    # exact reductions (``add_max_abs_reductions``)
+    inexact: frozenset[str] = frozenset()
 
 
 def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: list[str],
@@ -260,9 +263,10 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
     if threshold <= 0:
         raise ValueError(f"mask_bias_threshold must be positive, got {threshold}")
     probe = _probe_for(model, names, threshold, max_abs_names)
+    exact: set[str] = set()  # tensors reduced exactly: their bounds were not finite on some run
     seen = 0
     per_sample = 0  # bytes of exposed tensors per sample, from the first run
-    # The budget bounds the exposed tensors; in-graph reductions return one scalar each, so a probe that
+    # The budget bounds the exposed tensors; in-graph reductions return scalars, so a probe that
     # exposes nothing runs every batch whole (and without a session when it has no reduction either).
     sliced = bool(probe.fetched)
     with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
@@ -290,6 +294,15 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
                 part = _slice(batch, probe.inputs, start, step, size)
                 mark_step(f"batch {index}" + (f", samples {start}-{min(size, start + step) - 1}" if size > 1 else ""))
                 observed = _observe(session, probe, index, part, exclude_masked, threshold, on)
+                if observed.inexact:  # an infinity or a NaN in some tensor: it is reduced exactly from here on
+                    exact |= observed.inexact
+                    log.debug("max |x| of %d tensor(s) reduced exactly from batch %d on (%s): their bounds are not "
+                              "finite", len(observed.inexact), index, ", ".join(sorted(observed.inexact)[:3]))
+                    session = None  # its memory goes back before the next session loads the weights
+                    probe = _probe_for(model, names, threshold, max_abs_names, exact)
+                    session = _session_for(probe, providers, Path(scratch), in_node_order=True)
+                    del probe.model.graph.initializer[:]
+                    observed = _observe(session, probe, index, part, exclude_masked, threshold, on)
                 if sliced and not per_sample and observed.samples:
                     per_sample = max(1, observed.nbytes // observed.samples)
                     log.debug("%d bytes of exposed tensors per sample: %d samples per run", per_sample,
@@ -342,7 +355,7 @@ def _slice(batch: dict[str, np.ndarray], inputs: tuple[str, ...], start: int, st
 
 
 def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str], threshold: float,
-               max_abs_names: tuple[str, ...] = ()) -> _Probe:
+               max_abs_names: tuple[str, ...] = (), exact: set[str] | None = None) -> _Probe:
     weights_dir = None
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
@@ -365,13 +378,13 @@ def _probe_for(model: onnx.ModelProto | str | os.PathLike[str], names: list[str]
                                    "outputs")
     fetched = tuple(name for name in names if name in computed)
     _expose(model, fetched)
-    reduced: dict[str, tuple[str, str]] = {}
+    reduced: dict[str, tuple[str, ...]] = {}
     if max_abs_names:
         to_reduce = [name for name in max_abs_names if name in computed]
         types = _element_types(model, to_reduce)
         if not fetched:  # only the scalars leave ONNX Runtime, not the model's own outputs
             del graph.output[:]
-        reduced = add_max_abs_reductions(graph, to_reduce, types)
+        reduced = add_max_abs_reductions(graph, to_reduce, types, exact or ())
     padding_masks = padding_mask_inputs(graph, inputs)
     cone = mask_bias_cone(graph, inputs, threshold, weights_dir)
     return _Probe(model, inputs, tuple(names), fetched, padding_masks, cone, weights_dir, tuple(max_abs_names),
@@ -441,8 +454,11 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
     arrays = results[:len(probe.fetched)]
     tensors = dict(zip(probe.fetched, arrays))
     got = dict(zip(probe.reduced_outputs, results[len(probe.fetched):]))
-    scalars = {name: (float(got[top]), float(got[count]) if count else 0.0)
-               for name, (top, count) in probe.reduced.items()}
+    scalars = {name: reduced_max_abs(tuple(float(got[o]) if o else 0.0 for o in outs))
+               for name, outs in probe.reduced.items()}
+    inexact = frozenset(name for name, pair in scalars.items() if pair is None)
+    if inexact:
+        return _Observed(0, {}, {}, inexact=inexact)
     mask: Any = padding_mask(feed, probe.padding_masks) if exclude_masked else None
     if device is not None and mask is not None:
         mask = _on_device(mask, device)
@@ -463,7 +479,9 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
     for name in probe.max_abs_names:
         in_cone = name in probe.bias_cone
         if name in scalars:
-            maxima[name], inf = scalar_max_abs(index, name, *scalars[name], in_cone, name in probe.outputs)
+            pair = scalars[name]
+            assert pair is not None
+            maxima[name], inf = scalar_max_abs(index, name, *pair, in_cone, name in probe.outputs)
             if inf:  # a tensor both binned and reduced: the same values, counted once
                 infinite[name] = max(infinite.get(name, 0), inf)
         else:

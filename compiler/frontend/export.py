@@ -62,8 +62,8 @@ def onnx_from_torch(loaded: LoadedModel, spec: ModelSpec, max_batch: int, opset:
                     feeds: FeedSource | None = None) -> ExportResult:
     """Export ``loaded`` to an in-memory ONNX model whose dynamic dims are named as in ``spec``.
 
-    ``workdir`` holds the exporter's temporary files (the dynamo exporter writes weights beside
-    the graph); it must exist. ``feeds`` gives example inputs from the user's data (see
+    ``workdir`` holds the TorchScript exporter's file (the dynamo exporter's model becomes a proto
+    without one); it must exist. ``feeds`` gives example inputs from the user's data (see
     ``example_inputs``).
     """
     start = time.perf_counter()
@@ -81,7 +81,7 @@ def onnx_from_torch(loaded: LoadedModel, spec: ModelSpec, max_batch: int, opset:
         return ExportResult(model, "torchscript", _opset(model), time.perf_counter() - start,
                             "TorchScript modules cannot be traced by the dynamo exporter")
     try:
-        model = _dynamo_export(loaded, args, spec, max_batch, opset, output_names, path)
+        model = _dynamo_export(loaded, args, spec, max_batch, opset, output_names)
         return ExportResult(model, "dynamo", _opset(model), time.perf_counter() - start)
     except Exception as dynamo_err:  # the exporter raises many types; all mean "try the other one"
         reason = _summarize(dynamo_err)
@@ -195,7 +195,7 @@ def _rejected_values(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...]
 
 
 def _dynamo_export(loaded: LoadedModel, args: tuple[Any, ...], spec: ModelSpec, max_batch: int,
-                   opset: int | None, output_names: list[str] | None, path: Path) -> onnx.ModelProto:
+                   opset: int | None, output_names: list[str] | None) -> onnx.ModelProto:
     import torch
 
     dims: dict[str, Any] = {BATCH_DIM: torch.export.Dim(BATCH_DIM, min=1, max=max(max_batch, 2))}
@@ -208,9 +208,16 @@ def _dynamo_export(loaded: LoadedModel, args: tuple[Any, ...], spec: ModelSpec, 
     if loaded.exported_program is None:
         kwargs["dynamic_shapes"] = _matching_parameters(loaded.module, dynamic_shapes)
     with _without_shadowing_folders(), _quiet():
-        torch.onnx.export(target, args, str(path), dynamo=True, input_names=spec.input_names,
-                          output_names=output_names, opset_version=opset, verbose=False, optimize=True, **kwargs)
-    return _rename_dims(load_onnx(path), spec)
+        # no file: the ONNXProgram's model becomes a proto in memory (weights inline, whatever their size: a proto
+        # over 2 GiB is only refused when serialized, and trtc saves and runs such protos through files); writing
+        # the weights as external data and reading them back cost seconds on a ViT-B/16 for the same proto
+        program = torch.onnx.export(target, args, None, dynamo=True, input_names=spec.input_names,
+                                    output_names=output_names, opset_version=opset, verbose=False, optimize=True,
+                                    **kwargs)
+        assert program is not None  # None only for the TorchScript exporter
+        model = program.model_proto
+    del program  # its graph holds the module's weights; the proto has its own copy
+    return _rename_dims(model, spec)
 
 
 def _matching_parameters(module: Any, shapes: tuple[Any, ...]) -> tuple[Any, ...]:

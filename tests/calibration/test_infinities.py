@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -147,3 +148,34 @@ def test_infinities_are_counted_and_left_out_of_ranges_nan_and_infinite_outputs_
     for run in (collect_histograms, collect_max_abs):
         with pytest.raises(CalibrationError, match="batch 0: tensor 'h' has"):
             run(nan, ["h"], [{"x": x}])
+
+
+def test_max_abs_is_exact_where_infinities_appear_in_a_later_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-graph max |x| starts from each tensor's bounds (max, min, sum); a batch on which a tensor's bounds are
+    not finite (here h = log(relu(x)) on the second batch, whose x holds zeros) runs again with that tensor's exact
+    reduction, in a new session: the max |x| of its finite values and its count of infinities are those numpy
+    gives over all batches, and the other tensor (r, finite throughout) keeps the bounds' value, max |r|."""
+    from calibration import observe
+    from compiler.core.onnx_io import ort_session
+
+    sessions: list[Any] = []
+
+    def recording_session(*args: Any, **kwargs: Any) -> Any:
+        sessions.append(ort_session(*args, **kwargs))
+        return sessions[-1]
+
+    monkeypatch.setattr(observe, "ort_session", recording_session)
+    positive = np.abs(RNG.standard_normal((4, 8))).astype(np.float32) + 0.5
+    mixed = RNG.standard_normal((4, 8)).astype(np.float32)
+    batches = [{"x": positive}, {"x": mixed}, {"x": positive * 3}]
+    model = _log_graph(output_log=False)
+    stats = collect_histograms(model, [], batches, max_abs_names=["r", "h"])
+    both = np.concatenate([b["x"] for b in batches])
+    logs = np.log(np.maximum(both, 0)[both > 0])
+    assert stats.max_abs is not None
+    assert stats.max_abs["h"] == pytest.approx(float(np.abs(logs).max()), rel=1e-6)
+    assert stats.max_abs["r"] == float(np.maximum(both, 0).max())
+    assert stats.infinite == {"h": int((mixed <= 0).sum())}
+    # one session on the bounds, one more once h's were not finite (batch 1); batch 2 runs on the second
+    assert [sum(o.shape == [] for o in s.get_outputs()) for s in sessions] == [3 + 3, 3 + 2]
+    assert collect_max_abs(model, ["h", "r"], batches) == stats.max_abs
