@@ -1,8 +1,8 @@
-"""End-to-end `trtc build` time of a ViT-B/16-sized model on a GPU machine, INT8 and FP16, 512 samples each.
+"""End-to-end `trtc build` time of torchvision's ViT-B/16 on a GPU machine, INT8 and FP16, 512 samples each.
 
 For each precision it runs, in a fresh process and a fresh output directory,
 
-    trtc build --model-factory benchmarks.sized_models:vit_b16 --input images:Bx3x224x224 --buckets 1,8
+    trtc build --model-factory benchmarks.sized_models:torchvision_vit_b16 --input images:Bx3x224x224 --buckets 1,8
         --int8|--fp16 --calib-data random --calib-samples 512 --engine none --out WORK/vit-PRECISION
 
 and records the wall time and the build's own time record, WORK/vit-PRECISION/report/timing.json: every stage in
@@ -12,7 +12,9 @@ process's seconds and what no stage holds. ``stages_sum_seconds`` is their sum; 
 the wall time less that sum (the commit, the summary, the exit and process start-up), should be under a second.
 Also the times calibration.json and report/accuracy.json hold, where each step ran (ONNX Runtime provider of the
 export checks, calibration, FP16 range pass and gate; whether the INT8 histograms were binned on the GPU).
-Random weights and random data: this measures time, not accuracy. Target: each build under 60 s on an H200.
+Random weights and random data: this measures time, not accuracy. Target: each build within TARGET_S (30 s)
+on an H200. Where torchvision is not installed, ``--model-factory benchmarks.sized_models:vit_b16`` is a ViT-B/16
+of the same shapes written here.
 
 Then, unless --no-binning-check, it checks the GPU binning on the INT8 build's FP32 model in a separate
 process: the same calibration pass (--check-samples samples, runs of whole batches) once with the
@@ -50,6 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+TARGET_S = 30  # seconds a ViT-B/16 build may take on an H200, INT8 or FP16
 # a build is killed after BUILD_TIMEOUT_S, the binning check after CHECK_TIMEOUT_S, the GPU tests after TESTS_TIMEOUT_S:
 # even then the script ends within 9 minutes (2 x 150 + 120 + 90 s, plus a few seconds of imports)
 BUILD_TIMEOUT_S = 150
@@ -136,7 +139,7 @@ def build(work: Path, precision: str, samples: int, factory: str, inputs: str, b
                 "calibration_provider": manifest.get("calibration", {}).get("provider"),
                 "calibration_binned_on": calibration.get("binned_on"),
                 "fp16_range_provider": manifest.get("fp16", {}).get("range_provider"),
-                "target_met": seconds < 60})
+                "target_s": TARGET_S, "target_met": seconds <= TARGET_S})
     stage = (row.get("stages") or logged).get(f"{precision.upper()} calibration")
     if stage is not None and report.get("seconds") is not None:  # spawning the worker, its imports, loading the model
         row["calibration_worker_overhead_seconds"] = round(stage - report["seconds"], 1)
@@ -268,7 +271,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/trtc-build-gpu"))
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--precisions", default="int8,fp16")
-    parser.add_argument("--model-factory", default="benchmarks.sized_models:vit_b16")
+    parser.add_argument("--model-factory", default="benchmarks.sized_models:torchvision_vit_b16")
     parser.add_argument("--input", default="images:Bx3x224x224")
     parser.add_argument("--buckets", default="1,8")
     parser.add_argument("--check-samples", type=int, default=64)

@@ -1,8 +1,10 @@
-"""Models at the sizes of public architectures, defined here (no torchvision, no downloads), random weights.
+"""Models at the sizes of public architectures, defined here (no torchvision, no downloads), random weights; and
+torchvision's own ViT-B/16 where torchvision is installed.
 
 * ``resnet50``: ResNet-50's bottleneck layout (3, 4, 6, 3 blocks, widths 256-2048), 25.6 M parameters, 224x224.
 * ``vit_b16``: ViT-B/16 (patch 16, 12 layers, width 768, 12 heads, MLP 3072, 197 tokens), 86 M parameters.
 * ``gpt2_small``: GPT-2 small (vocabulary 50257, 12 layers, width 768, causal), 124 M parameters; input_ids BxS.
+* ``torchvision_vit_b16``: ``torchvision.models.vit_b_16`` (needs torchvision), its head drawn at random.
 * ``big_mlp``: 40 Linear(4096, 4096) layers, 2.5 GiB of FP32 weights (over protobuf's 2 GiB limit).
 
 The classifier heads are initialised randomly, not to zero, so that the accuracy gate has outputs to compare.
@@ -13,12 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["resnet50", "vit_b16", "gpt2_small", "big_mlp", "INPUTS"]
+__all__ = ["resnet50", "vit_b16", "torchvision_vit_b16", "gpt2_small", "big_mlp", "INPUTS"]
 
 # --input specs for each factory (trtc export --model-factory benchmarks.sized_models:NAME --input ...)
 INPUTS = {
     "resnet50": ["images:Bx3x224x224"],
     "vit_b16": ["images:Bx3x224x224"],
+    "torchvision_vit_b16": ["images:Bx3x224x224"],
     "gpt2_small": ["input_ids:Bx128:int64"],
     "big_mlp": ["x:Bx4096"],
 }
@@ -118,6 +121,17 @@ def resnet50() -> nn.Module:
 def vit_b16() -> nn.Module:
     torch.manual_seed(0)
     return ViT().eval()
+
+
+def torchvision_vit_b16() -> nn.Module:
+    """torchvision's ViT-B/16, random weights, where torchvision is installed (the GPU machine). Its classification
+    head is drawn like its other layers: torchvision starts it at zeros, an output the accuracy gate cannot score."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.vit_b_16()
+    nn.init.normal_(model.heads.head.weight, std=0.02)
+    return model.eval()
 
 
 def gpt2_small() -> nn.Module:

@@ -41,13 +41,13 @@ from compiler.core.manifest import (
     verified_onnx,
     write_manifest,
 )
-from compiler.core.onnx_io import load_onnx_by_reference, onnx_files, ort_session, save_onnx
+from compiler.core.onnx_io import load_onnx_by_reference, onnx_files, ort_session, save_onnx, warm_checking_providers
 from compiler.core.progress import progress, stage_timer
 from compiler.core.settings import MIN_COMPUTE_CAPABILITY, CalibrationSettings
 from compiler.core.specs import ModelSpec
-from compiler.core.worker import in_worker, isolated, mark
+from compiler.core.worker import Worker, in_worker, isolated, mark
 
-__all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "calibrate_directory"]
+__all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "calibration_worker", "calibrate_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +101,32 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> Manif
 
 
 def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: CalibrationSettings,
-                    ) -> CalibrationOutcome:
+                    worker: Worker | None = None) -> CalibrationOutcome:
     """Write the reduced-precision ONNX, calibration.json and report/accuracy.json into ``stage``.
 
     ``stage`` may already hold a ``calibration.json`` to reuse (``--calib-cache`` copies it there). Runs in
     a worker process (``compiler.core.worker``): a native crash of ONNX Runtime becomes ``WorkerCrashed`` naming
     the stage, the model and the batch, and the memory of the ONNX Runtime sessions goes back when it ends.
+    ``worker``: one started ahead (``calibration_worker``), else a new one.
     """
+    what = f"{settings.precision.upper()} calibration"
+    if worker is not None:
+        return worker.run(what, _calibrated_into, stage, fp32_path, spec, settings)
     if isolated():
-        return in_worker(f"{settings.precision.upper()} calibration", _calibrated_into, stage, fp32_path, spec,
-                         settings)
+        return in_worker(what, _calibrated_into, stage, fp32_path, spec, settings)
     return _calibrated_into(stage, fp32_path, spec, settings)
+
+
+def calibration_worker() -> Worker | None:
+    """A worker for ``calibrated_into`` started now, so that its start (interpreter, imports, CUDA and ONNX
+    Runtime's provider libraries: seconds) overlaps the export; None where stages run in this process."""
+    return Worker(warm=_warm_worker) if isolated() else None
+
+
+def _warm_worker() -> None:
+    """What a calibration worker runs before its call: this module's imports (unpickling this function imports
+    it) and the providers of its ONNX Runtime runs (``warm_checking_providers``)."""
+    warm_checking_providers()
 
 
 def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: CalibrationSettings,

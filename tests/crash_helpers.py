@@ -41,3 +41,32 @@ def raise_user_error() -> None:
 
 def raise_bug() -> None:
     raise KeyError("internal")
+
+
+_warmed: list[int] = []
+
+
+def warm_and_log() -> None:
+    """A worker's warm function: leaves its process id where ``warmed_pids`` reads it, and logs."""
+    _warmed.append(os.getpid())
+    logging.getLogger("calibration.test").warning("warming the worker")
+
+
+def warmed_pids() -> tuple[list[int], int]:
+    """The process ids the warm function recorded in this process, and this process's id."""
+    return list(_warmed), os.getpid()
+
+
+def warm_raises() -> None:
+    raise RuntimeError("no GPU today")
+
+
+def warm_segfaults() -> None:
+    mark("warming")
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def warm_forever() -> None:
+    import time
+
+    time.sleep(600)

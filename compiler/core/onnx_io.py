@@ -22,8 +22,8 @@ from onnx import numpy_helper
 from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "onnx_files", "ort_session",
-           "SESSION_POLICY", "SessionRule", "graph_holds", "session_rules", "ort_log_severity",
-           "apply_ort_log_severity", "TemporaryOnnxFile",
+           "warm_checking_providers", "SESSION_POLICY", "SessionRule", "graph_holds", "session_rules",
+           "ort_log_severity", "apply_ort_log_severity", "TemporaryOnnxFile",
            "outer_scope_names",
            "copy_fields", "weightless_copy", "FreshNames",
            "MAX_IR_VERSION"]
@@ -358,6 +358,25 @@ def ort_session(model: str | os.PathLike[str] | onnx.ModelProto, providers: list
             return ort.InferenceSession(str(path), sess_options=opts, providers=providers, **extra)
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(source, sess_options=opts, providers=providers, **extra)
+
+
+def warm_checking_providers() -> list[str]:
+    """Load what trtc's own ONNX Runtime runs (``capabilities.checking_providers``) need before the first of them,
+    and return those providers: ONNX Runtime, torch, and where ONNX Runtime's CUDA provider is among them, CUDA
+    and the provider's libraries, by running a one-node graph once on it. A worker started ahead of its work
+    (``worker.Worker``) calls it so that these seconds pass while the export runs."""
+    import onnxruntime  # noqa: F401  (the import is the point)
+
+    from compiler.core.capabilities import checking_providers
+
+    providers = checking_providers()
+    if providers[0] != "CPUExecutionProvider":
+        x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+        y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+        graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "warm", [x], [y])
+        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+        ort_session(model, providers).run(None, {"x": np.ones(1, np.float32)})
+    return providers
 
 
 class TemporaryOnnxFile:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from compiler.core.errors import WorkerCrashed
 
-__all__ = ["in_worker", "isolated", "mark", "mark_step"]
+__all__ = ["Worker", "in_worker", "isolated", "mark", "mark_step"]
 
 log = logging.getLogger(__name__)
 
@@ -66,37 +66,78 @@ def in_worker(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     result comes back pickled. Raises what ``fn`` raised (a bug's traceback from the child is added as a
     note), or ``WorkerCrashed`` when the child dies without an answer.
     """
-    ctx = multiprocessing.get_context("spawn")
-    levels = {name: logging.getLogger(name).getEffectiveLevel() for name in _LOGGERS}
-    with tempfile.TemporaryDirectory(prefix="trtc-worker-") as scratch:
-        crumb = Path(scratch) / "stage"
-        records: Any = ctx.Queue()
-        receive, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_child, args=(send, records, levels, str(crumb), fn, args, kwargs),
-                            name=f"trtc {what}", daemon=True)
-        forwarder = threading.Thread(target=_forward, args=(records,), daemon=True)
-        forwarder.start()
+    with Worker() as worker:
+        return worker.run(what, fn, *args, **kwargs)
+
+
+class Worker:
+    """A spawned worker process for one call, started before the call is known: its interpreter start, its
+    imports and ``warm`` (a picklable function, e.g. loading CUDA and ONNX Runtime's provider libraries) overlap
+    what the caller does meanwhile, and ``run`` then hands it the call (as ``in_worker`` does). A ``warm`` that
+    raises is logged (debug) and the worker goes on: warming is an optimisation. Closing a worker that was never
+    run ends it; use it as a context manager so that every path closes it.
+    """
+
+    def __init__(self, warm: Callable[[], Any] | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        levels = {name: logging.getLogger(name).getEffectiveLevel() for name in _LOGGERS}
+        self._scratch = tempfile.TemporaryDirectory(prefix="trtc-worker-")
+        self._crumb = Path(self._scratch.name) / "stage"
+        self._records: Any = ctx.Queue()
+        self._receive, send = ctx.Pipe(duplex=False)
+        calls, self._calls = ctx.Pipe(duplex=False)
+        self._child = ctx.Process(target=_child, args=(calls, send, self._records, levels, str(self._crumb), warm),
+                                  name="trtc worker", daemon=True)
+        self._forwarder = threading.Thread(target=_forward, args=(self._records,), daemon=True)
+        self._forwarder.start()
         with _main_not_rerun():
-            child.start()
+            self._child.start()
         send.close()
+        calls.close()
+        self._ran = self._closed = False
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` in this worker, once; what ``in_worker`` returns and raises."""
+        if self._closed or self._ran:
+            raise RuntimeError("a Worker runs one call; start another for the next")
+        self._ran = True
         try:
-            answer = receive.recv()
-        except EOFError:
+            self._calls.send((fn, args, kwargs))
+            answer = self._receive.recv()
+        except (EOFError, BrokenPipeError):  # the child died, before the call or during it
             answer = None
-        finally:
-            child.join()
-            records.put(None)
-            forwarder.join()
-            records.close()
-        stage = crumb.read_text() if crumb.is_file() else "starting"
-    if answer is None:
-        raise WorkerCrashed(_crash_message(what, stage, child.exitcode))
-    kind, payload, child_traceback = answer
-    if kind == "ok":
-        return payload  # type: ignore[no-any-return]
-    if not hasattr(payload, "exit_code"):  # a bug: keep where it happened
-        payload.add_note(f"raised in the {what} worker process:\n{child_traceback}")
-    raise payload
+        stage = self._crumb.read_text() if self._crumb.is_file() else "starting"
+        self.close()
+        if answer is None:
+            raise WorkerCrashed(_crash_message(what, stage, self._child.exitcode))
+        kind, payload, child_traceback = answer
+        if kind == "ok":
+            return payload  # type: ignore[no-any-return]
+        if not hasattr(payload, "exit_code"):  # a bug: keep where it happened
+            payload.add_note(f"raised in the {what} worker process:\n{child_traceback}")
+        raise payload
+
+    def close(self) -> None:
+        """End the worker and stop forwarding its log records: one that ran has exited; an unused one is
+        terminated (it may still be warming, and an error on the way to its call should not wait for that)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._calls.close()
+        if not self._ran:
+            self._child.terminate()
+        self._child.join()
+        self._receive.close()
+        self._records.put(None)
+        self._forwarder.join()
+        self._records.close()
+        self._scratch.cleanup()
 
 
 @contextlib.contextmanager
@@ -128,8 +169,8 @@ def _crash_message(what: str, stage: str, code: int | None) -> str:
             "running in FP32 (--keep-fp32 NAME) or lower --calib-batch, and please report it")
 
 
-def _child(send: Any, records: Any, levels: dict[str, int], crumb: str, fn: Callable[..., Any],
-           args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _child(calls: Any, send: Any, records: Any, levels: dict[str, int], crumb: str,
+           warm: Callable[[], Any] | None) -> None:
     global _crumb
     _die_with_parent()
     _crumb = Path(crumb)
@@ -140,15 +181,25 @@ def _child(send: Any, records: Any, levels: dict[str, int], crumb: str, fn: Call
         logger.setLevel(level)
         logger.propagate = False
     try:
-        result = fn(*args, **kwargs)
-        send.send(("ok", result, ""))
-    except BaseException as err:  # everything goes back to the parent, which re-raises it
-        text = traceback.format_exc()
+        if warm is not None:
+            try:
+                warm()
+            except Exception as err:  # warming is an optimisation: the call itself meets whatever failed here
+                log.debug("warming the worker failed: %s", err)
         try:
-            pickle.dumps(err)
-        except Exception:  # one that cannot be pickled comes back as its text
-            err = RuntimeError(f"{type(err).__name__}: {err}")
-        send.send(("error", err, text))
+            fn, args, kwargs = calls.recv()
+        except EOFError:  # closed unused
+            return
+        try:
+            result = fn(*args, **kwargs)
+            send.send(("ok", result, ""))
+        except BaseException as err:  # everything goes back to the parent, which re-raises it
+            text = traceback.format_exc()
+            try:
+                pickle.dumps(err)
+            except Exception:  # one that cannot be pickled comes back as its text
+                err = RuntimeError(f"{type(err).__name__}: {err}")
+            send.send(("error", err, text))
     finally:
         send.close()
         records.close()

@@ -11,6 +11,7 @@ place only at the end, manifest last:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -52,11 +53,11 @@ FAILED_DIR = "failed"
 def build_directory(export: ExportSettings, calibration: Any | None, build: BuildSettings,
                     command: str = "trtc build") -> Manifest:
     """Run the whole chain; returns the manifest written. ``calibration`` is a CalibrationSettings or None (FP32)."""
-    from calibration.calibrate import ACCURACY_JSON, CALIBRATION_FILES, calibrated_into
+    from calibration.calibrate import ACCURACY_JSON, CALIBRATION_FILES, calibrated_into, calibration_worker
 
     start = time.perf_counter()
     out = export.out
-    with recording_stages() as times:
+    with recording_stages() as times, contextlib.ExitStack() as workers:
         with stage_timer("checks before export"):
             # before the export and the calibration, which take hours on a large model
             if build.engine != "none" and build.precision in MIN_COMPUTE_CAPABILITY and tensorrt_version() is not None:
@@ -66,6 +67,12 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
             if early is not None:
                 refuse_oversized_buckets(early, build.buckets)
             calibration = _data_checked(calibration, early, out)
+        worker = None
+        if calibration is not None:
+            with stage_timer("calibration worker start"):  # it warms up while the model loads and exports
+                worker = calibration_worker()
+                if worker is not None:
+                    workers.enter_context(worker)
         model = model_to_export(export, build.buckets)
         spec = model.spec
         if early is None:
@@ -85,7 +92,7 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
                 if cache_file and cache and Path(cache).is_file():
                     shutil.copy2(cache, stage / cache_file)
                 with stage_timer(f"{calibration.precision.upper()} calibration"):
-                    outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration)
+                    outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration, worker)
                 if outcome.record is None:
                     _keep_failed_attempt(stage, out, manifest)
                     raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "

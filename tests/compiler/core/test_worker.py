@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from compiler.cli import cli
 from compiler.core.errors import CalibrationError, WorkerCrashed
 from compiler.core.settings import ExportSettings, ModelSource
 from compiler.core.specs import ModelSpec, parse_input_spec
-from compiler.core.worker import in_worker
+from compiler.core.worker import Worker, in_worker
 from compiler.pipeline.export import export_directory
 from tests import crash_helpers
 
@@ -34,6 +37,36 @@ def test_a_segfault_names_the_stage_and_step() -> None:
     message = str(crash.value)
     assert "SIGSEGV" in message and "FP16 accuracy gate: the FP16 model, batch 3" in message
     assert "\n" not in message and crash.value.exit_code == 2
+
+
+def test_a_started_worker_warms_then_runs_its_call_in_the_same_process(caplog: pytest.LogCaptureFixture) -> None:
+    """A Worker runs its warm function in the child before the call, in the same process as the call (the call
+    sees the process id the warm recorded there, which is not this one), and the warm's log records come back."""
+    with caplog.at_level(logging.WARNING, logger="calibration"), Worker(warm=crash_helpers.warm_and_log) as worker:
+        warmed, child = worker.run("test", crash_helpers.warmed_pids)
+    assert warmed == [child] and child != os.getpid()
+    assert "warming the worker" in caplog.text
+
+
+def test_a_warm_that_raises_leaves_the_call_to_run_and_one_that_crashes_is_named() -> None:
+    """Warming is an optimisation: a warm function that raises does not stop the call (its result comes back);
+    a warm that dies of SIGSEGV makes the call raise WorkerCrashed, one line, naming the stage the worker was in."""
+    with Worker(warm=crash_helpers.warm_raises) as worker:
+        assert worker.run("test", crash_helpers.square_and_log, 3) == 9
+    with Worker(warm=crash_helpers.warm_segfaults) as worker, pytest.raises(WorkerCrashed) as crash:
+        worker.run("INT8 calibration", crash_helpers.square_and_log, 3)
+    message = str(crash.value)
+    assert "SIGSEGV" in message and "during warming" in message and "\n" not in message
+
+
+def test_an_unused_worker_ends_at_once_even_while_warming() -> None:
+    """A Worker closed without a call (an error before calibration) ends within seconds although its warm function
+    would run ten minutes, and leaves no child process behind."""
+    start = time.perf_counter()
+    with Worker(warm=crash_helpers.warm_forever):
+        time.sleep(0.5)  # the child is running its warm function by now
+    assert time.perf_counter() - start < 10
+    assert multiprocessing.active_children() == []
 
 
 @pytest.mark.slow

@@ -17,9 +17,9 @@ from compiler.cli import cli
 ROOT = Path(__file__).resolve().parents[3]
 BUILD = ["build", "--model-factory", "examples.models:mlp", "--input", "x:Bx64", "--buckets", "1,4", "--int8",
          "--calib-data", "random", "--calib-samples", "16", "--engine", "none"]
-STAGES = ["interpreter start, torch import, options", "imports", "checks before export", "model loading",
-          "model fingerprint", "export inputs from the data", "export", "export check setup", "export check",
-          "graph passes", "writing model.onnx", "pass check", "export cleanup", "source snapshot",
+STAGES = ["interpreter start, torch import, options", "imports", "checks before export", "calibration worker start",
+          "model loading", "model fingerprint", "export inputs from the data", "export", "export check setup",
+          "export check", "graph passes", "writing model.onnx", "pass check", "export cleanup", "source snapshot",
           "model.onnx digest", "freeing the PyTorch model", "INT8 calibration"]
 
 
