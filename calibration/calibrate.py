@@ -82,9 +82,11 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> Manif
             if (directory / name).is_file():
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(directory / name, stage / name)
-        fp32 = verified_onnx(directory, manifest.onnx.get("fp32"), "fp32")
+        record = manifest.onnx.get("fp32")
+        fp32 = verified_onnx(directory, record, "fp32")
+        digest = record.file_sha256.get(record.file) if record is not None else None  # verified just now
         with stage_timer(f"{settings.precision.upper()} calibration"):
-            outcome = calibrated_into(stage, fp32, manifest.spec, settings)
+            outcome = calibrated_into(stage, fp32, manifest.spec, settings, fp32_sha256=digest)
         if outcome.record is not None:
             manifest = manifest.with_calibration(outcome.record)
             write_manifest(stage / MANIFEST, manifest)
@@ -101,20 +103,21 @@ def calibrate_directory(directory: Path, settings: CalibrationSettings) -> Manif
 
 
 def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: CalibrationSettings,
-                    worker: Worker | None = None) -> CalibrationOutcome:
+                    worker: Worker | None = None, fp32_sha256: str | None = None) -> CalibrationOutcome:
     """Write the reduced-precision ONNX, calibration.json and report/accuracy.json into ``stage``.
 
     ``stage`` may already hold a ``calibration.json`` to reuse (``--calib-cache`` copies it there). Runs in
     a worker process (``compiler.core.worker``): a native crash of ONNX Runtime becomes ``WorkerCrashed`` naming
     the stage, the model and the batch, and the memory of the ONNX Runtime sessions goes back when it ends.
-    ``worker``: one started ahead (``calibration_worker``), else a new one.
+    ``worker``: one started ahead (``calibration_worker``), else a new one. ``fp32_sha256``: the digest of
+    ``fp32_path``'s own file where the caller has it (its manifest record), else it is computed.
     """
     what = f"{settings.precision.upper()} calibration"
     if worker is not None:
-        return worker.run(what, _calibrated_into, stage, fp32_path, spec, settings)
+        return worker.run(what, _calibrated_into, stage, fp32_path, spec, settings, fp32_sha256)
     if isolated():
-        return in_worker(what, _calibrated_into, stage, fp32_path, spec, settings)
-    return _calibrated_into(stage, fp32_path, spec, settings)
+        return in_worker(what, _calibrated_into, stage, fp32_path, spec, settings, fp32_sha256)
+    return _calibrated_into(stage, fp32_path, spec, settings, fp32_sha256)
 
 
 def calibration_worker() -> Worker | None:
@@ -130,12 +133,12 @@ def _warm_worker() -> None:
 
 
 def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: CalibrationSettings,
-                     ) -> CalibrationOutcome:
+                     fp32_sha256: str | None = None) -> CalibrationOutcome:
     start = time.perf_counter()
     model = load_onnx_by_reference(fp32_path)  # weights stay in their file: passes read what they need
     data = _open_data(settings.data, settings, spec) if (settings.data or settings.loader) else None
     eval_data = _open_data(settings.eval_data, settings, spec, for_eval=True) if settings.eval_data else data
-    model_sha = sha256_file(fp32_path)
+    model_sha = fp32_sha256 or sha256_file(fp32_path)
     if settings.precision in CALIBRATION_FILES:
         result, details = _qdq(stage, model, fp32_path, model_sha, data, eval_data, settings)
     elif settings.precision == "int4":

@@ -92,7 +92,9 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
                 if cache_file and cache and Path(cache).is_file():
                     shutil.copy2(cache, stage / cache_file)
                 with stage_timer(f"{calibration.precision.upper()} calibration"):
-                    outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration, worker)
+                    fp32 = manifest.onnx["fp32"]
+                    outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration, worker,
+                                              fp32.file_sha256.get(FP32_ONNX))
                 if outcome.record is None:
                     _keep_failed_attempt(stage, out, manifest)
                     raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "
