@@ -13,6 +13,8 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -286,6 +288,50 @@ def _evaluator(model: Path, eval_data: CalibrationData | None, settings: Calibra
                                 budget_bytes=settings.memory_budget)
 
 
+def _evaluator_beside(pool: ThreadPoolExecutor, model: Path, eval_data: CalibrationData | None,
+                      settings: CalibrationSettings) -> Callable[[], Evaluator | None]:
+    """A function returning ``_evaluator(model, eval_data, settings)``, whose FP32 reference outputs are computed
+    from now on in ``pool``'s thread, beside the calibration pass, where ONNX Runtime runs on CUDA and the data
+    can be read twice at once (files, random data; ONNX Runtime and NumPy release the GIL): on an H200 the
+    reference of a ViT-B/16 took 3 s after the pass. Elsewhere it is computed when called: on the CPU both passes
+    would share the same cores and hold their sessions' memory at once, and a loader function may not be
+    reentrant."""
+    if not _reference_beside(eval_data):
+        return lambda: _evaluator(model, eval_data, settings)
+    return pool.submit(_evaluator, model, eval_data, settings).result
+
+
+def _reference_beside(eval_data: CalibrationData | None) -> bool:
+    """Whether the gate's FP32 reference runs beside the calibration pass (``_evaluator_beside``)."""
+    return eval_data is not None and eval_data.repeatable and checking_providers()[0] == "CUDAExecutionProvider"
+
+
+def _calibrated_ranges(model: onnx.ModelProto, fp32_path: Path, model_sha: str, data: CalibrationData,
+                       settings: CalibrationSettings, tensors: list[str]) -> dict[str, Any]:
+    """The calibration record (what calibration.json holds) from one pass over ``data``: the histograms' amax of
+    ``tensors`` and, for an FP16 remainder, the max |x| of every float tensor (scalars reduced in-graph)."""
+    what = settings.precision.upper()
+    start = time.perf_counter()
+    floats = [] if settings.fp32_rest else float_tensors(model)
+    mark(f"{what} calibration: histograms of {len(tensors)} tensors and max |x| of {len(floats)} of the FP32 "
+         "model")
+    with progress(f"calibrating {len(tensors)} tensors", data.samples) as advance:
+        stats = collect_histograms(fp32_path, tensors, data.batches(), progress=advance,
+                                   providers=checking_providers(), budget_bytes=settings.memory_budget,
+                                   max_abs_names=floats)
+    amax = stats.amax(settings.method, settings.percentile)
+    record = {"model_sha256": model_sha, "method": settings.method, "percentile": settings.percentile,
+              "data": data.to_dict(), "seconds": round(time.perf_counter() - start, 2),
+              "provider": checking_providers()[0], "binned_on": stats.binned_on,
+              "excluded_values": stats.excluded, "infinite_values": stats.infinite,
+              "amax": amax}
+    if stats.max_abs is not None:
+        record["max_abs"] = stats.max_abs
+    log.info("calibrated %d tensors on %d samples in %.1f s (%s)", len(amax), data.samples, record["seconds"],
+             settings.method)
+    return record
+
+
 def _qdq(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, data: CalibrationData | None,
          eval_data: CalibrationData | None, settings: CalibrationSettings,
          ) -> tuple[GateOutcome | None, dict[str, Any]]:
@@ -300,33 +346,20 @@ def _qdq(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, d
                                                     quantize_attention_matmuls=settings.quantize_attention))
     cache_file = CALIBRATION_FILES[precision]
     cache = _usable_cache(stage / cache_file, model_sha, data, settings, tensors)
-    if cache is not None:
-        amax = {k: float(v) for k, v in cache["amax"].items()}
-        log.info("reusing %s: %d tensors, calibrated on %s", cache_file, len(amax), cache["data"]["source"])
-        record = cache
-    else:
-        if data is None:
-            raise CalibrationError(f"{what} needs calibration data: pass --calib-data PATH or --calib-loader, or "
-                                   f"--calib-cache with a {cache_file} from an earlier build")
-        start = time.perf_counter()
-        # the FP16 remainder's max |x| of every float tensor comes from the same pass (scalars reduced in-graph)
-        floats = [] if settings.fp32_rest else float_tensors(model)
-        mark(f"{what} calibration: histograms of {len(tensors)} tensors and max |x| of {len(floats)} of the FP32 "
-             "model")
-        with progress(f"calibrating {len(tensors)} tensors", data.samples) as advance:
-            stats = collect_histograms(fp32_path, tensors, data.batches(), progress=advance,
-                                       providers=checking_providers(), budget_bytes=settings.memory_budget,
-                                       max_abs_names=floats)
-        amax = stats.amax(settings.method, settings.percentile)
-        record = {"model_sha256": model_sha, "method": settings.method, "percentile": settings.percentile,
-                  "data": data.to_dict(), "seconds": round(time.perf_counter() - start, 2),
-                  "provider": checking_providers()[0], "binned_on": stats.binned_on,
-                  "excluded_values": stats.excluded, "infinite_values": stats.infinite,
-                  "amax": amax}
-        if stats.max_abs is not None:
-            record["max_abs"] = stats.max_abs
-        log.info("calibrated %d tensors on %d samples in %.1f s (%s)", len(amax), data.samples,
-                 record["seconds"], settings.method)
+    if cache is None and data is None:
+        raise CalibrationError(f"{what} needs calibration data: pass --calib-data PATH or --calib-loader, or "
+                               f"--calib-cache with a {cache_file} from an earlier build")
+    with ThreadPoolExecutor(1, thread_name_prefix="trtc-fp32-reference") as pool:
+        reference = _evaluator_beside(pool, fp32_path, eval_data, settings)
+        if cache is not None:
+            log.info("reusing %s: %d tensors, calibrated on %s", cache_file, len(cache["amax"]),
+                     cache["data"]["source"])
+            record = cache
+        else:
+            assert data is not None
+            record = _calibrated_ranges(model, fp32_path, model_sha, data, settings, tensors)
+        evaluator = reference()
+    amax = {k: float(v) for k, v in record["amax"].items()}
     policy = _without_infinite_inputs(model, policy, record.get("infinite_values") or {}, what)
     max_abs = None if settings.fp32_rest else _float_ranges(model, fp32_path, record, data, settings)
     atomic_write_json(stage / cache_file, record)
@@ -360,7 +393,6 @@ def _qdq(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, d
                         "reused_cache": cache is not None, "provider": record.get("provider")},
         "_model": qmodel,
     }
-    evaluator = _evaluator(fp32_path, eval_data, settings)
     details["node_precisions"] = _precisions(model, qreport.quantized_nodes, freport, precision)
     if evaluator is None:
         _log_precisions(details["node_precisions"], precision)
@@ -477,15 +509,18 @@ def _usable_cache(path: Path, model_sha: str, data: CalibrationData | None, sett
 def _fp16(model: onnx.ModelProto, fp32_path: Path, data: CalibrationData | None, eval_data: CalibrationData | None,
           settings: CalibrationSettings) -> tuple[GateOutcome | None, dict[str, Any]]:
     max_abs: dict[str, float] | None = None
-    if data is not None:
-        names = float_tensors(model)
-        mark(f"FP16 range pass: max |x| of {len(names)} tensors of the FP32 model")
-        with progress(f"FP16 range of {len(names)} tensors", data.samples) as advance:
-            max_abs = collect_max_abs(fp32_path, names, data.batches(), providers=checking_providers(),
-                                      progress=advance, budget_bytes=settings.memory_budget)
-        log.info("measured max |x| of %d tensors on %d samples", len(max_abs), data.samples)
-    else:
-        log.warning("no calibration data: FP16 conversion uses the type rules only (no overflow check)")
+    with ThreadPoolExecutor(1, thread_name_prefix="trtc-fp32-reference") as pool:
+        reference = _evaluator_beside(pool, fp32_path, eval_data, settings)
+        if data is not None:
+            names = float_tensors(model)
+            mark(f"FP16 range pass: max |x| of {len(names)} tensors of the FP32 model")
+            with progress(f"FP16 range of {len(names)} tensors", data.samples) as advance:
+                max_abs = collect_max_abs(fp32_path, names, data.batches(), providers=checking_providers(),
+                                          progress=advance, budget_bytes=settings.memory_budget)
+            log.info("measured max |x| of %d tensors on %d samples", len(max_abs), data.samples)
+        else:
+            log.warning("no calibration data: FP16 conversion uses the type rules only (no overflow check)")
+        evaluator = reference()
     base = Fp16Policy(keep_fp32=frozenset(settings.keep_fp32))
 
     def build(excluded: frozenset[str]) -> onnx.ModelProto:
@@ -499,7 +534,6 @@ def _fp16(model: onnx.ModelProto, fp32_path: Path, data: CalibrationData | None,
         log.info("kept %s in FP32: %s", name, why)
     details: dict[str, Any] = {"fp16": report.to_dict(), "_model": fmodel,
                                "fp16_range_provider": checking_providers()[0] if data is not None else None}
-    evaluator = _evaluator(fp32_path, eval_data, settings)
     if evaluator is None:
         return None, details
     candidates = [n.name for n in model.graph.node if n.name not in report.fp32_nodes

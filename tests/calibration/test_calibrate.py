@@ -510,3 +510,52 @@ def test_random_calibration_data_is_flagged_everywhere(cnn: Exported, workdir: P
     report = read(workdir / "report" / "accuracy.json")["int8"]
     assert report["calibration_data"]["random"] is True and report["calibration_data"]["samples"] == 64
     assert read(workdir / "calibration.json")["data"]["random"] is True
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_the_gate_reference_beside_the_calibration_pass_scores_as_after_it(tmp_path: Path, precision: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the gate's FP32 reference runs beside the calibration pass (on CUDA; forced here), it is computed in
+    the pool's thread, not the calling one, and the gate's report equals that of the reference computed after the
+    pass: the same cosines, max abs error and verdict (the two paths differ only in when the reference runs)."""
+    import threading
+
+    from onnx import TensorProto, helper, numpy_helper
+
+    from calibration import accuracy, calibrate
+    from compiler.core.onnx_io import save_onnx
+    from compiler.core.settings import CalibrationSettings
+
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4])
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc1"), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")], "mlp", [x], [y],
+        [numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal((32, 4)).astype(np.float32), "w2")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    model_path = tmp_path / "model.onnx"
+    save_onnx(model, model_path)
+    spec = ModelSpec((parse_input_spec("x:Bx16"),))
+    threads: list[str] = []
+    original = accuracy.Evaluator.from_model.__func__  # type: ignore[attr-defined]
+
+    def recording(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(accuracy.Evaluator, "from_model", classmethod(recording))
+    reports = {}
+    for beside in (False, True):
+        monkeypatch.setattr(calibrate, "_reference_beside", lambda data, beside=beside: beside)
+        stage = tmp_path / f"stage-{beside}"
+        stage.mkdir()
+        outcome = calibrate._calibrated_into(stage, model_path, spec,
+                                             CalibrationSettings(precision, data="random", samples=32))
+        assert outcome.record is not None, outcome.message
+        reports[beside] = json.loads((stage / "report" / "accuracy.json").read_text())[precision]["accuracy"]
+    assert threads[0] == threading.current_thread().name and threads[1].startswith("trtc-fp32-reference")
+    for key in ("cosine_mean", "cosine_min", "max_abs", "passed", "per_output"):
+        assert reports[True][key] == reports[False][key], key
