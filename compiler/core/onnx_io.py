@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,8 @@ from onnx import numpy_helper
 from compiler.core.errors import InputError
 
 __all__ = ["load_onnx", "load_onnx_by_reference", "save_onnx", "tensor_array", "onnx_files", "ort_session",
-           "warm_checking_providers", "SESSION_POLICY", "SessionRule", "graph_holds", "session_rules",
-           "ort_log_severity", "apply_ort_log_severity", "TemporaryOnnxFile",
+           "warm_checking_providers", "warm_checking_providers_beside", "SESSION_POLICY", "SessionRule",
+           "graph_holds", "session_rules", "ort_log_severity", "apply_ort_log_severity", "TemporaryOnnxFile",
            "outer_scope_names",
            "copy_fields", "weightless_copy", "FreshNames",
            "MAX_IR_VERSION"]
@@ -377,6 +378,22 @@ def warm_checking_providers() -> list[str]:
         model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
         ort_session(model, providers).run(None, {"x": np.ones(1, np.float32)})
     return providers
+
+
+def warm_checking_providers_beside() -> threading.Thread:
+    """``warm_checking_providers`` in a daemon thread started now, beside the export: the export checks' first
+    session then finds CUDA and the provider's libraries loaded (their loading is native code, which need not hold
+    the GIL). A failure there is logged (debug) and left to the checks to meet."""
+
+    def warm() -> None:
+        try:
+            warm_checking_providers()
+        except Exception as err:  # warming is an optimisation: the checks report whatever failed here
+            log.debug("warming ONNX Runtime's providers failed: %s", err)
+
+    thread = threading.Thread(target=warm, name="trtc-warm-providers", daemon=True)
+    thread.start()
+    return thread
 
 
 class TemporaryOnnxFile:

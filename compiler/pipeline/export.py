@@ -28,7 +28,7 @@ from compiler.core.manifest import (
     tool_versions,
     write_manifest,
 )
-from compiler.core.onnx_io import save_onnx
+from compiler.core.onnx_io import save_onnx, warm_checking_providers_beside
 from compiler.core.progress import StageTimes, recording_stages, stage_timer
 from compiler.core.settings import ExportSettings
 from compiler.core.specs import BATCH_DIM, ModelSpec
@@ -166,6 +166,7 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     """
     work = stage / ".export"
     work.mkdir()
+    warm_checking_providers_beside()  # the checks' ONNX Runtime session comes after the export
     with stage_timer("export"):
         result: ExportResult = onnx_from_torch(loaded, spec, settings.max_batch, settings.opset,
                                                list(settings.output_names) or None, work, feeds)

@@ -50,3 +50,26 @@ def test_onnx_runtime_before_1_27_cannot_drive_tensorrt_11(gpu_machine: pytest.M
 def test_without_tensorrt_the_tensorrt_provider_is_left_out_even_when_asked(gpu_machine: pytest.MonkeyPatch) -> None:
     gpu_machine.setattr("compiler.core.capabilities.tensorrt_version", lambda: None)
     assert capabilities.ort_providers(list(ALL)) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def test_warming_the_checking_providers_returns_them_and_a_failure_beside_is_only_logged(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``warm_checking_providers`` returns the providers trtc's own runs use here (the CPU's on this machine, where
+    its one-node CUDA run is not made); the thread ``warm_checking_providers_beside`` starts ends by itself, and
+    when warming raises, the error is logged at debug level and nothing is raised in the caller."""
+    from compiler.core import onnx_io
+
+    assert onnx_io.warm_checking_providers() == capabilities.checking_providers()
+    thread = onnx_io.warm_checking_providers_beside()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+
+    def broken() -> list[str]:
+        raise RuntimeError("libcudnn.so.9: cannot open shared object file")
+
+    monkeypatch.setattr(onnx_io, "warm_checking_providers", broken)
+    with caplog.at_level(logging.DEBUG, logger="compiler.core.onnx_io"):
+        thread = onnx_io.warm_checking_providers_beside()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert "warming ONNX Runtime's providers failed: libcudnn.so.9" in caplog.text
