@@ -217,12 +217,15 @@ def onnx_files(path: str | os.PathLike[str]) -> list[Path]:
 class SessionRule:
     """What a session of a graph that holds ``what`` runs without, and why (measured, ONNX Runtime 1.31 on the CPU;
     the graph run with every optimization off is the reference): graph transformers turned off by name
-    (``disabled_optimizers``) and session config entries (``config``, (key, value) pairs)."""
+    (``disabled_optimizers``) and session config entries (``config``, (key, value) pairs). ``changes_results``:
+    whether the graph run with those transformers on gives other outputs or no session (False: they only crash the
+    session on some hosts' CPU provider, and a GPU instance, Triton's, never runs them)."""
 
     what: str
     disabled_optimizers: tuple[str, ...]
     why: str
     config: tuple[tuple[str, str], ...] = ()
+    changes_results: bool = True
 
 
 # The session options trtc runs a graph with, by what the graph holds: the one policy for every run of a build's
@@ -249,6 +252,12 @@ SESSION_POLICY: dict[str, SessionRule] = {
     "int4": SessionRule("INT4 block-quantized weights", ("QDQSelectorActionTransformer",),
                         "it rewrites an INT4 DequantizeLinear(block_size) -> MatMul into MatMulNBits, which at its "
                         "accuracy level 4 quantizes the activations to INT8 on the fly: the results change"),
+    "fp16": SessionRule("FP16 tensors", ("NchwcTransformer",),
+                        "ONNX Runtime 1.31's NchwcTransformer (level all, the CPU provider's blocked layout for FP32 "
+                        "convolutions and pooling) crashed the process (SIGSEGV) creating the CPU session of "
+                        "torchvision's ViT-B/16 in FP16 on an Intel Xeon host; the graph loads and runs at level "
+                        "extended and with that transformer alone off. It changes layouts only, never results",
+                        changes_results=False),
 }
 _FP8_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ, onnx.TensorProto.FLOAT8E5M2,
                         onnx.TensorProto.FLOAT8E5M2FNUZ})
@@ -259,7 +268,7 @@ _QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 def graph_holds(model: onnx.ModelProto) -> frozenset[str]:
     """Which of ``SESSION_POLICY``'s kinds the main graph holds: ``qdq`` (a QuantizeLinear or DequantizeLinear),
     ``fp8`` (an FP8 initializer, zero point or Q/DQ output type), ``int4`` (an INT4/UINT4 initializer, or a
-    DequantizeLinear with ``block_size``)."""
+    DequantizeLinear with ``block_size``), ``fp16`` (an FP16 initializer, constant, cast or graph tensor)."""
     graph = model.graph
     types = {t.data_type for t in graph.initializer}
     types |= {vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.output, *graph.value_info]}
@@ -267,13 +276,16 @@ def graph_holds(model: onnx.ModelProto) -> frozenset[str]:
         for attr in node.attribute:
             if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
                 types.add(attr.t.data_type)
-            elif attr.name == "output_dtype" and attr.type == onnx.AttributeProto.INT:
+            elif ((attr.name == "output_dtype" and attr.type == onnx.AttributeProto.INT)
+                  or (attr.name == "to" and node.op_type == "Cast")):
                 types.add(attr.i)
     held = set()
     if any(n.op_type in _QDQ_OPS for n in graph.node):
         held.add("qdq")
     if types & _FP8_TYPES:
         held.add("fp8")
+    if onnx.TensorProto.FLOAT16 in types:
+        held.add("fp16")
     if types & _INT4_TYPES or any(n.op_type == "DequantizeLinear" and any(a.name == "block_size" for a in n.attribute)
                                   for n in graph.node):
         held.add("int4")

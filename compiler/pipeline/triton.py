@@ -223,8 +223,9 @@ def _refuse_unfaithful_onnx(onnx_path: Path, manifest: Manifest) -> None:
     and at every level but none it fails or changes these graphs."""
     from compiler.core.onnx_io import session_rules
 
-    # by name: Q/DQ's own rule (run as written) is about the CPU provider's fusions, which a GPU instance never runs
-    rules = [rule for rule in session_rules(onnx_path) if rule.disabled_optimizers]
+    # by name: Q/DQ's own rule (run as written) is about the CPU provider's fusions, which a GPU instance never runs;
+    # FP16's keeps a layout pass off that changes no results
+    rules = [rule for rule in session_rules(onnx_path) if rule.disabled_optimizers and rule.changes_results]
     if rules:
         precision = manifest.precision
         raise InputError(f"the {precision} ONNX holds {rules[0].what}, which Triton's onnxruntime backend would run "

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +53,45 @@ class UpsampleConcat(nn.Module):
 
 def upsample_concat() -> nn.Module:
     return UpsampleConcat().eval()
+
+
+class _EncoderBlock(nn.Module):
+    """torchvision's ViT encoder block: pre-norm ``nn.MultiheadAttention`` and a GELU MLP, each with a residual."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.self_attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln_1(x)
+        x = x + self.self_attention(y, y, y, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class TorchvisionStyleViT(nn.Module):
+    """torchvision's ``vit_b_16`` in miniature (32x32 images, 8x8 patches, width 64, two blocks): a strided-conv patch
+    embedding, a class token and learned positions, the encoder blocks, a LayerNorm and a linear head."""
+
+    def __init__(self, width: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv_proj = nn.Conv2d(3, width, 8, 8)
+        self.class_token = nn.Parameter(torch.randn(1, 1, width) * 0.02)
+        self.positions = nn.Parameter(torch.randn(1, 17, width) * 0.02)
+        self.layers = nn.Sequential(_EncoderBlock(width, 4), _EncoderBlock(width, 4))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.conv_proj(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1) + self.positions
+        return self.head(self.ln(self.layers(x))[:, 0])
+
+
+def torchvision_style_vit() -> nn.Module:
+    return TorchvisionStyleViT().eval()
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +155,43 @@ def test_a_precision_file_serving_cannot_load_is_never_written(data: Path, tmp_p
     assert "model.int8.onnx" in last and "QLinearConcat" in last and "Traceback" not in output
     assert not (out / "model.int8.onnx").exists()
     assert not (out / "manifest.json").exists() or "int8" not in json.loads((out / "manifest.json").read_text())["onnx"]
+
+
+_PLAIN_CPU_SESSION = """
+import sys, numpy as np, onnxruntime as ort
+session = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+session.run(None, {"images": np.ones((1, 3, 32, 32), np.float32)})
+"""
+
+
+def test_an_fp16_vit_whose_plain_cpu_session_crashes_builds_loads_and_benches(tmp_path: Path) -> None:
+    """The FP16 build of a torchvision-style ViT passes at default settings, though ONNX Runtime 1.31 with every
+    optimization on crashes the process (SIGSEGV in NchwcTransformer) creating a CPU session of its model.fp16.onnx
+    (checked in a child process, so the case is real where it is that version); ``ort_session`` (the policy's FP16
+    rule) loads it, ``compiler.load`` on the onnxruntime backend gives outputs within cosine 0.999 of eager PyTorch,
+    and ``trtc bench`` runs it (exit 0, an onnxruntime/fp16 row per bucket)."""
+    out = tmp_path / "vit"
+    result = CliRunner().invoke(cli, ["build", "-q", "--model-factory", f"{__name__}:torchvision_style_vit", "--input",
+                                      "images:Bx3x32x32", "--fp16", "--buckets", "1,4", "--calib-data", "random",
+                                      "--calib-samples", "32", "--engine", "none", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    path = out / "model.fp16.onnx"
+    assert "fp16" in onnx_io.graph_holds(onnx.load(str(path), load_external_data=False))
+    if ort.__version__.startswith("1.31."):
+        plain = subprocess.run([sys.executable, "-c", _PLAIN_CPU_SESSION, str(path)], capture_output=True, timeout=120)
+        assert plain.returncode == -signal.SIGSEGV, plain.stderr.decode()[-500:]
+    x = RNG.standard_normal((4, 3, 32, 32)).astype(np.float32)
+    engines = compiler.load(out, backend="onnxruntime", device="cpu", precision="fp16")
+    got = np.asarray(engines(x), np.float64)
+    with torch.no_grad():
+        want = torchvision_style_vit()(torch.from_numpy(x)).numpy().astype(np.float64)
+    cosine = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    assert cosine.min() >= 0.999
+    result = CliRunner().invoke(cli, ["bench", str(out), "--backends", "onnxruntime", "-n", "5", "--min-seconds",
+                                      "0", "-q"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((out / "report" / "bench.json").read_text())["results"]
+    assert sorted(r["bucket"] for r in rows if r["backend"] == "onnxruntime" and r["precision"] == "fp16") == [1, 4]
 
 
 def _fp16_constant_mul() -> onnx.ModelProto:
