@@ -90,3 +90,20 @@ def test_integer_inputs_take_a_value_range_that_round_trips() -> None:
 def test_bad_value_ranges_are_rejected(text: str, problem: str) -> None:
     with pytest.raises(InputError, match=problem):
         parse_input_spec(text)
+
+
+def test_float_inputs_get_seeded_normals_drawn_in_float32() -> None:
+    """Float example inputs are seeded standard normals: the same seed gives the same values and another seed other
+    values; a float32 input gets float32, a float16 input those same float32 draws rounded to float16, a bfloat16
+    input (which ONNX Runtime takes as float32 here) the float32 draws themselves."""
+    def feed(dtype: str, seed: int) -> np.ndarray:
+        return ModelSpec((parse_input_spec(f"x:Bx3x16x16:{dtype}"),)).example_feed(2, seed=seed)["x"]
+
+    x = feed("float32", 5)
+    assert x.dtype == np.float32 and x.shape == (2, 3, 16, 16)
+    assert np.array_equal(x, feed("float32", 5)) and not np.array_equal(x, feed("float32", 6))
+    assert abs(float(x.mean())) < 0.1 and 0.9 < float(x.std()) < 1.1  # 1536 draws: mean ~0, std ~1
+    half = feed("float16", 5)
+    assert half.dtype == np.float16 and np.array_equal(half, x.astype(np.float16))
+    bf16 = feed("bfloat16", 5)
+    assert bf16.dtype == np.float32 and np.array_equal(bf16, x)
