@@ -1,4 +1,7 @@
-"""Functions that crash the process calling them, for the crash-isolation tests (run in worker processes)."""
+"""Functions that crash the process calling them, for the crash-isolation tests (run in worker processes).
+
+They raise SIGSEGV in the calling thread, as a crash in native code does: a signal sent to the process may be
+taken by another thread while the caller goes on."""
 
 from __future__ import annotations
 
@@ -21,13 +24,13 @@ def segfault_on_second_pass() -> Iterator[dict[str, np.ndarray]]:
     _passes += 1
     yield {"x": np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)}
     if _passes >= 2:
-        os.kill(os.getpid(), signal.SIGSEGV)
+        signal.raise_signal(signal.SIGSEGV)
 
 
 def segfault_at(stage: str, step: str) -> None:
     mark(stage)
     mark_step(step)
-    os.kill(os.getpid(), signal.SIGSEGV)
+    signal.raise_signal(signal.SIGSEGV)
 
 
 def square_and_log(x: int) -> int:
@@ -63,7 +66,7 @@ def warm_raises() -> None:
 
 def warm_segfaults() -> None:
     mark("warming")
-    os.kill(os.getpid(), signal.SIGSEGV)
+    signal.raise_signal(signal.SIGSEGV)
 
 
 def warm_forever() -> None:

@@ -4,8 +4,8 @@ ONNX Runtime, like any native library, can crash the process that calls it (SIGS
 kernel's OOM killer): Python gets no exception and nothing would be said. ``in_worker`` runs a function
 in a fresh (spawned) interpreter, forwards its log records to this process's loggers, returns its result
 or re-raises its exception, and turns a death by signal into ``WorkerCrashed`` with the stage and the
-model part the worker was at, as it last reported with ``mark`` and ``mark_step`` (no-ops outside a
-worker). Set ``TRTC_IN_PROCESS=1`` to run everything in the calling process instead (under a debugger).
+model part the worker was at, as it last reported with ``mark``, ``mark_step`` and ``mark_aside`` (no-ops
+outside a worker). Set ``TRTC_IN_PROCESS=1`` to run everything in the calling process instead (under a debugger).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from compiler.core.errors import WorkerCrashed
 
-__all__ = ["Worker", "in_worker", "isolated", "mark", "mark_step"]
+__all__ = ["Worker", "in_worker", "isolated", "mark", "mark_aside", "mark_step"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ T = TypeVar("T")
 _LOGGERS = ("compiler", "calibration", "trtc")
 _crumb: Path | None = None  # in a worker: where the current stage is written
 _stage = ""
+_step = ""
+_aside = ""
+_crumb_lock = threading.Lock()
 
 
 def isolated() -> bool:
@@ -44,19 +47,38 @@ def isolated() -> bool:
 
 def mark(stage: str) -> None:
     """Record the stage a worker is entering (e.g. "FP16 accuracy gate: candidate with 2 layers kept in FP32")."""
-    global _stage
-    _stage = stage
-    _write(stage)
+    global _stage, _step
+    with _crumb_lock:
+        _stage, _step = stage, ""
+        _write()
 
 
 def mark_step(step: str) -> None:
     """Record a step of the current stage (e.g. "batch 3"), replacing the previous step."""
-    _write(f"{_stage}, {step}" if _stage else step)
+    global _step
+    with _crumb_lock:
+        _step = step
+        _write()
 
 
-def _write(text: str) -> None:
-    if _crumb is not None:
-        _crumb.write_text(text)
+def mark_aside(note: str) -> None:
+    """Record what a helper thread of the current stage is doing (e.g. "reading batch 4 ahead"), or clear it
+    with ``""``: a crash there is then named beside the step the stage was at."""
+    global _aside
+    with _crumb_lock:
+        _aside = note
+        _write()
+
+
+def _write() -> None:
+    """Replace the crumb whole, under ``_crumb_lock``: a crash in another thread while it is written leaves the
+    previous text, never an empty file."""
+    if _crumb is None:
+        return
+    text = ", ".join(part for part in (_stage, _step) if part) + (f" (meanwhile {_aside})" if _aside else "")
+    part = _crumb.with_name(_crumb.name + ".part")
+    part.write_text(text)
+    os.replace(part, _crumb)
 
 
 def in_worker(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
