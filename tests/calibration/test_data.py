@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from calibration.data import CalibrationData, calibration_data
+from calibration.data import CalibrationData, calibration_data, prefetched
 from compiler.core.errors import CalibrationError
 from compiler.core.settings import ImagePreprocessing
 from compiler.core.specs import ModelSpec, parse_dim_range, parse_input_spec
@@ -230,3 +232,60 @@ def test_labels_must_cover_the_samples(tmp_path: Path) -> None:
     assert "4 labels for 6 samples" in _error(tmp_path / "eval.npz", batch_size=2)
     np.savez(tmp_path / "nolabels.npz", images=_images(6))
     assert "no 'targets' array" in _error(tmp_path / "nolabels.npz", batch_size=2, labels="targets")
+
+
+def test_prefetched_reads_one_item_ahead_in_order_and_stops_when_closed() -> None:
+    """``prefetched`` gives the source's items in order and unchanged; while the caller holds item 0 the source is
+    already making item 1 in another thread (so reading overlaps the caller's runs); a caller that stops after one
+    item ends the thread, and the source's own cleanup runs, before the iterator's close returns."""
+    started: list[threading.Event] = [threading.Event() for _ in range(4)]
+    threads: set[str] = set()
+    cleaned = threading.Event()
+
+    def source() -> Iterator[int]:
+        try:
+            for i in range(4):
+                started[i].set()
+                threads.add(threading.current_thread().name)
+                yield i * 10
+        finally:
+            cleaned.set()
+
+    assert list(prefetched(source(), "item")) == [0, 10, 20, 30] and threads == {"trtc-data-prefetch"}
+    for event in started:
+        event.clear()
+    cleaned.clear()
+    items = prefetched(source(), "item")
+    assert next(items) == 0
+    assert started[1].wait(5)  # item 1 is being made while the caller holds item 0
+    items.close()
+    assert cleaned.is_set() and not any(t.name == "trtc-data-prefetch" for t in threading.enumerate())
+    assert not started[2].is_set()  # never more than one item ahead
+
+
+def test_prefetched_raises_the_sources_error_at_the_item_where_it_happened() -> None:
+    """An exception in the source reaches the caller as the same exception, after the items made before it."""
+    def source() -> Iterator[int]:
+        yield 1
+        yield 2
+        raise CalibrationError("sample 2: broken")
+
+    got: list[int] = []
+    with pytest.raises(CalibrationError, match="sample 2: broken"):
+        for item in prefetched(source(), "item"):
+            got.append(item)
+    assert got == [1, 2]
+
+
+def test_batches_are_the_same_with_and_without_the_read_ahead(tmp_path: Path) -> None:
+    """A pass of ``batches()`` (read ahead) gives exactly the batches that the unprefetched pass gives, for a file
+    source and for random data, and two passes give the same values."""
+    spec = ModelSpec((parse_input_spec("x:Bx3x4x4"),))
+    np.savez(tmp_path / "d.npz", x=np.arange(10 * 48, dtype=np.float32).reshape(10, 3, 4, 4))
+    for source in (str(tmp_path / "d.npz"), "random"):
+        data = calibration_data(source, spec, batch_size=4, max_samples=10)
+        plain = [b["x"] for b in data._batches()]
+        for _ in range(2):
+            ahead = [b["x"] for b in data.batches()]
+            assert [a.shape for a in ahead] == [(4, 3, 4, 4), (4, 3, 4, 4), (2, 3, 4, 4)]
+            assert all(np.array_equal(a, p) for a, p in zip(ahead, plain, strict=True))
