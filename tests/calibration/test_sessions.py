@@ -23,9 +23,10 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import compiler
+from calibration.calibrate import _check_serving_load
 from compiler.cli import cli
 from compiler.core import onnx_io
-from compiler.core.errors import InputError
+from compiler.core.errors import CalibrationError, InputError
 from compiler.core.onnx_io import ort_session
 from compiler.frontend.folding import fold_constants
 
@@ -155,6 +156,23 @@ def test_a_precision_file_serving_cannot_load_is_never_written(data: Path, tmp_p
     assert "model.int8.onnx" in last and "QLinearConcat" in last and "Traceback" not in output
     assert not (out / "model.int8.onnx").exists()
     assert not (out / "manifest.json").exists() or "int8" not in json.loads((out / "manifest.json").read_text())["onnx"]
+
+
+def test_the_load_check_skips_only_the_provider_the_gate_ran_the_graph_on(data: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load check before a precision file is kept loads it on each provider of the checks and serving unless
+    the accuracy gate has just run that graph there: with the Q/DQ rule taken out of the policy (so a CPU session of
+    model.int8.onnx fails), the check raises the one-line CalibrationError when the gate ran elsewhere or did not
+    run, and returns when the gate ran on the CPU provider (nothing loads the file again)."""
+    out = tmp_path / "m"
+    code, output = _build(data, out, "--eval-data", str(data / "eval.npz"))
+    assert code == 0, output
+    feed = {"x": np.load(data / "eval.npz")["x"][:1]}
+    monkeypatch.delitem(onnx_io.SESSION_POLICY, "qdq")
+    for gated_on in (None, "CUDAExecutionProvider"):
+        with pytest.raises(CalibrationError, match=r"model.int8.onnx: ONNX Runtime's CPUExecutionProvider does not"):
+            _check_serving_load(out / "model.int8.onnx", feed, gated_on)
+    _check_serving_load(out / "model.int8.onnx", feed, "CPUExecutionProvider")
 
 
 _PLAIN_CPU_SESSION = """
