@@ -247,8 +247,8 @@ class _Observed:
     # until the histograms have read them.
     ort_values: list[Any] = field(default_factory=list)
     infinite: dict[str, int] = field(default_factory=dict)  # the model's own infinities left out, per tensor
-    # tensors whose bounds were not finite on this run: nothing else was read, the run must go again with their
-    # exact reductions (``add_max_abs_reductions``)
+    # tensors whose bounds are not finite in this batch: nothing else is read, and the batch is observed again
+    # with their exact reductions (``add_max_abs_reductions``)
     inexact: frozenset[str] = frozenset()
 
 
@@ -263,7 +263,7 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
     if threshold <= 0:
         raise ValueError(f"mask_bias_threshold must be positive, got {threshold}")
     probe = _probe_for(model, names, threshold, max_abs_names)
-    exact: set[str] = set()  # tensors reduced exactly: their bounds were not finite on some run
+    exact: set[str] = set()  # tensors reduced exactly from the first batch where their bounds are not finite
     seen = 0
     per_sample = 0  # bytes of exposed tensors per sample, from the first run
     # The budget bounds the exposed tensors; in-graph reductions return scalars, so a probe that

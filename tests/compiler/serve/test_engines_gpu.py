@@ -389,7 +389,7 @@ def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, mo
 
 def test_serving_sessions_do_not_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A CUDA context's ONNX Runtime session gets one intra-op thread that sleeps when idle (threads that spin
-    after each CPU node took the cores from the server's threads); ``spinning=False`` reaches ONNX Runtime."""
+    after each CPU node take the cores from the server's threads); ``spinning=False`` reaches ONNX Runtime."""
     from compiler.backends.onnxrt import OrtBackend
     from compiler.core import onnx_io
     directory = build_directory(tmp_path / "mlp", "mlp")
