@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import logging.handlers
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _LOGGERS = ("compiler", "calibration", "trtc")
-_crumb: Path | None = None  # in a worker: where the current stage is written
+_crumb: _Crumb | None = None  # in a worker: where the current stage is written
 _stage = ""
 _step = ""
 _aside = ""
@@ -71,14 +72,47 @@ def mark_aside(note: str) -> None:
 
 
 def _write() -> None:
-    """Replace the crumb whole, under ``_crumb_lock``: a crash in another thread while it is written leaves the
-    previous text, never an empty file."""
+    """Write the crumb's text, under ``_crumb_lock``."""
     if _crumb is None:
         return
-    text = ", ".join(part for part in (_stage, _step) if part) + (f" (meanwhile {_aside})" if _aside else "")
-    part = _crumb.with_name(_crumb.name + ".part")
-    part.write_text(text)
-    os.replace(part, _crumb)
+    _crumb.write(", ".join(part for part in (_stage, _step) if part) + (f" (meanwhile {_aside})" if _aside else ""))
+
+
+class _Crumb:
+    """The worker's stage text in a memory-mapped file that the parent reads once the child is gone: two slots and
+    a first byte naming the slot last written whole, so that a crash in another thread while one slot is written
+    leaves the other. A write is a copy into memory, no system call: the sample scan marks two per sample (a file
+    written and renamed each time cost 0.27 ms a mark, 0.28 s for 512 samples)."""
+
+    SLOT = 2048  # bytes per slot: a length (2 bytes) and the text, cut to fit
+
+    @classmethod
+    def create(cls, path: Path) -> None:
+        path.write_bytes(bytes(1 + 2 * cls.SLOT))
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "r+b") as file:
+            self._map = mmap.mmap(file.fileno(), 1 + 2 * self.SLOT)
+
+    def write(self, text: str) -> None:
+        data = text.encode("utf-8")[:self.SLOT - 2]
+        slot = 1 - self._map[0]
+        at = 1 + slot * self.SLOT
+        self._map[at:at + 2 + len(data)] = len(data).to_bytes(2, "little") + data
+        self._map[0] = slot
+
+    @classmethod
+    def read(cls, path: Path) -> str:
+        """The text last written whole; "" when nothing was (or there is no such file)."""
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return ""
+        if len(data) != 1 + 2 * cls.SLOT:
+            return ""
+        at = 1 + (data[0] & 1) * cls.SLOT
+        size = int.from_bytes(data[at:at + 2], "little")
+        return data[at + 2:at + 2 + size].decode("utf-8", errors="ignore")
 
 
 def in_worker(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -105,6 +139,7 @@ class Worker:
         levels = {name: logging.getLogger(name).getEffectiveLevel() for name in _LOGGERS}
         self._scratch = tempfile.TemporaryDirectory(prefix="trtc-worker-")
         self._crumb = Path(self._scratch.name) / "stage"
+        _Crumb.create(self._crumb)
         self._records: Any = ctx.Queue()
         self._receive, send = ctx.Pipe(duplex=False)
         calls, self._calls = ctx.Pipe(duplex=False)
@@ -134,7 +169,7 @@ class Worker:
             answer = self._receive.recv()
         except (EOFError, BrokenPipeError):  # the child died, before the call or during it
             answer = None
-        stage = self._crumb.read_text() if self._crumb.is_file() else "starting"
+        stage = _Crumb.read(self._crumb) or "starting"
         self.close()
         if answer is None:
             raise WorkerCrashed(_crash_message(what, stage, self._child.exitcode))
@@ -195,7 +230,7 @@ def _child(calls: Any, send: Any, records: Any, levels: dict[str, int], crumb: s
            warm: Callable[[], Any] | None) -> None:
     global _crumb
     _die_with_parent()
-    _crumb = Path(crumb)
+    _crumb = _Crumb(Path(crumb))
     handler = logging.handlers.QueueHandler(records)
     for name, level in levels.items():
         logger = logging.getLogger(name)

@@ -15,7 +15,7 @@ from compiler.cli import cli
 from compiler.core.errors import CalibrationError, WorkerCrashed
 from compiler.core.settings import ExportSettings, ModelSource
 from compiler.core.specs import ModelSpec, parse_input_spec
-from compiler.core.worker import Worker, in_worker
+from compiler.core.worker import Worker, _Crumb, in_worker
 from compiler.pipeline.export import export_directory
 from tests import crash_helpers
 
@@ -37,6 +37,27 @@ def test_a_segfault_names_the_stage_and_step() -> None:
     message = str(crash.value)
     assert "SIGSEGV" in message and "FP16 accuracy gate: the FP16 model, batch 3" in message
     assert "\n" not in message and crash.value.exit_code == 2
+
+
+def test_the_stage_crumb_keeps_the_last_text_written_whole(tmp_path: Path) -> None:
+    """The crumb file a crashed worker leaves reads back the last text written whole: a later write cut short in
+    its slot (the other slot than the one named) leaves it, a text longer than a slot is cut to fit, and a
+    missing file reads as nothing."""
+    path = tmp_path / "stage"
+    _Crumb.create(path)
+    assert _Crumb.read(path) == ""
+    crumb = _Crumb(path)
+    crumb.write("gate, batch 1")
+    crumb.write("gate, batch 2 (meanwhile reading batch 3)")
+    assert _Crumb.read(path) == "gate, batch 2 (meanwhile reading batch 3)"
+    raw = bytearray(path.read_bytes())
+    torn = 1 + (1 - raw[0]) * _Crumb.SLOT  # the slot the next write takes, half written
+    raw[torn:torn + 6] = (40).to_bytes(2, "little") + b"gate"
+    path.write_bytes(bytes(raw))
+    assert _Crumb.read(path) == "gate, batch 2 (meanwhile reading batch 3)"
+    _Crumb(path).write("é" * _Crumb.SLOT)
+    assert _Crumb.read(path) == "é" * ((_Crumb.SLOT - 2) // 2)
+    assert _Crumb.read(tmp_path / "none") == ""
 
 
 def test_a_started_worker_warms_then_runs_its_call_in_the_same_process(caplog: pytest.LogCaptureFixture) -> None:
