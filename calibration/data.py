@@ -132,14 +132,17 @@ def prefetched(items: Iterator[_T], what: str) -> Iterator[_T]:
     ``items`` in that thread. One extra batch is held. In a worker, a native crash while an item is made is named
     as reading that ``what`` (``mark_aside``)."""
     box: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
-    room = threading.Semaphore(1)  # released as the caller takes an item: the maker is never two items ahead
-    stop = threading.Event()
+    changed = threading.Condition()
+    room = [1]  # items the maker may make before the caller takes one: it is never two items ahead
+    stopped = [False]
 
     def wait_for_room() -> bool:
-        while not stop.is_set():
-            if room.acquire(timeout=0.05):
-                return True
-        return False
+        with changed:
+            changed.wait_for(lambda: room[0] > 0 or stopped[0])
+            if stopped[0]:
+                return False
+            room[0] -= 1
+            return True
 
     def make() -> None:
         try:
@@ -164,14 +167,18 @@ def prefetched(items: Iterator[_T], what: str) -> Iterator[_T]:
     try:
         while True:
             item, err = box.get()
-            room.release()
+            with changed:
+                room[0] += 1
+                changed.notify()
             if err is not None:
                 raise err
             if item is _END:
                 return
             yield item
     finally:
-        stop.set()
+        with changed:
+            stopped[0] = True
+            changed.notify()
         maker.join()
 
 
