@@ -16,7 +16,7 @@ __all__ = [
     "PRECISION", "OPT_LEVEL", "HARDWARE_COMPAT", "TF32", "ENGINE", "JOBS", "MULTI_PROFILE", "VERSION_COMPATIBLE",
     "BENCH_ITERATIONS", "BENCH_MIN_SECONDS", "BENCH_WARMUP", "BENCH_WARMUP_SECONDS", "BENCH_SEED",
     "BENCH_MAX_SPREAD", "BENCH_MAX_REGRESSION", "BENCH_THREADS",
-    "SERVE_BACKEND", "CONTEXTS", "CUDA_GRAPHS", "ORT_THREADS", "MAX_WAIT_MS", "SWITCH_INTERVAL_S",
+    "SERVE_BACKEND", "CONTEXTS", "CUDA_GRAPHS", "FREEZE_GC", "ORT_THREADS", "MAX_WAIT_MS", "SWITCH_INTERVAL_S",
     "DIFF_SAMPLES", "DIFF_TOP",
 ]
 
@@ -87,6 +87,7 @@ BENCH_THREADS = 0  # ONNX Runtime intra-op threads; 0: its own choice
 SERVE_BACKEND = "auto"  # TensorRT where it is installed, else ONNX Runtime
 CONTEXTS = 2  # execution contexts an Engines pools: batches that run at once
 CUDA_GRAPHS = True  # replay a CUDA graph per bucket where the backend can capture one
+FREEZE_GC = True  # load freezes the objects alive before it (compiler.serve.collector): no full collection stalls
 ORT_THREADS = 0  # ONNX Runtime intra-op threads for serving; 0: its own choice (one sleeping thread per CUDA context)
 MAX_WAIT_MS = 10.0  # how long a batcher's oldest request waits for others before its batch starts
 # the interpreter's GIL switch interval while a DynamicBatcher runs (CPython's own is 5 ms): how long the threads

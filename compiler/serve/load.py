@@ -17,6 +17,7 @@ from compiler.core.capabilities import tensorrt_version
 from compiler.core.errors import InputError
 from compiler.core.settings import ServeSettings
 from compiler.core.specs import DimRange, InputSpec, ModelSpec, parse_dim_range, parse_input_spec
+from compiler.serve.collector import freeze_alive
 from compiler.serve.engines import Engines
 
 __all__ = ["load", "engines_from_module"]
@@ -40,7 +41,8 @@ def _log_fallback_once(directory: Path, backend: OrtBackend) -> None:
 def load(directory: str | Path, backend: str = defaults.SERVE_BACKEND, *, device: str | None = None,
          contexts: int = defaults.CONTEXTS, cuda_graphs: bool = defaults.CUDA_GRAPHS,
          threads: int = defaults.ORT_THREADS, trust_pickle: bool = False, tf32: bool | None = None,
-         ort_cuda_options: Mapping[str, str] | None = None, precision: str | None = None) -> Engines:
+         ort_cuda_options: Mapping[str, str] | None = None, precision: str | None = None,
+         freeze_gc: bool = defaults.FREEZE_GC) -> Engines:
     """The engines of a build directory, ready to serve: ``engines(x)``, ``engines.map(...)``.
 
     ``backend``: ``auto`` (TensorRT when installed, else ONNX Runtime, logged once), ``tensorrt``,
@@ -58,7 +60,9 @@ def load(directory: str | Path, backend: str = defaults.SERVE_BACKEND, *, device
     ``build.tf32``, else True, as the TensorRT engines were built); the torch backend follows
     PyTorch's own ``torch.backends`` flags. ``ort_cuda_options``: CUDA provider options over
     ``compiler.backends.onnxrt.CUDA_OPTIONS``. ``precision``: which of the build's ONNX files
-    ONNX Runtime serves (default the manifest's precision).
+    ONNX Runtime serves (default the manifest's precision). ``freeze_gc``: move the objects alive before
+    the load out of the garbage collector's view (``gc.freeze``, after one collection), so that its full
+    collections, a quarter of a second with torch imported, do not stall requests (``compiler.serve.collector``).
     """
     from compiler.core.manifest import read_manifest
 
@@ -71,6 +75,8 @@ def load(directory: str | Path, backend: str = defaults.SERVE_BACKEND, *, device
     buckets = manifest.buckets
     if not buckets:
         raise InputError(f"{directory}: the manifest lists no buckets; run `trtc export` into it again")
+    if freeze_gc:
+        freeze_alive()
     chosen = backend
     if backend == "auto":
         chosen = "tensorrt" if tensorrt_version() is not None else "onnxruntime"

@@ -3,6 +3,7 @@ directory must hold, the TF32 policy."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import subprocess
@@ -84,6 +85,33 @@ def test_bad_arguments(dirs: dict[str, Path], tmp_path: Path) -> None:
         load(tmp_path)
     with pytest.raises(InputError, match="contexts=0"):
         load(dirs["mlp"], backend="onnxruntime", contexts=0)
+
+
+class _Held:
+    """An object the collector tracks, to find in (or miss from) ``gc.get_objects()``."""
+
+
+def _tracked(thing: object) -> bool:
+    return any(o is thing for o in gc.get_objects())
+
+
+def test_load_freezes_what_is_alive_before_it_unless_told_not_to(dirs: dict[str, Path]) -> None:
+    """``load`` moves an object alive before it out of the collector's generations (frozen: ``gc.get_objects``,
+    which lists the generations a full collection walks, no longer holds it) while the engines it made stay in
+    them and still answer; with ``freeze_gc=False`` an object alive before the load stays tracked."""
+    gc.unfreeze()
+    before = _Held()
+    try:
+        with load(dirs["mlp"], backend="onnxruntime", device="cpu") as engines:
+            assert not _tracked(before) and gc.get_freeze_count() > 0
+            assert _tracked(engines)
+            assert engines(np.zeros((2, 64), np.float32)).shape[0] == 2
+        gc.unfreeze()
+        after = _Held()
+        with load(dirs["mlp"], backend="onnxruntime", device="cpu", freeze_gc=False):
+            assert _tracked(after) and gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 def test_compiler_load_is_reexported_lazily() -> None:
