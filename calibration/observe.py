@@ -37,7 +37,7 @@ from calibration.masks import (
     padding_mask_inputs,
 )
 from calibration.max_abs import add_max_abs_reductions, input_max_abs, reduced_max_abs, scalar_max_abs
-from calibration.statistics import DEFAULT_BINS, AbsHistogram, CalibrationStats
+from calibration.statistics import DEFAULT_BINS, AbsHistogram, CalibrationStats, update_tensors
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
 from compiler.core.onnx_io import load_onnx, ort_session, save_onnx, weightless_copy
@@ -77,7 +77,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
 
     On the GPU: when the session runs on ONNX Runtime's CUDA provider and torch sees CUDA (``device="auto"``
     picks that), the exposed tensors stay on the device (IOBinding, read by torch through DLPack), the
-    histograms are binned there (``AbsHistogram.update_tensor``: the same counts as on the host) and a run
+    histograms are binned there (``update_tensors``: the same counts as on the host) and a run
     may hold ``device_budget_bytes`` of them (default: ``defaults.CALIB_DEVICE_MEMORY_FRACTION`` of the
     device's free memory) instead of ``budget_bytes``. ``device="cpu"`` runs that path on host tensors (the
     tests compare it with numpy); ``device="host"`` keeps the host path (numpy) whatever the provider, as
@@ -96,7 +96,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     chosen: list[str | None] = []
     # Binning batch n runs on worker threads (numpy releases the GIL) while ONNX Runtime computes batch
     # n+1; each histogram gets its batches in order, and at most two batches are held at once. On a device
-    # each slice is binned before the next run starts (update_tensor returns when its kernels are done, so
+    # each slice is binned before the next run starts (update_tensors returns when its kernels are done, so
     # ONNX Runtime may reuse the memory): the GPU bins in milliseconds, there is little to overlap.
     with ThreadPoolExecutor(max_workers=max(1, min(len(histograms), os.cpu_count() or 1))) as pool:
         pending: list[Future[None]] = []
@@ -114,8 +114,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
             if chosen[0] is None:
                 pending = [pool.submit(histograms[name].update, values) for name, values in observed.values.items()]
             else:
-                for name, values in observed.values.items():
-                    histograms[name].update_tensor(values)
+                update_tensors([(histograms[name], values) for name, values in observed.values.items()])
                 observed.values.clear()  # the run's device memory goes back before the next run
                 observed.ort_values.clear()
             count = observed.batch + 1

@@ -446,6 +446,30 @@ def test_torch_update_counts_exactly_as_numpy(dtype: type, monkeypatch: pytest.M
     assert np.array_equal(device.counts, host.counts)  # a rejected batch leaves the histogram alone
 
 
+def test_torch_update_of_many_tensors_at_once_counts_as_numpy_does_for_each() -> None:
+    """``update_tensors`` over several histograms at once (different bin counts and dtypes, an empty tensor, an
+    all-zero one, two batches, the second growing the ranges) leaves each histogram exactly as numpy's ``update``
+    of its own values does; a NaN in any one tensor raises before any histogram changes."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    bins = [2048, 16, 2048, 64]
+    hosts, devices = [AbsHistogram(n) for n in bins], [AbsHistogram(n) for n in bins]
+    for scale in (1.0, 40.0):
+        values = [rng.standard_normal(500).astype(np.float32) * scale,
+                  (rng.standard_normal((3, 9)) * scale).astype(np.float16), np.zeros(0, np.float32),
+                  np.zeros(20, np.float32)]
+        for host, v in zip(hosts, values, strict=True):
+            host.update(v)
+        statistics.update_tensors([(d, torch.from_numpy(v)) for d, v in zip(devices, values, strict=True)])
+        for host, device in zip(hosts, devices, strict=True):
+            assert np.array_equal(device.counts, host.counts)
+            assert (device.upper, device.amax, device.count) == (host.upper, host.amax, host.count)
+    before = [d.counts.copy() for d in devices]
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        statistics.update_tensors([(devices[0], torch.ones(4)), (devices[1], torch.tensor([1.0, float("nan")]))])
+    assert all(np.array_equal(d.counts, b) for d, b in zip(devices, before, strict=True))
+
+
 def _cases() -> dict[str, tuple[onnx.ModelProto, list[str], list[dict[str, np.ndarray]], list[str]]]:
     """(model, tensors, batches, max |x| tensors) covering plain, padded, mask-bias and baked-mask models."""
     padded = _padded_batches([[3, 5], [4, 2]], [5, 4])
