@@ -525,6 +525,27 @@ def test_a_batcher_on_engines_that_launch_every_kernel_on_its_thread_says_so_onc
         assert all("cuda_graphs=True" in m and "ProcessBatcher" in m for m in said)
 
 
+def test_several_workers_on_engines_of_one_bucket_are_told_once_to_use_one(
+        engines: Engines, caplog: pytest.LogCaptureFixture) -> None:
+    """Engines that run every batch padded to their one bucket (ONNX Runtime's CUDA graphs at the largest bucket
+    only) lose throughput to a second worker, which splits requests into smaller batches that cost a full one: the
+    batcher says so once at start, naming workers=1, and says nothing with one worker or with several buckets; the
+    requests are answered all the same."""
+    class OneBucket(Recording):
+        def __init__(self, inner: Engines) -> None:
+            super().__init__(inner)
+            self.buckets = (inner.buckets[-1],)
+
+    for kind, workers, told in ((OneBucket, 2, 1), (OneBucket, 1, 0), (Recording, 2, 0)):
+        caplog.clear()
+        with (caplog.at_level("WARNING", logger="compiler.serve.batcher"),
+              DynamicBatcher(kind(engines), max_wait_ms=1, workers=workers) as batcher):  # type: ignore[arg-type]
+            np.testing.assert_allclose(batcher.submit(rows(3), timeout=10), engines(rows(3)), rtol=1e-6)
+        said = [r.getMessage() for r in caplog.records if "padded" in r.getMessage()]
+        assert len(said) == told, (kind.__name__, workers, said)
+        assert all("workers=1" in m and f"at {engines.buckets[-1]} rows" in m for m in said)
+
+
 def test_two_batchers_on_one_engines_never_wait_for_each_others_buffer_sets(engines: Engines) -> None:
     """Two batchers of two batches in flight each, sharing engines of two buffer sets: a worker that holds one set
     never waits for another (each would hold one and wait for the other's); every request is answered."""
