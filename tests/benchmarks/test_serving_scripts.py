@@ -235,9 +235,10 @@ def test_the_serving_benchmark_takes_the_process_modes_p99_over_the_steady_span(
 def test_the_serving_benchmark_holds_each_cell_to_its_target() -> None:
     """``serving_gpu.cell_targets``: threads >= 50 % of min(bound, the threads ceiling) with p99 <= max_wait + 3
     batch times on every backend; coroutines >= 80 % of the bound, with p99 <= max_wait + 2 batch times on ONNX
-    Runtime only; processes >= 80 % of the bound, and with two contexts within the one-context p99 + one batch time;
-    every batcher cell records its closed-loop mean (clients / throughput); nothing lost, misrouted or duplicated;
-    map no slower than the loop within the tolerance (or half the loop's own spread over its runs)."""
+    Runtime only, and the deep cell of 192 coroutines held to throughput alone on every backend; processes >= 80 %
+    of the bound, and with two contexts within the one-context p99 + one batch time; every batcher cell records its
+    closed-loop mean (clients / throughput); nothing lost, misrouted or duplicated; map no slower than the loop
+    within the tolerance (or half the larger spread of either's runs)."""
     from benchmarks import serving_gpu
 
     bound = {"rows_per_s": 10_000.0, "batch_ms_mean": 6.0}
@@ -259,6 +260,9 @@ def test_the_serving_benchmark_holds_each_cell_to_its_target() -> None:
     assert serving_gpu.cell_targets(asyncio_, late, bound, None, None, torch_) == {
         "asyncio_throughput": True, "asyncio_nothing_lost": True}
     assert late["closed_loop_mean_ms"] == 1e3 * 64 / 8_000.0 and late["p99_bound_ms"] == 17.0
+    deep = serving_gpu.Cell("asyncio_deep", "asyncio", 192, 100)
+    assert serving_gpu.cell_targets(deep, dict(late), bound, None, None, ort) == {
+        "asyncio_deep_throughput": True, "asyncio_deep_nothing_lost": True}
     two = serving_gpu.cell_targets(processes, dict(ok, requests_per_s=9_000.0, p99_ms=16.5, misrouted=1), bound,
                                    None, {"p99_ms": 10.0}, ort)
     assert two == {"processes_throughput": True, "processes_nothing_lost": False,
@@ -270,3 +274,8 @@ def test_the_serving_benchmark_holds_each_cell_to_its_target() -> None:
         "map_not_slower_than_loop"]
     noisy = {"map_ms": 1.05, "sequential_ms": 1.0, "sequential_runs_ms": [0.9, 1.0, 1.2]}  # the loop's own spread
     assert serving_gpu.cell_targets(mapped, noisy, bound, None, None, ort)["map_not_slower_than_loop"]
+    noisy_map = {"map_ms": 1.05, "sequential_ms": 1.0, "sequential_runs_ms": [0.99, 1.0, 1.01],
+                 "map_runs_ms": [1.0, 1.05, 1.12]}  # map's own spread
+    assert serving_gpu.cell_targets(mapped, noisy_map, bound, None, None, ort)["map_not_slower_than_loop"]
+    steady = dict(noisy_map, map_runs_ms=[1.04, 1.05, 1.06])  # both steady: 5 % slower is slower
+    assert not serving_gpu.cell_targets(mapped, steady, bound, None, None, ort)["map_not_slower_than_loop"]
