@@ -49,7 +49,7 @@ from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.serve import switching
-from compiler.serve.batching import BatchPolicy
+from compiler.serve.batching import BatchPolicy, warn_of_split_batches
 from compiler.serve.waits import BatcherClosed, OverdueWaits, RequestTimeout
 
 __all__ = ["DynamicBatcher"]
@@ -232,13 +232,7 @@ class DynamicBatcher:
                         "without CUDA graphs): this process's threads and coroutines wait behind each launch. Load "
                         "them with cuda_graphs=True, or serve through ProcessBatcher (compiler.serve.processes)",
                         getattr(engines, "name", "these engines"))
-        if workers > 1 and len(engines.buckets) == 1 and engines.buckets[0] > 1:
-            log.warning("%s run every batch at %d rows, padded: %d workers split the requests that arrive together "
-                        "into smaller batches that each cost a full one (on an H200 host, 64 threads on two workers "
-                        "got 38-60 rows a batch and 47-48 %% of the bound, against 52 %% with one). Use workers=1 "
-                        "(the default), which keeps two batches in flight on a GPU", getattr(engines, "name",
-                                                                                           "these engines"),
-                        engines.buckets[0], workers)
+        warn_of_split_batches(engines.buckets, workers, getattr(engines, "name", "these engines"))
         self._inline = not engines.queues_on_gpu  # start_parts computes the batch: the forming thread answers it
         flights = [_InFlight(self._lock) for _ in range(workers)]
         # per worker, one thread forms and starts batches and one answers them (``_form``, ``_answer``)

@@ -22,6 +22,7 @@ server on a fast GPU). The policy holds no requests itself: each batcher keeps i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -29,6 +30,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from compiler.core.errors import InputError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BatchPolicy", "Taken", "check_settings", "first_fit", "is_ready"]
 
@@ -151,3 +154,14 @@ def is_ready(finish: Callable[..., Any]) -> bool:
     """Whether a started batch (``Engines.start_parts``) is done; True for engines that do not say."""
     ready = getattr(finish, "ready", None)
     return True if ready is None else bool(ready())
+
+
+def warn_of_split_batches(buckets: Sequence[int], workers: int, name: str) -> None:
+    """Say once, at a batcher's start, that several workers on engines of one padded bucket cost throughput: each
+    waits only for its own last batch, so they split the requests that arrive together into smaller batches that
+    each cost a full one (on an H200 host, 64 threads on two workers got 38-60 rows a batch and 47-48 % of the
+    bound, against 52 % with one)."""
+    if workers > 1 and len(buckets) == 1 and buckets[0] > 1:
+        log.warning("%s run every batch at %d rows, padded: %d workers split the requests that arrive together into "
+                    "smaller batches that each cost a full one. Use workers=1 (the default), which keeps two batches "
+                    "in flight on a GPU", name, buckets[0], workers)

@@ -538,7 +538,7 @@ def test_several_workers_on_engines_of_one_bucket_are_told_once_to_use_one(
 
     for kind, workers, told in ((OneBucket, 2, 1), (OneBucket, 1, 0), (Recording, 2, 0)):
         caplog.clear()
-        with (caplog.at_level("WARNING", logger="compiler.serve.batcher"),
+        with (caplog.at_level("WARNING", logger="compiler.serve.batching"),
               DynamicBatcher(kind(engines), max_wait_ms=1, workers=workers) as batcher):  # type: ignore[arg-type]
             np.testing.assert_allclose(batcher.submit(rows(3), timeout=10), engines(rows(3)), rtol=1e-6)
         said = [r.getMessage() for r in caplog.records if "padded" in r.getMessage()]
