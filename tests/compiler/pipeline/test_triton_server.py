@@ -199,9 +199,11 @@ def test_concurrent_clients_are_batched_by_triton(builds: dict[str, Path], serve
     """Proves: 16 clients sending single-row requests at once are answered correctly (each its own row, within
     1e-5 of `compiler.load(DIR)(x)`: a row may be computed in a batch of another size), and Triton's statistics
     endpoint for the entry (which served nothing else) shows batches of more than one request: its dynamic
-    batcher put them together, and fewer executions than requests ran."""
-    name = _entry(builds["fp32"], server, "mlp_batched", max_wait_ms=20.0)
+    batcher put them together, and fewer executions than requests ran. The entry's preferred batch size is the
+    clients' count, so that Triton waits its 20 ms window for company instead of running a lone request at once
+    (a preferred size of 1, the default's smallest bucket, left batching to how requests happened to queue)."""
     clients, each = 16, 8
+    name = _entry(builds["fp32"], server, "mlp_batched", max_wait_ms=20.0, preferred_batch_sizes=(clients,))
     rows = np.random.default_rng(4).standard_normal((clients * each, 1, 64)).astype(np.float32)
 
     def client(index: int) -> list[np.ndarray]:
