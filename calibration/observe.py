@@ -47,10 +47,10 @@ __all__ = ["collect_histograms", "collect_max_abs", "ChannelSamples", "collect_c
 
 log = logging.getLogger(__name__)
 
-# budget_bytes (default defaults.CALIB_MEMORY_BUDGET) bounds the bytes of exposed tensors one ONNX Runtime run may
-# hold: a batch with more is run in slices of fewer samples. Exposed tensors cannot share ONNX Runtime's buffers
-# and two runs' worth are held at once (one being binned while the next runs), so this bounds the activation
-# memory at about 2x it. 64 MiB runs ResNet-50 at 224x224 one or two samples at a time
+# budget_bytes (default defaults.CALIB_MEMORY_BUDGET) bounds the bytes of exposed tensors one ONNX Runtime call may
+# hold: a batch with more is computed in slices of fewer samples. Exposed tensors cannot share ONNX Runtime's
+# buffers and the outputs of two calls are held at once (one call's being binned while the next computes), so this
+# bounds the activation memory at about 2x it. 64 MiB runs ResNet-50 at 224x224 one or two samples at a time
 # (benchmarks/calibration_memory.py measures its peak RSS).
 _PROTO_LIMIT = 2**31 - 2**24  # protobuf cannot serialize 2 GiB; bigger models go through a scratch file
 
@@ -77,7 +77,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
 
     On the GPU: when the session runs on ONNX Runtime's CUDA provider and torch sees CUDA (``device="auto"``
     picks that), the exposed tensors stay on the device (IOBinding, read by torch through DLPack), the
-    histograms are binned there (``update_tensors``: the same counts as on the host) and a run
+    histograms are binned there (``update_tensors``: the same counts as on the host) and one call
     may hold ``device_budget_bytes`` of them (default: ``defaults.CALIB_DEVICE_MEMORY_FRACTION`` of the
     device's free memory) instead of ``budget_bytes``. ``device="cpu"`` runs that path on host tensors (the
     tests compare it with numpy); ``device="host"`` keeps the host path (numpy) whatever the provider, as
@@ -96,7 +96,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     chosen: list[str | None] = []
     # Binning batch n runs on worker threads (numpy releases the GIL) while ONNX Runtime computes batch
     # n+1; each histogram gets its batches in order, and at most two batches are held at once. On a device
-    # each slice is binned before the next run starts (update_tensors returns when its kernels are done, so
+    # each slice is binned before the next call starts (update_tensors returns when its kernels are done, so
     # ONNX Runtime may reuse the memory): the GPU bins in milliseconds, there is little to overlap.
     with ThreadPoolExecutor(max_workers=max(1, min(len(histograms), os.cpu_count() or 1))) as pool:
         pending: list[Future[None]] = []
@@ -115,7 +115,7 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
                 pending = [pool.submit(histograms[name].update, values) for name, values in observed.values.items()]
             else:
                 update_tensors([(histograms[name], values) for name, values in observed.values.items()])
-                observed.values.clear()  # the run's device memory goes back before the next run
+                observed.values.clear()  # this slice's device memory goes back before the next call
                 observed.ort_values.clear()
             count = observed.batch + 1
             samples += observed.samples
@@ -264,7 +264,7 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
     probe = _probe_for(model, names, threshold, max_abs_names)
     exact: set[str] = set()  # tensors reduced exactly from the first batch where their bounds are not finite
     seen = 0
-    per_sample = 0  # bytes of exposed tensors per sample, from the first run
+    per_sample = 0  # bytes of exposed tensors per sample, from the first slice's outputs
     # The budget bounds the exposed tensors; in-graph reductions return scalars, so a probe that
     # exposes nothing runs every batch whole (and without a session when it has no reduction either).
     sliced = bool(probe.fetched)

@@ -178,8 +178,8 @@ def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_
     """Without CUDA graphs (a dynamic sequence length), ``start_parts`` hands ONNX Runtime's run to the context's
     launcher thread: two batches of other lengths in flight on one context's two sets, answered in either order;
     threads calling ``engines(x)`` while a batch is in flight there; ``map`` as the plain loop (one context whose
-    runs launch every kernel has nothing to overlap); a batcher keeping two in flight; a run that fails there fails
-    its batch, and the set serves again."""
+    runs launch every kernel has nothing to overlap); a batcher keeping two in flight; an ONNX Runtime call that
+    fails there fails its batch, and the set serves again."""
     monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
     directory = build_directory(tmp_path / "per_position", "per_position")
     rng = np.random.default_rng(5)
@@ -320,10 +320,10 @@ def test_a_convolution_without_a_bias_is_found_in_subgraphs_and_functions() -> N
 @pytest.mark.gpu
 @pytest.mark.ort_cuda
 def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ONNX Runtime's runs as CUDA graphs, one per bucket captured at load (40 buckets too), each giving the eager
-    model's outputs, and a graph that does not write a bucket's outputs fails the check; without graphs (not asked
-    for, a dynamic sequence length, or refused by ONNX Runtime) the run launches its kernels from the host and still
-    answers right."""
+    """ONNX Runtime's calls replayed as CUDA graphs, one per bucket captured at load (40 buckets too), each giving
+    the eager model's outputs, and a graph that does not write a bucket's outputs fails the check; without graphs
+    (not asked for, a dynamic sequence length, or refused by ONNX Runtime) each call launches its kernels from the
+    host and still answers right."""
     rng = np.random.default_rng(5)
     mlp = build_directory(tmp_path / "mlp", "mlp")
     with load(mlp, backend="onnxruntime", device="cuda", contexts=2) as engines:
