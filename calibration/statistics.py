@@ -86,10 +86,6 @@ class AbsHistogram:
         self.amax = max(self.amax, batch_max)
         self.count += flat.size
 
-    def update_tensor(self, values: Any) -> None:
-        """``update`` for a torch tensor, binned where the tensor lives: ``update_tensors`` of this one."""
-        update_tensors([(self, values)])
-
     def _grow_for(self, high: float, low: float) -> float:
         """A batch's max |x| from its max and min (NaN and Inf refused), with the range grown to hold it."""
         if not (math.isfinite(high) and math.isfinite(low)):
@@ -306,8 +302,8 @@ class CalibrationStats:
 def update_tensors(pairs: Sequence[tuple[AbsHistogram, Any]]) -> None:
     """``AbsHistogram.update`` for torch tensors, each binned where it lives (a CUDA tensor stays on its GPU), every
     pair's kernels queued back to back with two host synchronizations in all: the min and max of every tensor come
-    back together, then every tensor's counts. One tensor at a time, the host waited on the GPU twice per tensor
-    (some 200 tensors per batch of a ViT-B/16).
+    back together, then every tensor's counts. Binned one tensor at a time, the host would wait on the GPU twice per
+    tensor (some 200 tensors per batch of a ViT-B/16).
 
     The same counts as ``update`` on the same values, bit for bit: |x| in float64 times the same float64 scale,
     truncated to a bin index, the top clamped into the last bin; the range grows by the same rule (on the host,

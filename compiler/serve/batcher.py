@@ -226,13 +226,13 @@ class DynamicBatcher:
         self._workers = workers
         self._overdue = OverdueWaits(_OVERLOADED)
         self._most_in_flight = self._depth()
+        name = getattr(engines, "name", "these engines")
         if engines.queues_on_gpu and getattr(engines, "launches_on_host", False) and not getattr(
                 engines, "starts_at_once", True):
             log.warning("%s launch every kernel of a batch from the batcher's thread, holding the GIL (eager torch "
                         "without CUDA graphs): this process's threads and coroutines wait behind each launch. Load "
-                        "them with cuda_graphs=True, or serve through ProcessBatcher (compiler.serve.processes)",
-                        getattr(engines, "name", "these engines"))
-        warn_of_split_batches(engines.buckets, workers, getattr(engines, "name", "these engines"))
+                        "them with cuda_graphs=True, or serve through ProcessBatcher (compiler.serve.processes)", name)
+        warn_of_split_batches(engines.buckets, workers, name)
         self._inline = not engines.queues_on_gpu  # start_parts computes the batch: the forming thread answers it
         flights = [_InFlight(self._lock) for _ in range(workers)]
         # per worker, one thread forms and starts batches and one answers them (``_form``, ``_answer``)

@@ -433,16 +433,16 @@ def test_torch_update_counts_exactly_as_numpy(dtype: type, monkeypatch: pytest.M
     for batch in batches:
         values = np.asarray(batch, dtype=dtype)
         host.update(values)
-        device.update_tensor(torch.from_numpy(values))
+        statistics.update_tensors([(device, torch.from_numpy(values))])
         assert np.array_equal(device.counts, host.counts)
         assert (device.upper, device.amax, device.count) == (host.upper, host.amax, host.count)
     assert host.count == sum(np.size(b) for b in batches) and host.upper > 900.0
     edge = AbsHistogram(8)  # a value exactly at the top of the range falls in the last bin, as in numpy
-    edge.update_tensor(torch.tensor([2.0, 1.0, 0.0]))
+    statistics.update_tensors([(edge, torch.tensor([2.0, 1.0, 0.0]))])
     assert edge.counts.tolist() == [1, 0, 0, 0, 1, 0, 0, 1]
     for bad in (np.nan, np.inf, -np.inf):
         with pytest.raises(ValueError, match="NaN or Inf"):
-            device.update_tensor(torch.tensor([1.0, bad], dtype=torch.float32))
+            statistics.update_tensors([(device, torch.tensor([1.0, bad], dtype=torch.float32))])
     assert np.array_equal(device.counts, host.counts)  # a rejected batch leaves the histogram alone
 
 
