@@ -196,7 +196,7 @@ def run_cell(cell: Cell, engines: Any, model: Model, contexts: int, args: argpar
     kept = ("clients", "client_processes", "in_flight", "answered", "lost", "misrouted", "duplicated_rows", "seconds",
             "requests_per_s", "requests_per_s_whole_run", "p50_ms", "p99_ms", "p99_ms_whole_run", "batches",
             "mean_batch_rows", "mean_batch_ms", "trace", "batcher_thread_busy", "batches_in_areas")
-    result = measure.batcher_run(engines, model, args.workers or contexts, cell.clients, cell.requests, MAX_WAIT_MS,
+    result = measure.batcher_run(engines, model, args.workers, cell.clients, cell.requests, MAX_WAIT_MS,
                                  mode=cell.mode, client_processes=cell.client_processes, cap_s=args.cell_seconds,
                                  **options)
     return {k: result[k] for k in kept if k in result}
@@ -230,7 +230,7 @@ def measure_config(model: Model, map_only: bool, directory: Path, backend: str, 
         one = measure.feed_of(engines, model, largest, seed=1)
         bound = measure.throughput(engines, one if len(one) > 1 else next(iter(one.values())), largest, args.seconds)
         run: dict[str, Any] = {"model": model.name, "backend": backend, "precision": precision, "contexts": contexts,
-                               "workers": args.workers or contexts, "device": engines.device,
+                               "workers": args.workers, "device": engines.device,
                                "buckets": list(engines.buckets),
                                "buffer_sets": engines.buffer_sets, "launches_on_host": engines.launches_on_host,
                                "starts_at_once": engines.starts_at_once, "bound": bound, "cells": {}, "targets": {}}
@@ -303,8 +303,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="Seconds per engines(x) throughput (default 1.5; 0.2 smoke).")
     parser.add_argument("--map-batches", type=int, help="Batches per map run (default 100; 8 with --smoke).")
     parser.add_argument("--map-batch", type=int, help="Rows per map batch (default 16; 4 with --smoke).")
-    parser.add_argument("--workers", type=int, help="DynamicBatcher workers in its cells (default: one per context; "
-                        "the batcher's own default is 1).")
+    parser.add_argument("--workers", type=int, default=1, help="DynamicBatcher workers in its cells (default 1, the "
+                        "batcher's own default).")
     args = parser.parse_args()
     smoke = args.smoke
     args.cell_seconds = args.cell_seconds or (3.0 if smoke else 6.0)
@@ -381,7 +381,7 @@ def main() -> None:
               "settings": {"max_wait_ms": MAX_WAIT_MS, "cell_seconds": args.cell_seconds, "budget_s": args.budget_s,
                            "seconds": args.seconds, "map_batches": args.map_batches, "map_batch": args.map_batch,
                            "map_runs": measure.MAP_RUNS, "map_tolerance": MAP_TOLERANCE, "backends": wanted,
-                           "workers": args.workers or "one per context",
+                           "workers": args.workers,
                            "cells": [vars(c) for c in cells]},
               "seconds": round(time.perf_counter() - started, 1), "runs": runs, "batcher_ceiling": ceilings,
               "skipped": skipped, "all_targets_met": bool(runs) and all(all(r["targets"].values()) for r in runs)}
