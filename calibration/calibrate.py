@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,13 @@ from calibration.data import RANDOM, CalibrationData, calibration_data
 from calibration.fp16 import Fp16Report, float_tensors, fp16_model_from, int8_fp16_model_from
 from calibration.fp16_policy import FP16_MIN_NORMAL, FP16_TINY, Fp16Policy
 from calibration.int4 import int4_stage
+from calibration.load_check import LoadCheckBeside, check_serving_load
 from calibration.node_precisions import node_precisions
 from calibration.observe import collect_histograms, collect_max_abs
 from calibration.qdq import PLACEMENT, QdqPolicy, QdqReport, qdq_model_from, quantizable_nodes, tensors_to_calibrate
 from calibration.weights import raise_opset
 from compiler.core.capabilities import checking_providers
-from compiler.core.errors import AccuracyGateError, CalibrationError, first_line
+from compiler.core.errors import AccuracyGateError, CalibrationError
 from compiler.core.files import atomic_write_json, directory_transaction, read_json, sha256_file
 from compiler.core.manifest import (
     MANIFEST,
@@ -43,7 +45,7 @@ from compiler.core.manifest import (
     verified_onnx,
     write_manifest,
 )
-from compiler.core.onnx_io import load_onnx_by_reference, onnx_files, ort_session, save_onnx, warm_checking_providers
+from compiler.core.onnx_io import load_onnx_by_reference, onnx_files, save_onnx, warm_checking_providers
 from compiler.core.progress import progress, stage_timer
 from compiler.core.settings import MIN_COMPUTE_CAPABILITY, CalibrationSettings
 from compiler.core.specs import ModelSpec
@@ -141,13 +143,27 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
     data = _open_data(settings.data, settings, spec) if (settings.data or settings.loader) else None
     eval_data = _open_data(settings.eval_data, settings, spec, for_eval=True) if settings.eval_data else data
     model_sha = fp32_sha256 or sha256_file(fp32_path)
+    with LoadCheckBeside(partial(_one_sample, eval_data or data, spec), ONNX_NAMES[settings.precision]) as load_check:
+        result, details = _reduced(stage, model, fp32_path, model_sha, data, eval_data, settings, load_check)
+        return _written(stage, fp32_path, model, settings, start, data, eval_data, result, details, load_check)
+
+
+def _reduced(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, data: CalibrationData | None,
+             eval_data: CalibrationData | None, settings: CalibrationSettings, load_check: LoadCheckBeside,
+             ) -> tuple[GateOutcome | None, dict[str, Any]]:
+    """The reduced-precision model of ``settings.precision``, gated where there is evaluation data."""
     if settings.precision in CALIBRATION_FILES:
-        result, details = _qdq(stage, model, fp32_path, model_sha, data, eval_data, settings)
-    elif settings.precision == "int4":
+        return _qdq(stage, model, fp32_path, model_sha, data, eval_data, settings, load_check)
+    if settings.precision == "int4":
         evaluator = _evaluator(fp32_path, eval_data, settings)
-        result, details = int4_stage(model, fp32_path, data, evaluator, settings)
-    else:
-        result, details = _fp16(model, fp32_path, data, eval_data, settings)
+        return int4_stage(model, fp32_path, data, evaluator, settings)
+    return _fp16(model, fp32_path, data, eval_data, settings, load_check)
+
+
+def _written(stage: Path, fp32_path: Path, model: onnx.ModelProto, settings: CalibrationSettings, start: float,
+             data: CalibrationData | None, eval_data: CalibrationData | None, result: GateOutcome | None,
+             details: dict[str, Any], load_check: LoadCheckBeside) -> CalibrationOutcome:
+    """The report, and the precision file where the gate passed (or did not run), checked to load as served."""
     ungated_model = details.pop("_model")
     report = {"precision": settings.precision, "created": now(), "seconds": round(time.perf_counter() - start, 2),
               "calibration_data": data.to_dict() if data else None,
@@ -177,8 +193,10 @@ def _calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Ca
     out = stage / ONNX_NAMES[settings.precision]
     final = result.model if result is not None else ungated_model
     save_onnx(final, out)
-    gated_on = result.result.provider if result is not None and not result.result.fp16_emulated else None
-    _check_serving_load(out, _one_sample(eval_data or data, spec), gated_on)
+    proven = load_check.proven(final)
+    if result is not None and not result.result.fp16_emulated:
+        proven.add(result.result.provider)
+    check_serving_load(out, load_check.feed(), proven)
     onnx_record = FileRecord.for_onnx(stage, out)
     if settings.precision in MIN_COMPUTE_CAPABILITY:  # what engines built from this graph need
         needed = ".".join(map(str, MIN_COMPUTE_CAPABILITY[settings.precision][0]))
@@ -237,30 +255,6 @@ def _one_sample(data: CalibrationData | None, spec: ModelSpec) -> dict[str, Any]
         for batch in data.batches():
             return {k: v[:1] if getattr(v, "ndim", 0) else v for k, v in batch.items() if k in spec.input_names}
     return spec.example_feed(1)
-
-
-def _check_serving_load(path: Path, feed: dict[str, Any], gated_on: str | None = None) -> None:
-    """Load ``path`` as ``compiler.load`` and ``trtc bench`` do (``ort_session``: the one session policy) on every
-    provider the checks and serving use here, and run ``feed`` (one sample): a file ONNX Runtime would refuse is
-    never written. ``gated_on``: the provider on which the accuracy gate has just run this very graph (not an FP16
-    emulation of it) through ``ort_session``, which proved it loads and runs there: it is not loaded again (on an
-    H200 the two loads of a ViT-B/16's INT8 file took 3.3 s). Raises ``CalibrationError`` naming the provider and
-    ONNX Runtime's first line."""
-    providers = checking_providers()
-    for chosen in dict.fromkeys([providers[0], "CPUExecutionProvider"]):
-        if chosen == gated_on:
-            log.debug("%s: the accuracy gate ran it on %s", path.name, chosen)
-            continue
-        mark(f"{path.name}: load check on {chosen}")
-        try:
-            session = ort_session(path, list(dict.fromkeys([chosen, "CPUExecutionProvider"])))
-            session.run(None, feed)
-        except Exception as err:  # onnxruntime's pybind errors share no narrower base class
-            raise CalibrationError(f"{path.name}: ONNX Runtime's {chosen} does not run it as trtc serves it "
-                                   f"({first_line(err)}); nothing was written: keep the node it names in FP32 "
-                                   "(--keep-fp32 NODE), and please report it") from err
-        del session
-    log.debug("%s loads and runs on %s", path.name, ", ".join(dict.fromkeys([providers[0], "CPUExecutionProvider"])))
 
 
 def _earlier_reports(path: Path) -> dict[str, Any]:
@@ -340,7 +334,7 @@ def _calibrated_ranges(model: onnx.ModelProto, fp32_path: Path, model_sha: str, 
 
 
 def _qdq(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, data: CalibrationData | None,
-         eval_data: CalibrationData | None, settings: CalibrationSettings,
+         eval_data: CalibrationData | None, settings: CalibrationSettings, load_check: LoadCheckBeside,
          ) -> tuple[GateOutcome | None, dict[str, Any]]:
     """INT8 or FP8 (``settings.precision``) Q/DQ with the FP16 rest, calibrated, gated, with the fallback."""
     precision, what = settings.precision, settings.precision.upper()
@@ -408,6 +402,7 @@ def _qdq(stage: Path, model: onnx.ModelProto, fp32_path: Path, model_sha: str, d
     op_types = {n.name: n.op_type for n in model.graph.node}
     candidates = [n for n in quantizable_nodes(model, policy) if PLACEMENT[op_types[n]].kind == "weighted"]
     gate_start = time.perf_counter()
+    load_check.start(qmodel)
     with stage_timer(f"{what} accuracy gate"):
         outcome = gate_with_fallback(build, candidates, evaluator, what, initial=qmodel, reference=model,
                                      kept_as=_kept_as(settings))
@@ -514,7 +509,7 @@ def _usable_cache(path: Path, model_sha: str, data: CalibrationData | None, sett
 
 
 def _fp16(model: onnx.ModelProto, fp32_path: Path, data: CalibrationData | None, eval_data: CalibrationData | None,
-          settings: CalibrationSettings) -> tuple[GateOutcome | None, dict[str, Any]]:
+          settings: CalibrationSettings, load_check: LoadCheckBeside) -> tuple[GateOutcome | None, dict[str, Any]]:
     max_abs: dict[str, float] | None = None
     with ThreadPoolExecutor(1, thread_name_prefix="trtc-fp32-reference") as pool:
         reference = _evaluator_beside(pool, fp32_path, eval_data, settings)
@@ -546,6 +541,7 @@ def _fp16(model: onnx.ModelProto, fp32_path: Path, data: CalibrationData | None,
     candidates = [n.name for n in model.graph.node if n.name not in report.fp32_nodes
                   and n.op_type in _FP16_CANDIDATE_OPS]
     gate_start = time.perf_counter()
+    load_check.start(fmodel)
     with stage_timer("FP16 accuracy gate"):
         outcome = gate_with_fallback(build, candidates, evaluator, "FP16", initial=fmodel, reference=model)
     details["gate_seconds"] = round(time.perf_counter() - gate_start, 2)

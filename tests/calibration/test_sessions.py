@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import compiler
-from calibration.calibrate import _check_serving_load
+from calibration.load_check import LoadCheckBeside, check_serving_load
 from compiler.cli import cli
 from compiler.core import onnx_io
 from compiler.core.errors import CalibrationError, InputError
@@ -158,21 +158,51 @@ def test_a_precision_file_serving_cannot_load_is_never_written(data: Path, tmp_p
     assert not (out / "manifest.json").exists() or "int8" not in json.loads((out / "manifest.json").read_text())["onnx"]
 
 
-def test_the_load_check_skips_only_the_provider_the_gate_ran_the_graph_on(data: Path, tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_load_check_skips_only_the_providers_that_ran_the_graph(data: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The load check before a precision file is kept loads it on each provider of the checks and serving unless
-    the accuracy gate has just run that graph there: with the Q/DQ rule taken out of the policy (so a CPU session of
-    model.int8.onnx fails), the check raises the one-line CalibrationError when the gate ran elsewhere or did not
-    run, and returns when the gate ran on the CPU provider (nothing loads the file again)."""
+    that graph has just been loaded and run there: with the Q/DQ rule taken out of the policy (so a CPU session of
+    model.int8.onnx fails), the check raises the one-line CalibrationError when nothing ran it or only CUDA did,
+    and returns when the CPU provider is among those that ran it (nothing loads the file again)."""
     out = tmp_path / "m"
     code, output = _build(data, out, "--eval-data", str(data / "eval.npz"))
     assert code == 0, output
     feed = {"x": np.load(data / "eval.npz")["x"][:1]}
     monkeypatch.delitem(onnx_io.SESSION_POLICY, "qdq")
-    for gated_on in (None, "CUDAExecutionProvider"):
+    for proven in (set(), {"CUDAExecutionProvider"}):
         with pytest.raises(CalibrationError, match=r"model.int8.onnx: ONNX Runtime's CPUExecutionProvider does not"):
-            _check_serving_load(out / "model.int8.onnx", feed, gated_on)
-    _check_serving_load(out / "model.int8.onnx", feed, "CPUExecutionProvider")
+            check_serving_load(out / "model.int8.onnx", feed, proven)
+    check_serving_load(out / "model.int8.onnx", feed, {"CPUExecutionProvider"})
+
+
+def test_the_load_check_beside_the_gate_vouches_only_for_the_candidate_it_ran(data: Path, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the gate runs on another provider (the checking providers set to CUDA first, as on a GPU machine),
+    LoadCheckBeside loads and runs its candidate on the CPU provider in a thread: for that candidate it reports
+    the CPU as proven; for any other model it reports nothing; and with the Q/DQ rule taken out of the policy (a
+    CPU session of the INT8 graph then fails) it raises the one-line CalibrationError for that candidate. Where
+    the CPU is the gate's own provider it starts nothing and vouches for nothing."""
+    import calibration.load_check as load_check
+
+    code, output = _build(data, tmp_path / "m", "--eval-data", str(data / "eval.npz"))
+    assert code == 0, output
+    int8 = onnx.load(str(tmp_path / "m" / "model.int8.onnx"))
+    other = onnx.load(str(tmp_path / "m" / "model.onnx"))
+    feed = {"x": np.load(data / "eval.npz")["x"][:1]}
+    with LoadCheckBeside(lambda: feed, "model.int8.onnx") as beside:
+        beside.start(int8)
+        assert beside.proven(int8) == set()  # the CPU is the gate's provider here: nothing ran beside it
+    monkeypatch.setattr(load_check, "checking_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with LoadCheckBeside(lambda: feed, "model.int8.onnx") as beside:
+        beside.start(int8)
+        assert beside.proven(other) == set()
+        assert beside.proven(int8) == {"CPUExecutionProvider"}
+    monkeypatch.delitem(onnx_io.SESSION_POLICY, "qdq")
+    with LoadCheckBeside(lambda: feed, "model.int8.onnx") as beside:
+        beside.start(int8)
+        assert beside.proven(other) == set()
+        with pytest.raises(CalibrationError, match=r"model.int8.onnx: ONNX Runtime's CPUExecutionProvider does not"):
+            beside.proven(int8)
 
 
 _PLAIN_CPU_SESSION = """
