@@ -200,6 +200,7 @@ def calibration_data(source: str | Path | None, spec: ModelSpec, *, loader: str 
                                "or --calib-loader pkg.module:fn; `--calib-data random` exists for smoke tests only")
     if str(source) == RANDOM:
         log.warning("calibrating on RANDOM data: scales will not fit real inputs; use this for smoke tests only")
+        _warn_of_constant_inputs(spec)
         return _scan(fingerprint, CalibrationData("random (smoke test only)", spec, batch_size, max_samples,
                                      lambda: _random_samples(spec, max_samples, seed), is_random=True))
     path = Path(source)
@@ -364,6 +365,15 @@ def _user_items(fn: Callable[[], Any], spec_text: str) -> Iterator[Any]:
     except Exception as err:  # the user's code: any exception is theirs to fix
         raise CalibrationError(f"{user_code_failure(f'--calib-loader {spec_text}', err)}; fix the loader "
                                "(--debug shows the whole traceback)") from err
+
+
+def _warn_of_constant_inputs(spec: ModelSpec) -> None:
+    """Warn of integer inputs that random data fills with zeros (no value range given): every sample then feeds the
+    same ids, so the calibration and the gate see one input only."""
+    for inp in spec.inputs:
+        if inp.describe_values() == "zeros":  # an integer input, not a mask, with no range
+            log.warning("random data gives integer input %s zeros in every sample (it has no value range), so the "
+                        "samples are alike; give its range, e.g. --input %s[0,N) for ids below N", inp.name, inp)
 
 
 def _random_samples(spec: ModelSpec, count: int, seed: int) -> Iterator[tuple[str, dict[str, np.ndarray]]]:

@@ -156,6 +156,20 @@ def test_a_change_of_sequence_length_starts_a_new_batch(tmp_path: Path) -> None:
         assert batch["input_ids"].shape == batch["attention_mask"].shape
 
 
+def test_random_data_warns_of_integer_inputs_it_fills_with_zeros(caplog: pytest.LogCaptureFixture) -> None:
+    """Random data names each integer input it fills with zeros (no value range, not a mask) and the --input form
+    that gives it a range, and says nothing of a mask or an input with a range; the zeros are what every sample
+    holds."""
+    spec = ModelSpec((parse_input_spec("input_ids:BxS:int64"), parse_input_spec("attention_mask:BxS:int64"),
+                      parse_input_spec("token_type_ids:BxS:int64[0,2)")), dict([parse_dim_range("S=1:8:16")]))
+    with caplog.at_level("WARNING", logger="calibration.data"):
+        data = calibration_data("random", spec, batch_size=2, max_samples=4)
+    warned = [r.getMessage() for r in caplog.records if "zeros in every sample" in r.getMessage()]
+    assert len(warned) == 1 and "input input_ids " in warned[0] and "--input input_ids:BxS:int64[0,N)" in warned[0]
+    batch = next(iter(data.batches()))
+    assert not batch["input_ids"].any() and batch["attention_mask"].all()
+
+
 def test_random_data_is_marked_and_seeded() -> None:
     data = calibration_data("random", IMAGES, batch_size=4, max_samples=8)
     assert data.is_random and data.samples == 8 and data.to_dict()["random"] is True
