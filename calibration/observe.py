@@ -146,8 +146,8 @@ def collect_max_abs(model: onnx.ModelProto | str | os.PathLike[str], tensor_name
     ``collect_histograms``' ``max_abs_names`` are: only a few numbers per tensor leave ONNX Runtime, which
     keeps reusing its buffers, so memory is that of plain inference however many tensors are measured,
     and each batch runs whole (``budget_bytes`` then does not apply). ``progress`` gets the number of
-    samples after each run. The model's own infinities (calibration/masks.py) are left out of the max: FP16
-    stores an infinity as it is.
+    samples after each ONNX Runtime call. The model's own infinities (calibration/masks.py) are left out of the
+    max: FP16 stores an infinity as it is.
     """
     names = list(dict.fromkeys(tensor_names))
     maxima = dict.fromkeys(names, 0.0)
@@ -230,7 +230,7 @@ class _Probe:
 
     @property
     def reduced_outputs(self) -> list[str]:
-        """The graph outputs the in-graph reductions added, in the order a run returns them."""
+        """The graph outputs the in-graph reductions added, in the order a call returns them."""
         return [o for outs in self.reduced.values() for o in outs if o]
 
 
@@ -276,7 +276,7 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
             budget_bytes = device_budget_bytes if device_budget_bytes is not None else _device_budget(on,
                                                                                                    budget_bytes)
             log.info("exposed tensors stay on %s (IOBinding, read by torch through DLPack) and are binned there; "
-                     "runs hold at most %.0f MiB of them", on, budget_bytes / 2**20)
+                     "calls hold at most %.0f MiB of them", on, budget_bytes / 2**20)
         if on_device is not None:
             on_device(on)
         skeleton = weightless_copy(probe.model) if sliced else None
@@ -304,7 +304,7 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
                     observed = _observe(session, probe, index, part, exclude_masked, threshold, on)
                 if sliced and not per_sample and observed.samples:
                     per_sample = max(1, observed.nbytes // observed.samples)
-                    log.debug("%d bytes of exposed tensors per sample: %d samples per run", per_sample,
+                    log.debug("%d bytes of exposed tensors per sample: %d samples per call", per_sample,
                               max(1, budget_bytes // per_sample))
                 yield observed
                 start += step
@@ -510,7 +510,7 @@ def _binning_device(session: Any, requested: str) -> str | None:
 
 
 def _device_budget(device: str, host_budget: int) -> int:
-    """Bytes of exposed tensors one run may keep on ``device``: a fraction of its free memory (the host budget on
+    """Bytes of exposed tensors one call may keep on ``device``: a fraction of its free memory (the host budget on
     "cpu", where the torch path runs only to be tested against numpy)."""
     if device == "cpu":
         return host_budget
@@ -522,11 +522,11 @@ def _device_budget(device: str, host_budget: int) -> int:
 
 def _run_on_device(session: Any, feed: dict[str, np.ndarray], probe: _Probe, device: str,
                    ) -> tuple[list[Any], list[Any]]:
-    """One run with the exposed tensors bound on ``device`` ("cuda", or "cpu" for tests): (results, OrtValues).
+    """One call with the exposed tensors bound on ``device`` ("cuda", or "cpu" for tests): (results, OrtValues).
 
     The results are torch tensors sharing the OrtValues' memory (DLPack, no copy), then the in-graph max |x|
-    scalars as numpy (bound on the host: one number each). ONNX Runtime has finished the run when it returns
-    (it synchronizes its stream at the end of a run by default), so torch may read the tensors on any stream.
+    scalars as numpy (bound on the host: one number each). ONNX Runtime has finished the call when it returns
+    (it synchronizes its stream at the end of a call by default), so torch may read the tensors on any stream.
     """
     import torch
 

@@ -60,7 +60,7 @@ def test_torch_backend_on_cuda_with_a_dynamic_dimension() -> None:
                 "attention_mask": np.ones((6, length), np.int64)}
         np.testing.assert_allclose(engines(feed)["output_0"], eager("transformer_encoder", feed), rtol=1e-3,
                                    atol=1e-3)
-    # each (bucket, sequence length) that ran got a CUDA graph of its own, captured on first use
+    # each (bucket, sequence length) served has a CUDA graph of its own, captured on first use
     graphs = {key for context in engines._contexts for key, g in context._graphs.items() if g is not None}
     assert {(4, (5,)), (4, (16,))} <= graphs, graphs
     engines.close()
@@ -131,8 +131,8 @@ def test_onnxruntime_cuda_contexts_have_sessions_of_their_own_on_their_streams(t
 def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, overlapped: bool, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The second buffer set of one context: two batches queued before either is waited for, answered out of
-    order; threads with host and CUDA feeds at once; ``map`` pipelines on torch's CUDA graphs (it ran the plain loop
-    with one set). ``overlapped``: every host input goes through its set's copy stream and device staging (large
+    order; threads with host and CUDA feeds at once; ``map`` pipelines on torch's CUDA graphs (with one set it is
+    the plain loop). ``overlapped``: every host input goes through its set's copy stream and device staging (large
     inputs only otherwise), and every answer is still the caller's own."""
     from compiler.backends import gpu
 
@@ -175,10 +175,10 @@ def test_one_gpu_context_takes_two_batches_in_its_two_buffer_sets(backend: str, 
 @pytest.mark.ort_cuda
 def test_onnxruntime_without_graphs_queues_started_batches_from_a_thread_of_its_own(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without CUDA graphs (a dynamic sequence length), ``start_parts`` hands ONNX Runtime's run to the context's
+    """Without CUDA graphs (a dynamic sequence length), ``start_parts`` hands ONNX Runtime's call to the context's
     launcher thread: two batches of other lengths in flight on one context's two sets, answered in either order;
     threads calling ``engines(x)`` while a batch is in flight there; ``map`` as the plain loop (one context whose
-    runs launch every kernel has nothing to overlap); a batcher keeping two in flight; an ONNX Runtime call that
+    calls launch every kernel has nothing to overlap); a batcher keeping two in flight; an ONNX Runtime call that
     fails there fails its batch, and the set serves again."""
     monkeypatch.setitem(MODELS, "per_position", (per_position, ["x:BxSx16"], {"S": "1:16:32"}))
     directory = build_directory(tmp_path / "per_position", "per_position")
@@ -274,7 +274,7 @@ def test_onnxruntime_on_cuda_serves_a_model_with_a_bias_less_convolution_at_one_
     convolution without a bias serves every batch at its largest bucket, so that its CUDA graph is captured and no
     session ever changes shape (ONNX Runtime reallocates that convolution's zero bias at every change, a cudaFree
     that waits for the whole device, and two buckets' graphs cannot share the session); other models keep every
-    bucket. Without this rule such a model ran on CUDA without graphs at three buckets."""
+    bucket: at three buckets it would serve on CUDA without graphs."""
     import compiler.core.capabilities
     from compiler.backends.onnxrt import OrtBackend
 
