@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from calibration.max_abs import add_max_abs_reductions, input_max_abs, reduced_m
 from calibration.statistics import DEFAULT_BINS, AbsHistogram, CalibrationStats, update_tensors
 from compiler.core import defaults
 from compiler.core.errors import CalibrationError
-from compiler.core.onnx_io import load_onnx, ort_session, save_onnx, weightless_copy
+from compiler.core.onnx_io import load_onnx, ort_session, weightless_copy
 from compiler.core.worker import mark_step
 
 __all__ = ["collect_histograms", "collect_max_abs", "ChannelSamples", "collect_channel_samples"]
@@ -52,7 +51,6 @@ log = logging.getLogger(__name__)
 # buffers and the outputs of two calls are held at once (one call's being binned while the next computes), so this
 # bounds the activation memory at about 2x it. 64 MiB runs ResNet-50 at 224x224 one or two samples at a time
 # (benchmarks/calibration_memory.py measures its peak RSS).
-_PROTO_LIMIT = 2**31 - 2**24  # protobuf cannot serialize 2 GiB; bigger models go through a scratch file
 
 
 def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_names: list[str],
@@ -268,49 +266,47 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
     # The budget bounds the exposed tensors; in-graph reductions return scalars, so a probe that
     # exposes nothing runs every batch whole (and without a session when it has no reduction either).
     sliced = bool(probe.fetched)
-    with tempfile.TemporaryDirectory(prefix="trtc-calibration-") as scratch:
-        session = _session_for(probe, providers, Path(scratch), in_node_order=bool(probe.reduced)) \
-            if probe.fetched or probe.reduced else None
-        on = _binning_device(session, device) if session is not None else None
-        if on is not None:
-            budget_bytes = device_budget_bytes if device_budget_bytes is not None else _device_budget(on,
-                                                                                                   budget_bytes)
-            log.info("exposed tensors stay on %s (IOBinding, read by torch through DLPack) and are binned there; "
-                     "calls hold at most %.0f MiB of them", on, budget_bytes / 2**20)
-        if on_device is not None:
-            on_device(on)
-        skeleton = weightless_copy(probe.model) if sliced else None
-        del probe.model.graph.initializer[:]  # a copy: the session has the weights, one copy is enough
-        for index, batch in enumerate(batches):
-            start, size = 0, _batch_size(batch, probe.inputs)
-            if skeleton is not None and not per_sample and size:
-                per_sample = _bytes_per_sample(skeleton, probe, batch)
-            while start < size or (size == 0 and start == 0):
-                if not sliced:
-                    step = max(1, size)
-                else:
-                    step = 1 if not per_sample else max(1, budget_bytes // per_sample)
-                part = _slice(batch, probe.inputs, start, step, size)
-                mark_step(f"batch {index}" + (f", samples {start}-{min(size, start + step) - 1}" if size > 1 else ""))
+    session = _session_for(probe, providers, in_node_order=bool(probe.reduced)) \
+        if probe.fetched or probe.reduced else None
+    on = _binning_device(session, device) if session is not None else None
+    if on is not None:
+        budget_bytes = device_budget_bytes if device_budget_bytes is not None else _device_budget(on, budget_bytes)
+        log.info("exposed tensors stay on %s (IOBinding, read by torch through DLPack) and are binned there; "
+                 "calls hold at most %.0f MiB of them", on, budget_bytes / 2**20)
+    if on_device is not None:
+        on_device(on)
+    skeleton = weightless_copy(probe.model) if sliced else None
+    del probe.model.graph.initializer[:]  # a copy: the session has the weights, one copy is enough
+    for index, batch in enumerate(batches):
+        start, size = 0, _batch_size(batch, probe.inputs)
+        if skeleton is not None and not per_sample and size:
+            per_sample = _bytes_per_sample(skeleton, probe, batch)
+        while start < size or (size == 0 and start == 0):
+            if not sliced:
+                step = max(1, size)
+            else:
+                step = 1 if not per_sample else max(1, budget_bytes // per_sample)
+            part = _slice(batch, probe.inputs, start, step, size)
+            mark_step(f"batch {index}" + (f", samples {start}-{min(size, start + step) - 1}" if size > 1 else ""))
+            observed = _observe(session, probe, index, part, exclude_masked, threshold, on)
+            if observed.inexact:  # an infinity or a NaN in some tensor: it is reduced exactly from here on
+                exact |= observed.inexact
+                log.debug("max |x| of %d tensor(s) reduced exactly from batch %d on (%s): their bounds are not "
+                          "finite", len(observed.inexact), index, ", ".join(sorted(observed.inexact)[:3]))
+                session = None  # its memory goes back before the next session loads the weights
+                probe = _probe_for(model, names, threshold, max_abs_names, exact)
+                session = _session_for(probe, providers, in_node_order=True)
+                del probe.model.graph.initializer[:]
                 observed = _observe(session, probe, index, part, exclude_masked, threshold, on)
-                if observed.inexact:  # an infinity or a NaN in some tensor: it is reduced exactly from here on
-                    exact |= observed.inexact
-                    log.debug("max |x| of %d tensor(s) reduced exactly from batch %d on (%s): their bounds are not "
-                              "finite", len(observed.inexact), index, ", ".join(sorted(observed.inexact)[:3]))
-                    session = None  # its memory goes back before the next session loads the weights
-                    probe = _probe_for(model, names, threshold, max_abs_names, exact)
-                    session = _session_for(probe, providers, Path(scratch), in_node_order=True)
-                    del probe.model.graph.initializer[:]
-                    observed = _observe(session, probe, index, part, exclude_masked, threshold, on)
-                if sliced and not per_sample and observed.samples:
-                    per_sample = max(1, observed.nbytes // observed.samples)
-                    log.debug("%d bytes of exposed tensors per sample: %d samples per call", per_sample,
-                              max(1, budget_bytes // per_sample))
-                yield observed
-                start += step
-                if size == 0:
-                    break
-            seen += 1
+            if sliced and not per_sample and observed.samples:
+                per_sample = max(1, observed.nbytes // observed.samples)
+                log.debug("%d bytes of exposed tensors per sample: %d samples per call", per_sample,
+                          max(1, budget_bytes // per_sample))
+            yield observed
+            start += step
+            if size == 0:
+                break
+        seen += 1
     if not seen:
         raise CalibrationError("the calibration data gave no batches; pass at least one batch of inputs")
 
@@ -413,16 +409,11 @@ def _element_types(model: onnx.ModelProto, names: list[str]) -> dict[str, int]:
     return {i.name: i.type.tensor_type.elem_type for i in infos if i.type.tensor_type.elem_type}
 
 
-def _session_for(probe: _Probe, providers: list[str] | None, scratch: Path, in_node_order: bool = False) -> Any:
-    model = probe.model
-    path = scratch / "calibration.onnx"
-    if probe.weights_dir is not None:  # the graph alone; ONNX Runtime reads the weights from their files
-        return ort_session(model, providers, weights_dir=probe.weights_dir, memory_arena=False,
-                           in_node_order=in_node_order)
-    if model.ByteSize() < _PROTO_LIMIT:
-        return ort_session(model, providers, memory_arena=False, in_node_order=in_node_order)
-    save_onnx(model, path)
-    return ort_session(path, providers, memory_arena=False, in_node_order=in_node_order)
+def _session_for(probe: _Probe, providers: list[str] | None, in_node_order: bool = False) -> Any:
+    """A session of the probe's model: its graph alone where its weights stay in their files (``weights_dir``);
+    ``ort_session`` reads a proto holding large weights from files of its own."""
+    return ort_session(probe.model, providers, weights_dir=probe.weights_dir, memory_arena=False,
+                       in_node_order=in_node_order)
 
 
 def _ort_errors() -> tuple[type[Exception], ...]:
