@@ -13,7 +13,7 @@ import onnx
 
 from compiler.core.capabilities import checking_providers
 from compiler.core.errors import CalibrationError, first_line
-from compiler.core.onnx_io import TemporaryOnnxFile, ort_session
+from compiler.core.onnx_io import ort_session
 from compiler.core.worker import mark
 
 log = logging.getLogger(__name__)
@@ -32,18 +32,18 @@ def check_serving_load(path: Path, feed: dict[str, Any], proven: set[str]) -> No
             log.debug("%s: already loaded and run on %s", path.name, chosen)
             continue
         mark(f"{path.name}: load check on {chosen}")
-        _load_and_run(path, chosen, feed)
+        _load_and_run(path, chosen, feed, path.name)
     log.debug("%s loads and runs on %s", path.name, ", ".join(providers))
 
 
-def _load_and_run(path: Path, provider: str, feed: dict[str, Any], name: str | None = None) -> None:
-    """One ``ort_session`` of ``path`` on ``provider`` (the CPU behind it) and one run of ``feed``; ``name``: the
-    file's name in the message (a temporary copy's is not)."""
+def _load_and_run(model: Path | onnx.ModelProto, provider: str, feed: dict[str, Any], name: str) -> None:
+    """One ``ort_session`` of ``model`` (a file or a proto) on ``provider`` (the CPU behind it) and one call of
+    ``feed``; ``name``: the precision file's name, for the message."""
     try:
-        session = ort_session(path, list(dict.fromkeys([provider, "CPUExecutionProvider"])))
+        session = ort_session(model, list(dict.fromkeys([provider, "CPUExecutionProvider"])))
         session.run(None, feed)
     except Exception as err:  # onnxruntime's pybind errors share no narrower base class
-        raise CalibrationError(f"{name or path.name}: ONNX Runtime's {provider} does not run it as trtc serves it "
+        raise CalibrationError(f"{name}: ONNX Runtime's {provider} does not run it as trtc serves it "
                                f"({first_line(err)}); nothing was written: keep the node it names in FP32 "
                                "(--keep-fp32 NODE), and please report it") from err
     del session
@@ -77,9 +77,8 @@ class LoadCheckBeside:
         self._future = self._pool.submit(self._check, candidate, feed)
 
     def _check(self, candidate: onnx.ModelProto, feed: dict[str, Any]) -> None:
-        # the gate reads the same proto meanwhile: both only read it (save_onnx leaves its model as it was)
-        with TemporaryOnnxFile(candidate, prefix="trtc-load-check-") as path:
-            _load_and_run(path, "CPUExecutionProvider", feed, self._name)
+        # the gate reads the same proto meanwhile: both only read it (ort_session and save_onnx leave it as it was)
+        _load_and_run(candidate, "CPUExecutionProvider", feed, self._name)
 
     def proven(self, final: onnx.ModelProto) -> set[str]:
         """The providers on which ``final`` has loaded and run here: the CPU when it is the candidate checked.
