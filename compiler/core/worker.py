@@ -129,9 +129,10 @@ def in_worker(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 class Worker:
     """A spawned worker process for one call, started before the call is known: its interpreter start, its
     imports and ``warm`` (a picklable function, e.g. loading CUDA and ONNX Runtime's provider libraries) overlap
-    what the caller does meanwhile, and ``run`` then hands it the call (as ``in_worker`` does). A ``warm`` that
-    raises is logged (debug) and the worker goes on: warming is an optimisation. Closing a worker that was never
-    run ends it; use it as a context manager so that every path closes it.
+    what the caller does meanwhile, and ``run`` then hands it the call (as ``in_worker`` does), or ``start`` hands
+    it over and ``result`` waits for it, the caller working on meanwhile. A ``warm`` that raises is logged (debug)
+    and the worker goes on: warming is an optimisation. Closing a worker that has not answered ends it; use it as a
+    context manager so that every path closes it.
     """
 
     def __init__(self, warm: Callable[[], Any] | None = None) -> None:
@@ -151,7 +152,8 @@ class Worker:
             self._child.start()
         send.close()
         calls.close()
-        self._ran = self._closed = False
+        self._what: str | None = None  # the call's name, once started
+        self._sent = self._answered = self._closed = False
 
     def __enter__(self) -> Worker:
         return self
@@ -161,33 +163,53 @@ class Worker:
 
     def run(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` in this worker, once; what ``in_worker`` returns and raises."""
-        if self._closed or self._ran:
+        self.start(what, fn, *args, **kwargs)
+        return self.result()  # type: ignore[no-any-return]
+
+    def start(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Hand the worker its one call and return at once; ``result`` waits for it. A worker closed before its
+        answer came (the caller failed meanwhile) is terminated: the call's work is abandoned."""
+        if self._closed or self._what is not None:
             raise RuntimeError("a Worker runs one call; start another for the next")
-        self._ran = True
+        self._what = what
         try:
             self._calls.send((fn, args, kwargs))
-            answer = self._receive.recv()
-        except (EOFError, BrokenPipeError):  # the child died, before the call or during it
-            answer = None
+        except BrokenPipeError:  # the child died before the call: ``result`` says so
+            self._sent = False
+        else:
+            self._sent = True
+
+    def result(self) -> Any:
+        """What the started call returned, or raise what it raised (``WorkerCrashed`` when the child died)."""
+        if self._what is None or self._closed:
+            raise RuntimeError("result() of a Worker needs a started call, once")
+        answer = None
+        if self._sent:
+            try:
+                answer = self._receive.recv()
+            except EOFError:  # the child died during the call
+                answer = None
+        self._answered = answer is not None
         stage = _Crumb.read(self._crumb) or "starting"
         self.close()
         if answer is None:
-            raise WorkerCrashed(_crash_message(what, stage, self._child.exitcode))
+            raise WorkerCrashed(_crash_message(self._what, stage, self._child.exitcode))
         kind, payload, child_traceback = answer
         if kind == "ok":
-            return payload  # type: ignore[no-any-return]
+            return payload
         if not hasattr(payload, "exit_code"):  # a bug: keep where it happened
-            payload.add_note(f"raised in the {what} worker process:\n{child_traceback}")
+            payload.add_note(f"raised in the {self._what} worker process:\n{child_traceback}")
         raise payload
 
     def close(self) -> None:
-        """End the worker and stop forwarding its log records: one that ran has exited; an unused one is
-        terminated (it may still be warming, and an error on the way to its call should not wait for that)."""
+        """End the worker and stop forwarding its log records: one that answered has exited; an unused one is
+        terminated (it may still be warming, and an error on the way to its call should not wait for that), and
+        so is one whose call is abandoned (closed before ``result``)."""
         if self._closed:
             return
         self._closed = True
         self._calls.close()
-        if not self._ran:
+        if not self._answered:
             self._child.terminate()
         self._child.join()
         self._receive.close()
