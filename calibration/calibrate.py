@@ -51,7 +51,8 @@ from compiler.core.settings import MIN_COMPUTE_CAPABILITY, CalibrationSettings
 from compiler.core.specs import ModelSpec
 from compiler.core.worker import Worker, in_worker, isolated, mark
 
-__all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "calibration_worker", "calibrate_directory"]
+__all__ = ["CalibrationSettings", "CalibrationOutcome", "calibrated_into", "calibration_started", "calibration_worker",
+           "calibrate_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +117,24 @@ def calibrated_into(stage: Path, fp32_path: Path, spec: ModelSpec, settings: Cal
     ``worker``: one started ahead (``calibration_worker``), else a new one. ``fp32_sha256``: the digest of
     ``fp32_path``'s own file where the caller has it (its manifest record), else it is computed.
     """
+    return calibration_started(stage, fp32_path, spec, settings, worker, fp32_sha256)()
+
+
+def calibration_started(stage: Path, fp32_path: Path, spec: ModelSpec, settings: CalibrationSettings,
+                        worker: Worker | None = None, fp32_sha256: str | None = None,
+                        ) -> Callable[[], CalibrationOutcome]:
+    """``calibrated_into`` begun: with ``worker`` it runs from now on, beside whatever the caller does until it
+    calls the function returned, which gives the outcome (or raises); without one the work happens in that call
+    (in a worker of its own, or in this process under TRTC_IN_PROCESS=1). Closing ``worker`` before that call
+    abandons the calibration."""
     what = f"{settings.precision.upper()} calibration"
+    args = (stage, fp32_path, spec, settings, fp32_sha256)
     if worker is not None:
-        return worker.run(what, _calibrated_into, stage, fp32_path, spec, settings, fp32_sha256)
+        worker.start(what, _calibrated_into, *args)
+        return worker.result  # type: ignore[no-any-return]
     if isolated():
-        return in_worker(what, _calibrated_into, stage, fp32_path, spec, settings, fp32_sha256)
-    return _calibrated_into(stage, fp32_path, spec, settings, fp32_sha256)
+        return partial(in_worker, what, _calibrated_into, *args)
+    return partial(_calibrated_into, *args)
 
 
 def calibration_worker() -> Worker | None:

@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ FAILED_DIR = "failed"
 def build_directory(export: ExportSettings, calibration: Any | None, build: BuildSettings,
                     command: str = "trtc build") -> Manifest:
     """Run the whole chain; returns the manifest written. ``calibration`` is a CalibrationSettings or None (FP32)."""
-    from calibration.calibrate import ACCURACY_JSON, CALIBRATION_FILES, calibrated_into, calibration_worker
+    from calibration.calibrate import ACCURACY_JSON, CALIBRATION_FILES, calibration_started, calibration_worker
 
     start = time.perf_counter()
     out = export.out
@@ -83,18 +83,28 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
             stage = transaction.stage
             with stage_timer("export inputs from the data"):
                 feeds, feeds_from = _feeds_from_calibration_data(calibration, spec, export.max_batch)
-            manifest = export_step(transaction, model, export, feeds, feeds_from)
-            with stage_timer("freeing the PyTorch model"):
-                del model  # not needed past export: its memory goes back before calibration
-            if calibration is not None:
+            calibrated: list[Callable[[], Any]] = []  # the outcome of the calibration started beside the checks
+
+            def calibrate(fp32_path: Path) -> None:
+                assert calibration is not None
                 cache_file = CALIBRATION_FILES.get(calibration.precision)
                 cache = calibration.calib_cache or (out / cache_file if cache_file else None)
                 if cache_file and cache and Path(cache).is_file():
                     shutil.copy2(cache, stage / cache_file)
+                calibrated.append(calibration_started(stage, fp32_path, spec, calibration, worker))
+
+            try:
+                manifest = export_step(transaction, model, export, feeds, feeds_from,
+                                       calibrate if calibration is not None else None)
+            except BaseException:
+                workers.close()  # an abandoned calibration ends before the staging folder is removed
+                raise
+            with stage_timer("freeing the PyTorch model"):
+                del model  # not needed past export: its memory goes back before calibration
+            if calibration is not None:
+                # the time past the export and pass checks, which ran beside the calibration
                 with stage_timer(f"{calibration.precision.upper()} calibration"):
-                    fp32 = manifest.onnx["fp32"]
-                    outcome = calibrated_into(stage, stage / FP32_ONNX, spec, calibration, worker,
-                                              fp32.file_sha256.get(FP32_ONNX))
+                    outcome = calibrated[0]()
                 if outcome.record is None:
                     _keep_failed_attempt(stage, out, manifest)
                     raise AccuracyGateError(f"{outcome.message}; see {out / FAILED_DIR / ACCURACY_JSON} (the failed "

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -120,15 +121,17 @@ def model_to_export(settings: ExportSettings, buckets: tuple[int, ...] | None = 
 
 
 def export_step(transaction: Transaction, model: ModelToExport, settings: ExportSettings,
-                feeds: FeedSource | None = None, feeds_from: str = "") -> Manifest:
+                feeds: FeedSource | None = None, feeds_from: str = "",
+                fp32_written: Callable[[Path], None] | None = None) -> Manifest:
     """The export step of ``trtc export`` and ``trtc build``: refuse a directory that holds another model's build
     (unless ``settings.force``), then export, fold and verify into the transaction's stage. Returns the manifest
-    (not yet written); ``feeds``/``feeds_from`` as for ``exported_into``, replaced by ``settings.example_data``
-    where that is given."""
+    (not yet written); ``feeds``/``feeds_from``/``fp32_written`` as for ``exported_into``, ``feeds`` replaced by
+    ``settings.example_data`` where that is given."""
     if settings.example_data is not None:
         feeds, feeds_from = example_feeds(settings.example_data, model.spec)
     refuse_other_model(transaction.directory, model.fingerprint, settings.force)
-    return exported_into(transaction.stage, model.loaded, model.spec, settings, model.fingerprint, feeds, feeds_from)
+    return exported_into(transaction.stage, model.loaded, model.spec, settings, model.fingerprint, feeds, feeds_from,
+                         fp32_written)
 
 
 def export_directory(settings: ExportSettings, command: str = "trtc export") -> Manifest:
@@ -159,11 +162,14 @@ def write_timing(stage: Path, command: str, times: StageTimes) -> None:
 
 
 def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: ExportSettings,
-                  fingerprint: str, feeds: FeedSource | None = None, feeds_from: str = "") -> Manifest:
+                  fingerprint: str, feeds: FeedSource | None = None, feeds_from: str = "",
+                  fp32_written: Callable[[Path], None] | None = None) -> Manifest:
     """Export and verify into ``stage``; returns the manifest (not yet written).
 
     ``feeds`` gives the example inputs at a batch size (``feeds_from`` says whence, for the
-    manifest); by default seeded values from the spec (``ModelSpec.example_feed``).
+    manifest); by default seeded values from the spec (``ModelSpec.example_feed``). ``fp32_written(path)`` is
+    called once ``stage/model.onnx`` is written, before the export and pass checks run: ``trtc build`` starts
+    the calibration there, beside the checks (a check that fails then raises here, and the caller abandons it).
     """
     work = stage / ".export"
     work.mkdir()
@@ -182,17 +188,12 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
     verification: dict[str, Any] = {"rtol": tol.rtol, "atol": tol.atol, "min_cosine": tol.min_cosine,
                                     "batches": settings.verify_batches,
                                     "inputs": feeds_from if feeds is not None else "example values of the spec"}
-    if checks.eager is not None:
-        with stage_timer("export check"):
-            verification["export"] = [c.to_dict() for c in checks.run(
-                raw, None, spec, settings.verify_batches, tol, "export check (ONNX Runtime vs eager PyTorch)",
-                feeds=feeds, feeds_from=feeds_from)]
-    original: Path | None = None
-    if checks.eager is None:  # the original ONNX checks the passes: from its file (ONNX Runtime reads the weights)
-        original = loaded.onnx_path if loaded.is_onnx and loaded.onnx_path else work / "original.onnx"
-        if not loaded.is_onnx or not loaded.onnx_path:
-            with stage_timer("writing the exported ONNX"), space_for(stage, proto_bytes(raw)):
-                save_onnx(raw, original)
+    # the export as it came, in a file: what the export check runs against eager PyTorch (the passes change the
+    # proto in place) or, for an ONNX input, the reference of the pass check (the user's own file)
+    exported_path = loaded.onnx_path if loaded.is_onnx and loaded.onnx_path else work / "exported.onnx"
+    if exported_path.parent == work:
+        with stage_timer("writing the exported ONNX"), space_for(stage, proto_bytes(raw)):
+            save_onnx(raw, exported_path)
     start = time.perf_counter()
     with stage_timer("graph passes"):
         folded, passes = run_passes_unchecked(raw)  # checked below, as the export check is
@@ -203,15 +204,22 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
         save_onnx(folded, onnx_path)
     output_names = [o.name for o in folded.graph.output]
     del folded
-    # the file's digest and the source snapshot are written and read beside the pass check, which only reads the
-    # module and the file (hashing and file writes release the GIL): 0.9 s of a ViT-B/16's build on an H200 host
-    with ThreadPoolExecutor(2, thread_name_prefix="trtc-beside-pass-check") as pool:
+    if fp32_written is not None:
+        fp32_written(onnx_path)
+    # the file's digest and the source snapshot are written and read beside the checks, which only read the
+    # module and the files (hashing and file writes release the GIL): 0.9 s of a ViT-B/16's build on an H200 host
+    with ThreadPoolExecutor(2, thread_name_prefix="trtc-beside-checks") as pool:
         digest = pool.submit(FileRecord.for_onnx, stage, onnx_path)
         snapshotted = pool.submit(_snapshot, stage, loaded)
+        if checks.eager is not None:
+            with stage_timer("export check"):
+                verification["export"] = [c.to_dict() for c in checks.run(
+                    exported_path, None, spec, settings.verify_batches, tol,
+                    "export check (ONNX Runtime vs eager PyTorch)", feeds=feeds, feeds_from=feeds_from)]
         with stage_timer("pass check"):
             verification["passes"] = [c.to_dict() for c in checks.run(
-                onnx_path, original, spec, settings.verify_batches, tol, "pass check (folded ONNX vs reference)",
-                feeds=feeds, feeds_from=feeds_from)]
+                onnx_path, None if checks.eager is not None else exported_path, spec, settings.verify_batches, tol,
+                "pass check (folded ONNX vs reference)", feeds=feeds, feeds_from=feeds_from)]
         verification["reference"] = checks.reference_name
         verification["devices"] = checks.record()  # where the checks ran, as calibration records its provider
         with stage_timer("export cleanup"):

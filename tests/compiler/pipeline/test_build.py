@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -220,3 +221,58 @@ def test_sigkill_mid_build_leaves_the_previous_build_intact(digits: Path, tmp_pa
     code, output = build([*int8_args(digits, out), "--engine", "none"])
     assert code == 0, output
     assert not list(out.glob(".staging-*"))
+
+
+NOISY = '''
+import torch
+
+
+class Head(torch.nn.Module):
+    def __init__(self, noisy: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.noisy = torch.nn.Linear(8, 4), noisy
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y + torch.rand_like(y) if self.noisy else y
+
+
+def steady():
+    return Head(False)
+
+
+def noisy():
+    return Head(True)
+'''
+
+
+def test_a_failed_export_check_ends_the_calibration_beside_it(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Proves: `trtc build --int8` of a model whose ONNX export differs from eager PyTorch (random noise in forward)
+    fails its export check with exit 3 while the calibration worker already has model.onnx; the directory then
+    holds the previous build byte for byte (no calibration file of the abandoned attempt, no staging folder) and
+    no spawned worker process is left running."""
+    import psutil
+
+    (tmp_path / "noisy_heads.py").write_text(NOISY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    args = ["--input", "x:Bx8", "--buckets", "1,4", "--int8", "--calib-data", "random", "--calib-samples", "16",
+            "--engine", "none", "--out", str(out)]
+    code, output = build(["--model-factory", "noisy_heads:steady", *args])
+    assert code == 0, output
+    before = files_of(out)
+    code, output = build(["--model-factory", "noisy_heads:noisy", "--force", *args])
+    assert code == 3 and "export check" in output, output
+    assert files_of(out) == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.is_dir()]
+
+    def workers() -> list[Any]:
+        return [c for c in psutil.Process().children(recursive=True)
+                if "spawn_main" in " ".join(c.cmdline()) and c.is_running()]
+
+    deadline = time.monotonic() + 10
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not workers()

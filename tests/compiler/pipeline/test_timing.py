@@ -19,8 +19,8 @@ BUILD = ["build", "--model-factory", "examples.models:mlp", "--input", "x:Bx64",
          "--calib-data", "random", "--calib-samples", "16", "--engine", "none"]
 STAGES = ["interpreter start, torch import, options", "imports", "checks before export", "calibration worker start",
           "model loading", "model fingerprint", "export inputs from the data", "export", "export check setup",
-          "export check", "graph passes", "writing model.onnx", "pass check", "export cleanup", "source snapshot",
-          "model.onnx digest", "freeing the PyTorch model", "INT8 calibration"]
+          "writing the exported ONNX", "graph passes", "writing model.onnx", "export check", "pass check",
+          "export cleanup", "source snapshot", "model.onnx digest", "freeing the PyTorch model", "INT8 calibration"]
 
 
 def test_the_build_records_and_prints_every_stage(tmp_path: Path) -> None:
