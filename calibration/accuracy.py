@@ -30,7 +30,7 @@ import onnx
 
 from calibration.fp16_rounding import fp16_rounding_emulation
 from calibration.sensitivity import layer_errors
-from calibration.slices import CHUNK_VALUES, leading_samples, sliced_runs, takes_any_batch
+from calibration.slices import CHUNK_VALUES, SampleBytes, leading_samples, sliced_runs, takes_any_batch
 from compiler.backends.base import Runner
 from compiler.backends.registry import check_runner
 from compiler.core import defaults
@@ -185,6 +185,7 @@ class Evaluator:
         self.output_names = list(output_names or [f"output {i}" for i in range(count)])
         self.providers = list(providers or ["CPUExecutionProvider"])
         self._scratch: tempfile.TemporaryDirectory[str] | None = None  # reference outputs
+        self.sample_bytes = SampleBytes()  # what the reference's first slice measured: candidates run whole batches
         self.warnings, predictions, self.reference_max_abs = _read_reference(
             self.output_names, fp32_outputs, budget_bytes, predictions=labels is not None)
         self.fp32_top1 = self._top1(predictions) if labels is not None else None
@@ -202,12 +203,13 @@ class Evaluator:
         # evaluation sample would otherwise be held in memory (GPT-2: 25 MB per 128-token sample)
         scratch = tempfile.TemporaryDirectory(prefix="trtc-reference-")
         outputs: list[list[np.ndarray | Path]] = []
+        known = SampleBytes()
         for i, batch in enumerate(batches):
             paths = [Path(scratch.name) / f"{i}-{j}.npy" for j in range(len(runner.output_names))]
             files: list[Any] = []
             try:
                 for _start, stop, outs in sliced_runs(runner.infer, batch, budget_bytes, f"batch {i}",
-                                                      takes_any_batch(runner)):
+                                                      takes_any_batch(runner), known):
                     if stop is None:  # not sliceable: the batch ran whole
                         for path, array in zip(paths, outs):
                             np.save(path, array)
@@ -224,6 +226,7 @@ class Evaluator:
         runner.release()
         evaluator = cls(batches, outputs, labels, settings, names, providers, budget_bytes)
         evaluator._scratch = scratch  # removed with the evaluator
+        evaluator.sample_bytes = known
         return evaluator
 
     def _top1(self, predictions: list[np.ndarray]) -> float:
@@ -262,7 +265,7 @@ class Evaluator:
         sliceable = takes_any_batch(runner)
         for index, (batch, ref) in enumerate(zip(self.batches, self.reference)):
             for start, stop, outs in sliced_runs(runner.infer, batch, self.budget_bytes, f"batch {index}",
-                                                      sliceable):
+                                                      sliceable, self.sample_bytes):
                 if self.labels is not None:
                     predictions.append(_argmax(outs[0]))
                 for name, got, item in zip(self.output_names, outs, ref):

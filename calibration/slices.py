@@ -11,7 +11,7 @@ import numpy as np
 from compiler.backends.base import Runner
 from compiler.core.worker import mark_step
 
-__all__ = ["sliced_runs", "takes_any_batch", "leading_samples", "as_list", "CHUNK_VALUES"]
+__all__ = ["sliced_runs", "SampleBytes", "takes_any_batch", "leading_samples", "as_list", "CHUNK_VALUES"]
 
 # float64 temporaries of a comparison stay under 2 MiB each (a GPT-2 sample's logits are 6.4 M values)
 CHUNK_VALUES = 1 << 18
@@ -23,16 +23,39 @@ def leading_samples(batch: dict[str, np.ndarray]) -> int:
     return sizes.pop() if len(sizes) == 1 and -1 not in sizes else 0
 
 
+class SampleBytes:
+    """Output bytes per sample, by the shapes of a sample's inputs, as the first slice of a batch measured them:
+    a later batch of those shapes runs in slices of the budget from its first sample. One per model and its
+    candidates (an FP16 candidate's outputs take no more bytes than FP32's)."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[Any, ...], int] = {}
+
+    @staticmethod
+    def _key(batch: dict[str, np.ndarray]) -> tuple[Any, ...]:
+        return tuple(sorted((name, np.shape(v)[1:], np.asarray(v).dtype.str) for name, v in batch.items()))
+
+    def get(self, batch: dict[str, np.ndarray]) -> int | None:
+        return self._known.get(self._key(batch))
+
+    def set(self, batch: dict[str, np.ndarray], per_sample: int) -> None:
+        self._known[self._key(batch)] = per_sample
+
+
 def sliced_runs(run: Callable[[dict[str, np.ndarray]], Any], batch: dict[str, np.ndarray], budget_bytes: int,
-                 step_name: str, sliceable: bool = True) -> Iterator[tuple[int, int | None, list[np.ndarray]]]:
+                step_name: str, sliceable: bool = True, known: SampleBytes | None = None,
+                ) -> Iterator[tuple[int, int | None, list[np.ndarray]]]:
     """``run`` on ``batch`` in slices of samples whose outputs stay under ``budget_bytes``: (start, stop, outputs).
 
-    The first slice is one sample, which measures the output bytes per sample. A batch whose inputs share
-    no leading dimension, or whose outputs do not follow the inputs' (a model that reduces over the batch),
-    or a model with a fixed batch size (``sliceable`` False) runs whole once: (0, None, outputs).
+    The first slice is one sample, which measures the output bytes per sample, unless ``known`` has them for
+    samples of this batch's shapes (the gate's batches after the first then run whole: each new slice size was
+    one more shape for ONNX Runtime, and twice the calls). A batch whose inputs share no leading dimension, or
+    whose outputs do not follow the inputs' (a model that reduces over the batch), or a model with a fixed batch
+    size (``sliceable`` False) runs whole once: (0, None, outputs).
     """
     size = leading_samples(batch) if sliceable else 0
-    start, step = 0, 1
+    measured = known.get(batch) if known is not None and size else None
+    start, step = 0, 1 if measured is None else max(1, budget_bytes // max(1, measured))
     while start < size:
         stop = min(size, start + step)
         mark_step(step_name + (f", samples {start}-{stop - 1}" if size > 1 else ""))
@@ -41,8 +64,11 @@ def sliced_runs(run: Callable[[dict[str, np.ndarray]], Any], batch: dict[str, np
         if start == 0 and any(np.ndim(o) == 0 or len(o) != stop for o in outs):
             break  # outputs not per sample: run the batch whole
         yield start, stop, outs
-        if start == 0:
-            step = max(1, budget_bytes // max(1, sum(o.nbytes for o in outs)))
+        if start == 0 and measured is None:
+            per_sample = max(1, sum(o.nbytes for o in outs) // stop)
+            step = max(1, budget_bytes // per_sample)
+            if known is not None:
+                known.set(batch, per_sample)
         del outs
         start = stop
     if size and start >= size:

@@ -118,3 +118,30 @@ def test_one_pass_max_abs_counts_mask_biases_and_names_nan() -> None:
     batches[1]["x"][0, 3] = np.nan
     with pytest.raises(CalibrationError, match="batch 1: tensor 'y' has NaN"):
         collect_histograms(_mlp(), [], batches, max_abs_names=["y"])
+
+
+def test_batches_after_the_first_of_a_shape_run_whole_in_slices_of_the_budget() -> None:
+    """Proves: with a SampleBytes memo, the first batch of a sample shape runs as 1 + rest (the measurement), each
+    later batch of that shape in slices of the budget from its first sample (here whole: 1 call), a batch of new
+    sample shapes measures again, and the slices' outputs joined equal the batch's own outputs."""
+    from calibration.slices import SampleBytes, sliced_runs
+
+    calls: list[tuple[int, ...]] = []
+
+    def run(feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        calls.append(feed["x"].shape)
+        return [feed["x"].reshape(len(feed["x"]), -1) * 2.0]
+
+    known = SampleBytes()
+    rng = np.random.default_rng(0)
+    for batch, expected in ((rng.standard_normal((16, 3, 4), dtype=np.float32), [(1, 3, 4), (15, 3, 4)]),
+                            (rng.standard_normal((16, 3, 4), dtype=np.float32), [(16, 3, 4)]),
+                            (rng.standard_normal((8, 5, 4), dtype=np.float32), [(1, 5, 4), (7, 5, 4)])):
+        calls.clear()
+        parts = list(sliced_runs(run, {"x": batch}, 1 << 20, "batch", known=known))
+        assert calls == expected
+        joined = np.concatenate([outs[0] for _, _, outs in parts])
+        np.testing.assert_array_equal(joined, batch.reshape(len(batch), -1) * 2.0)
+    calls.clear()
+    list(sliced_runs(run, {"x": np.zeros((16, 3, 4), np.float32)}, 2 * 12 * 4, "batch", known=known))
+    assert calls == [(2, 3, 4)] * 8  # a budget of two samples' outputs: slices of 2 from the start
