@@ -11,9 +11,8 @@ make two batches). Requests are checked when submitted, so a bad request fails i
 at once and never a batch of others. When a batch is ready and which requests it takes is
 ``compiler.serve.batching``'s policy, which the process batcher shares.
 
-Requests are never packed into a batch array of their own: each request's rows are copied
-straight into the (pinned) input buffers of the context that runs the batch
-(``Engines.run_parts``), which is one pass over the data instead of two.
+Requests are never packed into a batch array of their own: each request's rows are copied straight into the
+(pinned) input buffers of the context that runs the batch (``Engines.run_parts``): one pass over the data, not two.
 
 ``submit`` blocks a thread per request; ``submit_async`` returns a ``concurrent.futures.Future``;
 ``await batcher.infer(x)`` serves asyncio servers: their requests wait as coroutines of one
@@ -49,7 +48,7 @@ from compiler.core import defaults
 from compiler.core.errors import InputError
 from compiler.core.specs import BATCH_DIM, ModelSpec
 from compiler.serve import switching
-from compiler.serve.batching import BatchPolicy, warn_of_split_batches
+from compiler.serve.batching import BatchPolicy, ThreadedCallers, warn_of_split_batches
 from compiler.serve.waits import BatcherClosed, OverdueWaits, RequestTimeout
 
 __all__ = ["DynamicBatcher"]
@@ -233,6 +232,7 @@ class DynamicBatcher:
                         "without CUDA graphs): this process's threads and coroutines wait behind each launch. Load "
                         "them with cuda_graphs=True, or serve through ProcessBatcher (compiler.serve.processes)", name)
         warn_of_split_batches(engines.buckets, workers, name)
+        self._threaded = ThreadedCallers(self._policy.max_batch, name)  # ``submit``'s callers, until there are many
         self._inline = not engines.queues_on_gpu  # start_parts computes the batch: the forming thread answers it
         flights = [_InFlight(self._lock) for _ in range(workers)]
         # per worker, one thread forms and starts batches and one answers them (``_form``, ``_answer``)
@@ -279,6 +279,7 @@ class DynamicBatcher:
         Raises ``RequestTimeout`` when the answer does not come in time (the request is then
         dropped if it has not started), ``FeedError`` for a request that does not fit the model.
         """
+        self._threaded.saw()
         waiter = _Waiter()
         self._enqueue(x, timeout, priority, waiter, None)
         limit = self.timeout if timeout is None else timeout

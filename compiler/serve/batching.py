@@ -23,6 +23,7 @@ server on a fast GPU). The policy holds no requests itself: each batcher keeps i
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -165,3 +166,26 @@ def warn_of_split_batches(buckets: Sequence[int], workers: int, name: str) -> No
         log.warning("%s run every batch at %d rows, padded: %d workers split the requests that arrive together into "
                     "smaller batches that each cost a full one. Use workers=1 (the default), which keeps two batches "
                     "in flight on a GPU", name, buckets[0], workers)
+
+
+class ThreadedCallers:
+    """Says once that many threads block in a batcher's ``submit``: one process's GIL serializes their answers and
+    their next requests (about 60 us of Python work each on an H200 host), so single rows from 64 threads reached
+    48-65 % of ``engines(x)`` at batch 64 on torchvision's ResNet-50 there, where ProcessBatcher and coroutines
+    reached 120 % and more (docs/benchmarks.md, "Serving at its bound"). ``saw`` costs a set insertion until then."""
+
+    def __init__(self, max_batch: int, name: str) -> None:
+        self._threads: set[int] | None = set()
+        self._limit, self._name = max(8, max_batch // 2), name
+
+    def saw(self) -> None:
+        """Count the calling thread; at ``max_batch / 2`` threads (8 at least), warn and stop counting."""
+        if self._threads is None:
+            return
+        self._threads.add(threading.get_ident())
+        if len(self._threads) >= self._limit:
+            self._threads = None
+            log.warning("%d or more threads block in submit on %s: one process's GIL serializes every answer and next "
+                        "request, which costs about half the throughput of a full batch. Serve them through "
+                        "ProcessBatcher (compiler.serve.processes), or from coroutines awaiting infer",
+                        self._limit, self._name)

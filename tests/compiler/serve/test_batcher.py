@@ -546,6 +546,38 @@ def test_several_workers_on_engines_of_one_bucket_are_told_once_to_use_one(
         assert all("workers=1" in m and f"at {engines.buckets[-1]} rows" in m for m in said)
 
 
+def test_many_threads_blocking_in_submit_are_told_once_of_the_faster_paths(
+        engines: Engines, caplog: pytest.LogCaptureFixture) -> None:
+    """Proves: as many threads as half the batch (8 at least) blocking in ``submit`` get one warning naming
+    ProcessBatcher and ``await infer``, however many more requests they send; fewer threads get none; every
+    request of both is answered with its own rows."""
+    limit = max(8, engines.buckets[-1] // 2)
+    for threads, told in ((limit - 1, 0), (limit + 2, 1)):
+        caplog.clear()
+        errors: list[BaseException] = []
+        start = threading.Barrier(threads)
+        with (caplog.at_level("WARNING", logger="compiler.serve.batching"),
+              DynamicBatcher(engines, max_wait_ms=1) as batcher):
+            def client(i: int, start: threading.Barrier, errors: list[BaseException]) -> None:
+                try:
+                    start.wait()
+                    for _ in range(3):
+                        np.testing.assert_allclose(batcher.submit(rows(i), timeout=10),
+                                                   engines(rows(i)), rtol=1e-6)
+                except BaseException as err:  # reported below
+                    errors.append(err)
+
+            pool = [threading.Thread(target=client, args=(i, start, errors)) for i in range(threads)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+        assert not errors, errors
+        said = [r.getMessage() for r in caplog.records if "threads block in submit" in r.getMessage()]
+        assert len(said) == told, (threads, said)
+        assert all("ProcessBatcher" in m and "awaiting infer" in m for m in said)
+
+
 def test_two_batchers_on_one_engines_never_wait_for_each_others_buffer_sets(engines: Engines) -> None:
     """Two batchers of two batches in flight each, sharing engines of two buffer sets: a worker that holds one set
     never waits for another (each would hold one and wait for the other's); every request is answered."""
