@@ -48,8 +48,8 @@ def sliced_runs(run: Callable[[dict[str, np.ndarray]], Any], batch: dict[str, np
     """``run`` on ``batch`` in slices of samples whose outputs stay under ``budget_bytes``: (start, stop, outputs).
 
     The first slice is one sample, which measures the output bytes per sample, unless ``known`` has them for
-    samples of this batch's shapes (the gate's batches after the first then run whole: each new slice size was
-    one more shape for ONNX Runtime, and twice the calls). A batch whose inputs share no leading dimension, or
+    samples of this batch's shapes (the gate's batches after the first then run whole, not as one sample and the
+    rest: half the calls, and no second shape for ONNX Runtime). A batch whose inputs share no leading dimension, or
     whose outputs do not follow the inputs' (a model that reduces over the batch), or a model with a fixed batch
     size (``sliceable`` False) runs whole once: (0, None, outputs).
     """

@@ -102,7 +102,7 @@ def build_directory(export: ExportSettings, calibration: Any | None, build: Buil
             with stage_timer("freeing the PyTorch model"):
                 del model  # not needed past export: its memory goes back before calibration
             if calibration is not None:
-                # the time past the export and pass checks, which ran beside the calibration
+                # the time past the export and pass checks, which run beside the calibration
                 with stage_timer(f"{calibration.precision.upper()} calibration"):
                     outcome = calibrated[0]()
                 if outcome.record is None:

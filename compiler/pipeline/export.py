@@ -190,8 +190,9 @@ def exported_into(stage: Path, loaded: LoadedModel, spec: ModelSpec, settings: E
                                     "inputs": feeds_from if feeds is not None else "example values of the spec"}
     # the export as it came, in a file: what the export check runs against eager PyTorch (the passes change the
     # proto in place) or, for an ONNX input, the reference of the pass check (the user's own file)
-    exported_path = loaded.onnx_path if loaded.is_onnx and loaded.onnx_path else work / "exported.onnx"
-    if exported_path.parent == work:
+    user_file = loaded.onnx_path if loaded.is_onnx else None
+    exported_path = user_file or work / "exported.onnx"
+    if user_file is None:
         with stage_timer("writing the exported ONNX"), space_for(stage, proto_bytes(raw)):
             save_onnx(raw, exported_path)
     start = time.perf_counter()
