@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,18 +21,51 @@ from compiler.backends.host import HostContext
 from compiler.core.errors import InputError
 from compiler.core.specs import ModelSpec
 
-__all__ = ["eager_outputs", "host_outputs", "TorchRunner", "TorchBackend", "TorchCpuContext", "TorchCudaContext"]
+__all__ = ["eager_outputs", "eager_output", "names_of_outputs", "host_outputs", "TorchRunner", "TorchBackend",
+           "TorchCpuContext", "TorchCudaContext"]
 
 
 def eager_outputs(module: Any, args: Sequence[Any], autocast_fp16: bool = False) -> list[Any]:
     """``module(*args)`` in inference mode (under FP16 autocast on CUDA when asked), its outputs (a tensor, tuple,
     dict...) flattened in order: how trtc runs every eager model."""
-    import torch
     from torch.utils._pytree import tree_flatten
 
-    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16, enabled=autocast_fp16):
-        flat, _ = tree_flatten(module(*args))
+    flat, _ = tree_flatten(eager_output(module, args, autocast_fp16))
     return flat
+
+
+def eager_output(module: Any, args: Sequence[Any], autocast_fp16: bool = False) -> Any:
+    """``module(*args)`` in inference mode (under FP16 autocast on CUDA when asked), as it returns it."""
+    import torch
+
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16, enabled=autocast_fp16):
+        return module(*args)
+
+
+def names_of_outputs(out: Any, input_names: list[str]) -> list[str] | None:
+    """Names for a model's outputs where the user gave none, from what eager PyTorch returns (``out``): a dict's
+    keys (a transformers ModelOutput's fields too), ``output_N`` for the N-th of a tuple or for a lone tensor
+    (``output_0``), nested parts joined by ``_``; the ONNX export and the torch backend both name outputs so. The
+    exporters' own names are their last node's (``linear_74``, ``mul_1178``), which serving code would have to
+    use. None where a part is not a tensor or two names would clash (with each other or an input)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    try:
+        leaves = pytree.tree_flatten_with_path(out)[0]
+    except Exception:  # a container pytree cannot name its parts of: the exporters' names stay
+        return None
+    if not leaves or not all(isinstance(leaf, torch.Tensor) for _, leaf in leaves):
+        return None
+    names = []
+    for index, (path, _) in enumerate(leaves):
+        parts = [str(key.key) if isinstance(key, pytree.MappingKey) else str(key.idx)
+                 if isinstance(key, pytree.SequenceKey) else getattr(key, "name", "") for key in path]
+        name = re.sub(r"[^0-9A-Za-z_.]", "_", "_".join(parts))
+        names.append(f"output_{name or index}" if not name or name[0].isdigit() else name)
+    if len(set(names)) != len(names) or set(names) & set(input_names):
+        return None
+    return names
 
 
 def host_outputs(flat: Sequence[Any], output_names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -109,9 +143,13 @@ class TorchBackend:
             module = module.eval()
         self.module = module.to(target)
         probe = spec.example_feed(self.buckets[0])
-        count = len(self.forward([torch.from_numpy(probe[n]).to(target) for n in spec.input_names]))
+        out = eager_output(self.module, [torch.from_numpy(probe[n]).to(target) for n in spec.input_names],
+                           self.autocast)
+        count = len(torch.utils._pytree.tree_flatten(out)[0])
         names = list(output_names or [])
-        self.output_names = names if len(names) == count else [f"output_{i}" for i in range(count)]
+        if len(names) != count:
+            names = names_of_outputs(out, spec.input_names) or [f"output_{i}" for i in range(count)]
+        self.output_names = names
 
     def forward(self, args: list[Any]) -> list[Any]:
         return eager_outputs(self.module, args, self.autocast)

@@ -18,6 +18,7 @@ from typing import Any
 
 import onnx
 
+from compiler.backends.pytorch import names_of_outputs
 from compiler.core.errors import ExportError, InputError, raised_by_user_code, user_code_failure
 from compiler.core.onnx_io import load_onnx
 from compiler.core.specs import BATCH_DIM, INTEGER_DTYPES, ModelSpec
@@ -74,7 +75,8 @@ def onnx_from_torch(loaded: LoadedModel, spec: ModelSpec, max_batch: int, opset:
         return ExportResult(model, "onnx-input", _opset(model), time.perf_counter() - start)
     assert workdir is not None
     args = example_inputs(spec, max_batch, feeds)
-    _check_model_accepts(loaded, spec, args, from_data=feeds is not None)
+    eager = _check_model_accepts(loaded, spec, args, from_data=feeds is not None)
+    output_names = output_names or names_of_outputs(eager, spec.input_names)
     path = workdir / "exported.onnx"
     if loaded.format == "torchscript":
         model = _torchscript_export(loaded.module, args, spec, max_batch, opset, output_names, path)
@@ -101,9 +103,10 @@ _REJECTS = (RuntimeError, TypeError, ValueError, IndexError, AssertionError)
 
 
 def _check_model_accepts(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...], from_data: bool = False,
-                         ) -> None:
+                         ) -> Any:
     """Run the eager model once on the example inputs, so that a wrong shape spec or value range, a forward that
-    raises or one that returns None fails clearly, early, in one line that shows the user's frame."""
+    raises or one that returns None fails clearly, early, in one line that shows the user's frame; returns what
+    it returned."""
     import torch
 
     try:
@@ -114,6 +117,7 @@ def _check_model_accepts(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, 
     if out is None or (isinstance(out, (tuple, list)) and out and all(o is None for o in out)):
         raise InputError(f"the model's forward returned None ({_forward_location(loaded.module)}): there is no "
                          "output to export; return the output tensor(s) from forward")
+    return out
 
 
 def _rejection(loaded: LoadedModel, spec: ModelSpec, args: tuple[Any, ...], from_data: bool,

@@ -204,3 +204,65 @@ def test_a_forward_with_varargs_goes_through_the_dynamo_exporter(tmp_path: Path)
     assert code == 0, output
     manifest = json.loads((tmp_path / "v" / "manifest.json").read_text())
     assert manifest["export"]["exporter"] == "dynamo", manifest["export"]["fallback_reason"]
+
+
+HEADS = '''
+import torch
+
+
+class Detector(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 8)
+        self.boxes, self.scores = torch.nn.Linear(8, 4), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.body(x)
+        return {"boxes": self.boxes(h), "scores": self.scores(h).softmax(-1)}
+
+
+class Pair(Detector):
+    def forward(self, x):
+        out = super().forward(x)
+        return out["boxes"], out["scores"]
+
+
+class Plain(Detector):
+    def forward(self, x):
+        return self.boxes(self.body(x))
+'''
+
+
+def test_outputs_are_named_by_what_the_model_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Proves: without --output-names, the ONNX outputs of a model returning a dict carry its keys, of a tuple
+    output_0, output_1, of one tensor output_0 (not the exporter's node names), ONNX Runtime's outputs under those
+    names equal eager PyTorch's, the torch serving backend of the same module names them alike, and a profile's
+    model.output_names still wins."""
+    from compiler.serve.load import engines_from_module
+
+    (tmp_path / "named_heads.py").write_text(HEADS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import named_heads
+
+    profile = tmp_path / "named.toml"
+    profile.write_text('[model]\nfactory = "named_heads:Pair"\noutput_names = ["b", "s"]\n')
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    for cls, names, extra in (("Detector", ["boxes", "scores"], []), ("Pair", ["output_0", "output_1"], []),
+                              ("Plain", ["output_0"], []), ("Pair", ["b", "s"], ["--profile", str(profile)])):
+        out = tmp_path / f"{cls}-{len(extra)}"
+        code, output = export(["--model-factory", f"named_heads:{cls}", "--input", "x:Bx8", "--buckets", "1,4",
+                               *extra, "--out", str(out)])
+        assert code == 0, output
+        assert json.loads((out / "manifest.json").read_text())["output_names"] == names
+        session = ort_session(out / "model.onnx")
+        assert [o.name for o in session.get_outputs()] == names
+        module = getattr(named_heads, cls)().eval()
+        with torch.no_grad():
+            want = module(torch.from_numpy(x))
+        flat = list(want.values()) if isinstance(want, dict) else list(want) if isinstance(want, tuple) else [want]
+        for got, ref in zip(session.run(None, {"x": x}), flat):
+            np.testing.assert_allclose(got, ref.numpy(), rtol=1e-5, atol=1e-6)
+        if not extra:
+            engines = engines_from_module(module, ["x:Bx8"], buckets=(1, 4), device="cpu", contexts=1)
+            assert engines.output_names == names
