@@ -170,9 +170,9 @@ def warn_of_split_batches(buckets: Sequence[int], workers: int, name: str) -> No
 
 class ThreadedCallers:
     """Says once that many threads block in a batcher's ``submit``: one process's GIL serializes their answers and
-    their next requests (about 60 us of Python work each on an H200 host), so single rows from 64 threads reached
-    48-65 % of ``engines(x)`` at batch 64 on torchvision's ResNet-50 there, where ProcessBatcher and coroutines
-    reached 120 % and more (docs/benchmarks.md, "Serving at its bound"). ``saw`` costs a set insertion until then."""
+    their next requests (about 60 us of Python work each on an H200 host), so single rows from 64 threads reach
+    52-69 % of ``engines(x)`` at batch 64 on torchvision's ResNet-50 there, where ProcessBatcher and coroutines
+    reach 118 % and more (docs/benchmarks.md, "Serving at its bound"). ``saw`` costs a set insertion until then."""
 
     def __init__(self, max_batch: int, name: str) -> None:
         self._threads: set[int] | None = set()
