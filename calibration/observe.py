@@ -73,9 +73,9 @@ def collect_histograms(model: onnx.ModelProto | str | os.PathLike[str], tensor_n
     counted, reduced inside the graph, only scalars per tensor leave ONNX Runtime), into
     ``CalibrationStats.max_abs``: the FP16 remainder of an INT8 model needs no second pass over the data.
 
-    On the GPU: when the session runs on ONNX Runtime's CUDA provider and torch sees CUDA (``device="auto"``
-    picks that), the exposed tensors stay on the device (IOBinding, read by torch through DLPack), the
-    histograms are binned there (``update_tensors``: the same counts as on the host) and one call
+    On the GPU: when the InferenceSession computes on ONNX Runtime's CUDA provider and torch sees CUDA
+    (``device="auto"`` picks that), the exposed tensors stay on the device (IOBinding, read by torch through
+    DLPack), the histograms are binned there (``update_tensors``: the same counts as on the host) and one call
     may hold ``device_budget_bytes`` of them (default: ``defaults.CALIB_DEVICE_MEMORY_FRACTION`` of the
     device's free memory) instead of ``budget_bytes``. ``device="cpu"`` runs that path on host tensors (the
     tests compare it with numpy); ``device="host"`` keeps the host path (numpy) whatever the provider, as
@@ -256,7 +256,7 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
                       device_budget_bytes: int | None = None,
                       on_device: Callable[[str | None], None] | None = None) -> Iterator[_Observed]:
     """The kept values of each batch (in slices within the budget). ``device``: as ``collect_histograms``;
-    ``on_device`` is told the device chosen (None: the host path) once the session exists."""
+    ``on_device`` is told the device chosen (None: the host path) once the InferenceSession exists."""
     if threshold <= 0:
         raise ValueError(f"mask_bias_threshold must be positive, got {threshold}")
     probe = _probe_for(model, names, threshold, max_abs_names)
@@ -264,7 +264,7 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
     seen = 0
     per_sample = 0  # bytes of exposed tensors per sample, from the first slice's outputs
     # The budget bounds the exposed tensors; in-graph reductions return scalars, so a probe that
-    # exposes nothing runs every batch whole (and without a session when it has no reduction either).
+    # exposes nothing runs every batch whole (and without an InferenceSession when it has no reduction either).
     sliced = bool(probe.fetched)
     session = _session_for(probe, providers, in_node_order=bool(probe.reduced)) \
         if probe.fetched or probe.reduced else None
@@ -276,7 +276,7 @@ def _observed_batches(model: onnx.ModelProto | str | os.PathLike[str], names: li
     if on_device is not None:
         on_device(on)
     skeleton = weightless_copy(probe.model) if sliced else None
-    del probe.model.graph.initializer[:]  # a copy: the session has the weights, one copy is enough
+    del probe.model.graph.initializer[:]  # a copy: the InferenceSession has the weights, one copy is enough
     for index, batch in enumerate(batches):
         start, size = 0, _batch_size(batch, probe.inputs)
         if skeleton is not None and not per_sample and size:
@@ -410,8 +410,8 @@ def _element_types(model: onnx.ModelProto, names: list[str]) -> dict[str, int]:
 
 
 def _session_for(probe: _Probe, providers: list[str] | None, in_node_order: bool = False) -> Any:
-    """A session of the probe's model: its graph alone where its weights stay in their files (``weights_dir``);
-    ``ort_session`` reads a proto holding large weights from files of its own."""
+    """An ONNX Runtime InferenceSession of the probe's model: its graph alone where its weights stay in their files
+    (``weights_dir``); ``ort_session`` reads a proto holding large weights from files of its own."""
     return ort_session(probe.model, providers, weights_dir=probe.weights_dir, memory_arena=False,
                        in_node_order=in_node_order)
 
@@ -483,7 +483,7 @@ def _observe(session: Any, probe: _Probe, index: int, batch: dict[str, np.ndarra
 
 def _binning_device(session: Any, requested: str) -> str | None:
     """Where the exposed tensors are binned, as a torch device, or None for numpy on the host: for "auto", "cuda"
-    when the session computes on ONNX Runtime's CUDA provider and torch sees a CUDA device, else None."""
+    when the InferenceSession computes on ONNX Runtime's CUDA provider and torch sees a CUDA device, else None."""
     if requested == "host":
         return None
     if requested != "auto":

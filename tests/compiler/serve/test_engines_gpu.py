@@ -109,8 +109,9 @@ def test_onnxruntime_cuda_backend(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.ort_cuda
-def test_onnxruntime_cuda_contexts_have_sessions_of_their_own_on_their_streams(tmp_path: Path) -> None:
-    """Two contexts never share a session (stream, arena, cuDNN handles); concurrent callers get their own rows."""
+def test_onnxruntime_cuda_contexts_have_inference_sessions_of_their_own_on_their_streams(tmp_path: Path) -> None:
+    """Two contexts never share an InferenceSession (stream, arena, cuDNN handles); concurrent callers get their own
+    rows."""
     directory = build_directory(tmp_path / "mlp", "mlp")
     with load(directory, backend="onnxruntime", device="cuda", contexts=2) as engines:
         first, second = engines._contexts
@@ -270,11 +271,11 @@ def test_onnxruntime_graphs_only_where_no_run_frees_what_another_buckets_graph_r
 @pytest.mark.parametrize("bias", [True, False])
 def test_onnxruntime_on_cuda_serves_a_model_with_a_bias_less_convolution_at_one_bucket(
         bias: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA (its provider faked: the backend makes no session before a context), a fixed-shape model with a
-    convolution without a bias serves every batch at its largest bucket, so that its CUDA graph is captured and no
-    session ever changes shape (ONNX Runtime reallocates that convolution's zero bias at every change, a cudaFree
-    that waits for the whole device, and two buckets' graphs cannot share the session); other models keep every
-    bucket: at three buckets it would serve on CUDA without graphs."""
+    """On CUDA (its provider faked: the backend makes no InferenceSession before a context), a fixed-shape model with
+    a convolution without a bias serves every batch at its largest bucket, so that its CUDA graph is captured and no
+    InferenceSession ever changes shape (ONNX Runtime reallocates that convolution's zero bias at every change, a
+    cudaFree that waits for the whole device, and two buckets' graphs cannot share one InferenceSession); other
+    models keep every bucket: at three buckets it would serve on CUDA without graphs."""
     import compiler.core.capabilities
     from compiler.backends.onnxrt import OrtBackend
 
@@ -362,7 +363,7 @@ def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, mo
 
     import compiler.backends.onnxrt as onnxrt
 
-    with monkeypatch.context() as patch:  # a capture that fails: a session made without graph capture, no graphs
+    with monkeypatch.context() as patch:  # a capture that fails: an InferenceSession without graph capture, no graphs
         patch.setattr(onnxrt, "capture_graph", lambda stream, launch, what: None)
         with load(mlp, backend="onnxruntime", device="cuda", contexts=1) as engines:
             context = engines._contexts[0]
@@ -387,8 +388,8 @@ def test_onnxruntime_cuda_graphs_replay_what_its_runs_compute(tmp_path: Path, mo
         np.testing.assert_allclose(engines(x), eager("mlp", {"x": x}), rtol=1e-3, atol=1e-3)
 
 
-def test_serving_sessions_do_not_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CUDA context's ONNX Runtime session gets one intra-op thread that sleeps when idle (threads that spin
+def test_serving_inference_sessions_do_not_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA context's ONNX Runtime InferenceSession gets one intra-op thread that sleeps when idle (threads that spin
     after each CPU node take the cores from the server's threads); ``spinning=False`` reaches ONNX Runtime."""
     from compiler.backends.onnxrt import OrtBackend
     from compiler.core import onnx_io
