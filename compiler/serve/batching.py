@@ -177,13 +177,15 @@ class ThreadedCallers:
     def __init__(self, max_batch: int, name: str) -> None:
         self._threads: set[int] | None = set()
         self._limit, self._name = max(8, max_batch // 2), name
+        self._said = threading.Lock()  # taken once, by the thread that reaches the limit first
 
     def saw(self) -> None:
         """Count the calling thread; at ``max_batch / 2`` threads (8 at least), warn and stop counting."""
-        if self._threads is None:
+        threads = self._threads  # one read: another caller may drop the set meanwhile
+        if threads is None:
             return
-        self._threads.add(threading.get_ident())
-        if len(self._threads) >= self._limit:
+        threads.add(threading.get_ident())
+        if len(threads) >= self._limit and self._said.acquire(blocking=False):
             self._threads = None
             log.warning("%d or more threads block in submit on %s: one process's GIL serializes every answer and next "
                         "request, which costs about half the throughput of a full batch. Serve them through "
